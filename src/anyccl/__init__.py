@@ -1,0 +1,29 @@
+"""anyccl: collective communication for any array over any transport.
+
+    import anyccl
+    comm = anyccl.init()               # rank and peers from `anyccl run`, torchrun or mpiexec
+    comm.all_reduce(x)                 # x: a NumPy array or a PyTorch CPU tensor, in place
+"""
+
+from .bootstrap import init
+from .communicator import Communicator
+from .errors import (
+    AnycclError,
+    CollectiveMismatchError,
+    CommunicatorClosedError,
+    InvalidArgumentError,
+    PeerLostError,
+    RendezvousError,
+    TimeoutError,
+    UnsupportedError,
+)
+from .ops import ReduceOp
+from .work import Work
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "init", "Communicator", "ReduceOp", "Work",
+    "AnycclError", "InvalidArgumentError", "UnsupportedError", "TimeoutError", "PeerLostError",
+    "CollectiveMismatchError", "CommunicatorClosedError", "RendezvousError",
+]

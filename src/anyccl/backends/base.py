@@ -1,0 +1,101 @@
+"""The interface every host transport implements.
+
+The communicator validates arguments and hands a backend flat, contiguous NumPy arrays of one
+dtype, lists already split into equal pieces, and ranks already checked; backends trust them.
+Collectives are blocking calls made in the same order on every rank. Point-to-point messages are
+posted and then progressed, so that sends and receives issued in any order can complete.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Callable, Optional
+
+import numpy as np
+
+from ..ops import ReduceOp
+from ..trace import OpRecord
+
+Completion = Callable[[Optional[BaseException]], None]
+
+
+class Backend(ABC):
+    """A way of moving bytes among the `size` ranks of one communicator."""
+
+    name: str
+    rank: int
+    size: int
+
+    @abstractmethod
+    def begin(self, record: OpRecord, deadline: float) -> None:
+        """Note the collective about to run and the monotonic time by which it must finish."""
+
+    @abstractmethod
+    def all_reduce(self, x: np.ndarray, op: ReduceOp) -> None: ...
+
+    @abstractmethod
+    def reduce(self, x: np.ndarray, root: int, op: ReduceOp) -> None: ...
+
+    @abstractmethod
+    def broadcast(self, x: np.ndarray, root: int) -> None: ...
+
+    @abstractmethod
+    def all_gather(self, outs: list[np.ndarray], x: np.ndarray) -> None: ...
+
+    @abstractmethod
+    def gather(self, x: np.ndarray, outs: list[np.ndarray] | None, root: int) -> None: ...
+
+    @abstractmethod
+    def scatter(self, out: np.ndarray, chunks: list[np.ndarray] | None, root: int) -> None: ...
+
+    @abstractmethod
+    def reduce_scatter(self, out: np.ndarray, inputs: list[np.ndarray], op: ReduceOp) -> None: ...
+
+    @abstractmethod
+    def all_to_all(self, outs: list[np.ndarray], inputs: list[np.ndarray]) -> None: ...
+
+    @abstractmethod
+    def barrier(self) -> None: ...
+
+    @abstractmethod
+    def post_send(self, x: np.ndarray, dst: int, tag: int, record: OpRecord, deadline: float,
+                  on_done: Completion) -> None:
+        """Queue `x` for `dst`; `on_done` is called once it is sent (or failed)."""
+
+    @abstractmethod
+    def post_recv(self, x: np.ndarray, src: int, tag: int, record: OpRecord, deadline: float,
+                  on_done: Completion) -> None:
+        """Ask for the next message from `src` with `tag` into `x`; `on_done` once it landed."""
+
+    @abstractmethod
+    def has_pending(self) -> bool:
+        """Whether posted point-to-point messages wait for progress."""
+
+    @abstractmethod
+    def progress(self) -> None:
+        """Advance posted messages as far as possible without blocking; fail expired ones."""
+
+    @abstractmethod
+    def fail_pending(self, error: BaseException) -> None:
+        """Complete every posted message with `error` (a peer was lost)."""
+
+    @abstractmethod
+    def wait_for_activity(self, timeout_s: float) -> None:
+        """Sleep until a peer or a local thread signals this rank, or `timeout_s` passes."""
+
+    @abstractmethod
+    def wake(self) -> None:
+        """Interrupt `wait_for_activity` (called by a thread that queued new work)."""
+
+    @abstractmethod
+    def wait_for_messages(self, finished: Callable[[], bool], record: OpRecord,
+                          deadline: float) -> None:
+        """Progress until `finished()`; TimeoutError at `deadline`."""
+
+    @abstractmethod
+    def subgroup(self, ranks: list[int], name: str, timeout_s: float) -> "Backend":
+        """A backend over `ranks` (this rank among them); collective over those ranks."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release every resource; peers still waiting on this rank learn that it left."""

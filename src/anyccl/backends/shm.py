@@ -1,0 +1,545 @@
+"""`shm`: ranks on one machine move data through shared-memory segments. The embedded default.
+
+Each rank creates one POSIX shared-memory segment (mode 0600) and maps every peer's:
+
+    control   counters this rank alone writes (barrier arrivals, bytes sent and consumed per
+              channel), its pid, a closed flag, what it is doing now, and its doorbell
+    channels  one byte ring per destination for point-to-point messages
+    staging   two halves that the collective schedules of `algorithms.symmetric` write and
+              peers read
+
+Every counter has exactly one writer, so plain aligned 8-byte stores suffice on x86-64 (TSO);
+data is always written before the counter that publishes it. A rank that changes something a
+peer may wait for rings the peer's doorbell; waiters spin briefly, then sleep in the kernel.
+
+Once every rank has mapped every segment, the names are unlinked: the memory lives exactly as
+long as the mappings, so nothing is left in /dev/shm even if every rank is killed. (Between
+creation and unlinking, a crash can leave a segment named ``anyccl-<job>-...``; `anyccl run`
+removes those of its job when it ends.)
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+import socket
+import time
+from collections import deque
+from typing import Callable
+
+import numpy as np
+
+from ..algorithms import symmetric
+from ..buffers import SUPPORTED_DTYPES
+from ..errors import InvalidArgumentError, PeerLostError, RendezvousError, TimeoutError
+from ..ops import ReduceOp
+from ..store import Store
+from ..trace import OpRecord, format_bytes
+from .base import Backend, Completion
+from .doorbell import SEM_BYTES, Doorbell
+
+try:  # the same calls multiprocessing.shared_memory uses, without its resource tracker
+    import _posixshmem
+except ImportError:  # pragma: no cover - non-POSIX platforms
+    _posixshmem = None
+
+DEFAULT_STAGING_BYTES = 16 << 20   # per half; ANYCCL_SHM_STAGING_BYTES
+DEFAULT_CHANNEL_BYTES = 1 << 20    # per destination; ANYCCL_SHM_CHANNEL_BYTES
+_MAGIC = 0x616E7963636C3031        # "anyccl01"
+
+# control block, in 8-byte words
+_W_MAGIC, _W_PID, _W_ARRIVE, _W_CLOSED, _W_STATUS_LEN = 0, 1, 2, 3, 8
+_BELL_OFFSET = 32                  # bytes; SEM_BYTES long, words 4..7
+_STATUS_OFFSET, _STATUS_BYTES = 72, 256
+_W_SENT = 64                       # words 64 .. 64+n: bytes this rank wrote into channel to j
+_HEADER = 32                       # message header: tag, nbytes, dtype code, 0 (int64 each)
+_PEER_CHECK_S = 0.25
+_DTYPE_CODE = {dt: i for i, dt in enumerate(SUPPORTED_DTYPES)}
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def _env_bytes(name: str, default: int) -> int:
+    text = os.environ.get(name)
+    if not text:
+        return default
+    from .._units import parse_size
+
+    return parse_size(text, name)
+
+
+class _Layout:
+    """Byte offsets inside one segment of a communicator of `size` ranks."""
+
+    def __init__(self, size: int, staging_bytes: int, channel_bytes: int) -> None:
+        self.size = size
+        self.w_consumed = _W_SENT + size  # words: bytes this rank consumed from channel of j
+        self.control = _round_up((self.w_consumed + size) * 8, 4096)
+        self.channel_bytes = channel_bytes
+        self.channels = self.control
+        self.staging_bytes = staging_bytes
+        self.staging = _round_up(self.channels + size * channel_bytes, 4096)
+        self.total = self.staging + 2 * staging_bytes
+
+
+class _Segment:
+    """One mapped shared-memory segment; created (and later unlinked) by its owner."""
+
+    def __init__(self, name: str, size: int, *, create: bool) -> None:
+        self.name = name
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        fd = _posixshmem.shm_open(name, flags, mode=0o600)
+        try:
+            if create:
+                os.ftruncate(fd, size)
+            self.mm = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self.u8 = np.frombuffer(self.mm, dtype=np.uint8)
+        self.words = memoryview(self.mm).cast("Q")
+
+    def address(self, offset: int) -> int:
+        return self.u8.ctypes.data + offset
+
+    def unlink(self) -> None:
+        try:
+            _posixshmem.shm_unlink(self.name)
+        except FileNotFoundError:
+            pass
+
+    def close(self) -> None:
+        self.words.release()
+        self.u8 = None
+        try:
+            self.mm.close()
+        except BufferError:  # a user still holds a view; the mapping goes with the last one
+            pass
+
+
+class _Send:
+    __slots__ = ("data", "header", "total", "written", "record", "deadline", "on_done")
+
+    def __init__(self, data, tag, dtype, record, deadline, on_done):
+        self.data = data
+        self.header = np.array([tag, data.size, _DTYPE_CODE[dtype], 0],
+                               dtype=np.int64).view(np.uint8)
+        self.total = _HEADER + _round_up(data.size, _HEADER)
+        self.written = 0
+        self.record, self.deadline, self.on_done = record, deadline, on_done
+
+
+class _Recv:
+    __slots__ = ("data", "tag", "dtype", "record", "deadline", "on_done")
+
+    def __init__(self, data, tag, dtype, record, deadline, on_done):
+        self.data, self.tag, self.dtype = data, tag, dtype
+        self.record, self.deadline, self.on_done = record, deadline, on_done
+
+
+class _Incoming:
+    """A message being read from a channel: into a posted receive, or buffered until one comes."""
+
+    __slots__ = ("tag", "nbytes", "dtype", "sink", "received", "stream_bytes", "target", "error")
+
+    def __init__(self, tag: int, nbytes: int, dtype: np.dtype) -> None:
+        self.tag, self.nbytes, self.dtype = tag, nbytes, dtype
+        self.stream_bytes = _round_up(nbytes, _HEADER)
+        self.received = 0
+        self.sink: np.ndarray | None = None
+        self.target: _Recv | None = None
+        self.error: BaseException | None = None
+
+
+class SharedMemoryBackend(Backend):
+    """The shm transport for one communicator (see the module docstring)."""
+
+    name = "shm"
+
+    def __init__(self, store: Store, rank: int, size: int, *, job_id: str, comm_name: str,
+                 timeout_s: float) -> None:
+        if _posixshmem is None:
+            raise RendezvousError("the shm backend needs POSIX shared memory")
+        self.rank, self.size = rank, size
+        self._layout = layout = _Layout(
+            size, _round_up(_env_bytes("ANYCCL_SHM_STAGING_BYTES", DEFAULT_STAGING_BYTES), 4096),
+            _round_up(_env_bytes("ANYCCL_SHM_CHANNEL_BYTES", DEFAULT_CHANNEL_BYTES), _HEADER))
+        self.half_bytes = layout.staging_bytes
+        self._store, self._job_id, self._timeout_s = store, job_id, timeout_s
+        spin_us = os.environ.get("ANYCCL_SPIN_US")
+        oversubscribed = size > (os.cpu_count() or 1)
+        self._spin_s = (float(spin_us) if spin_us else (0 if oversubscribed else 50)) * 1e-6
+        self._half = 1
+        self._epoch = 0
+        self._record: OpRecord | None = None
+        self._deadline = float("inf")
+        self._closed = False
+        self._next_peer_check = 0.0
+
+        name = f"/anyccl-{job_id}-{comm_name}-{rank}-{secrets.token_hex(4)}"
+        self._own = _Segment(name, layout.total, create=True)
+        try:
+            self._own.words[_W_PID] = os.getpid()
+            self._bell = Doorbell(self._own.address(_BELL_OFFSET), create=True)
+            self._own.words[_W_MAGIC] = _MAGIC
+            self._segments = self._rendezvous(store, name, timeout_s)
+        except BaseException:
+            self._own.close()
+            self._own.unlink()
+            raise
+        self._ctl = [seg.words for seg in self._segments]
+        self._bells = [Doorbell(seg.address(_BELL_OFFSET), create=False)
+                       for seg in self._segments]
+        self._staging = [[seg.u8[layout.staging + h * layout.staging_bytes:
+                                 layout.staging + (h + 1) * layout.staging_bytes]
+                          for h in (0, 1)] for seg in self._segments]
+        cb = layout.channel_bytes
+        self._rings = [seg.u8[layout.channels + self.rank * cb: layout.channels + (self.rank + 1)
+                              * cb] for seg in self._segments]  # rings[j]: channel j -> me
+        self._out_rings = [self._own.u8[layout.channels + j * cb: layout.channels + (j + 1) * cb]
+                           for j in range(size)]
+        self._sent = [0] * size
+        self._consumed = [0] * size
+        self._sendq: list[deque[_Send]] = [deque() for _ in range(size)]
+        self._posted: list[list[_Recv]] = [[] for _ in range(size)]
+        self._unexpected: list[list[_Incoming]] = [[] for _ in range(size)]
+        self._incoming: list[_Incoming | None] = [None] * size
+        self._pids = [int(ctl[_W_PID]) for ctl in self._ctl]
+
+    # ---- setup -----------------------------------------------------------------------------
+    def _rendezvous(self, store: Store, name: str, timeout_s: float) -> list[_Segment]:
+        host = socket.gethostname()
+        store.set(f"shm/{self.rank}", f"{host}\n{name}".encode())
+        segments: list[_Segment] = []
+        try:
+            for j in range(self.size):
+                if j == self.rank:
+                    segments.append(self._own)
+                    continue
+                peer_host, peer_name = store.get(f"shm/{j}", timeout_s).decode().split("\n")
+                if peer_host != host:
+                    raise RendezvousError(
+                        f"rank {self.rank}: the shm backend serves ranks of one machine, but rank "
+                        f"{j} runs on {peer_host!r} and this rank on {host!r}; use "
+                        f"backend='mpi' across machines")
+                seg = _Segment(peer_name, self._layout.total, create=False)
+                if seg.words[_W_MAGIC] != _MAGIC:
+                    raise RendezvousError(f"rank {self.rank}: rank {j}'s segment is not ready")
+                segments.append(seg)
+            store.barrier("shm/attached", self.size, timeout_s)
+        except BaseException:
+            for seg in segments:
+                if seg is not self._own:
+                    seg.close()
+            raise
+        self._own.unlink()
+        return segments
+
+    def subgroup(self, ranks: list[int], name: str, timeout_s: float) -> Backend:
+        from ..store import PrefixStore
+
+        return SharedMemoryBackend(PrefixStore(name, self._store), ranks.index(self.rank),
+                                   len(ranks), job_id=self._job_id, comm_name=name,
+                                   timeout_s=timeout_s)
+
+    # ---- waiting ---------------------------------------------------------------------------
+    def begin(self, record: OpRecord, deadline: float) -> None:
+        self._record, self._deadline = record, deadline
+        self._set_status(str(record))
+
+    def _set_status(self, text: str) -> None:
+        data = text.encode()[:_STATUS_BYTES]
+        self._own.u8[_STATUS_OFFSET:_STATUS_OFFSET + len(data)] = np.frombuffer(data, np.uint8)
+        self._own.words[_W_STATUS_LEN] = len(data)
+
+    def peer_status(self, j: int) -> str:
+        n = min(int(self._ctl[j][_W_STATUS_LEN]), _STATUS_BYTES)
+        text = bytes(self._segments[j].u8[_STATUS_OFFSET:_STATUS_OFFSET + n]).decode(
+            errors="replace")
+        return text or "idle"
+
+    def _wait_until(self, ready: Callable[[], bool], record: OpRecord | None, deadline: float,
+                    waiting_for: Callable[[], str]) -> None:
+        """Return once `ready()`; progress messages meanwhile; raise on deadline or lost peer."""
+        if ready():
+            return
+        spin_end = time.perf_counter() + self._spin_s
+        while time.perf_counter() < spin_end:
+            if ready():
+                return
+        next_check = 0.0
+        while True:
+            self._bell.drain()
+            progressed = self._progress_messages()
+            if ready():
+                return
+            now = time.monotonic()
+            if now >= deadline:
+                raise self._timeout_error(record, waiting_for())
+            if now >= next_check:
+                self._check_peers()
+                next_check = now + _PEER_CHECK_S
+            if not progressed:
+                self._bell.sleep(min(deadline - now, _PEER_CHECK_S))
+
+    def _timeout_error(self, record: OpRecord | None, waiting_for: str) -> TimeoutError:
+        waited = time.monotonic() - record.issued_at if record else self._timeout_s
+        peers = "; ".join(f"rank {j} is in {self.peer_status(j)}"
+                          for j in range(self.size) if j != self.rank)
+        return TimeoutError(f"rank {self.rank}: {record} timed out after {waited:.3g} s waiting "
+                            f"for {waiting_for}" + (f"; {peers}" if peers else ""))
+
+    def _check_peers(self) -> None:
+        for j in range(self.size):
+            if j == self.rank:
+                continue
+            if self._ctl[j][_W_CLOSED]:
+                raise PeerLostError(f"rank {self.rank}: rank {j} closed its communicator while "
+                                    f"this rank was in {self._record}", j)
+            try:
+                os.kill(self._pids[j], 0)
+            except ProcessLookupError:
+                raise PeerLostError(f"rank {self.rank}: rank {j} (pid {self._pids[j]}) died while "
+                                    f"this rank was in {self._record}", j) from None
+            except PermissionError:
+                pass
+
+    def wait_for_activity(self, timeout_s: float) -> None:
+        self._bell.sleep(timeout_s)
+
+    def wake(self) -> None:
+        self._bell.ring()
+
+    # ---- staging interface of algorithms.symmetric ------------------------------------------
+    def next_half(self) -> int:
+        self._half ^= 1
+        return self._half
+
+    def mine(self, half: int) -> np.ndarray:
+        return self._staging[self.rank][half]
+
+    def peer(self, rank: int, half: int) -> np.ndarray:
+        return self._staging[rank][half]
+
+    def barrier(self) -> None:
+        self._epoch = epoch = self._epoch + 1
+        self._ctl[self.rank][_W_ARRIVE] = epoch
+        for j, bell in enumerate(self._bells):
+            if j != self.rank:
+                bell.ring()
+        ctl = self._ctl
+        self._wait_until(lambda: all(c[_W_ARRIVE] >= epoch for c in ctl), self._record,
+                         self._deadline, lambda: self._barrier_laggards(epoch))
+
+    def _barrier_laggards(self, epoch: int) -> str:
+        late = [j for j, c in enumerate(self._ctl) if c[_W_ARRIVE] < epoch]
+        return "rank " + ", ".join(map(str, late)) + " to arrive"
+
+    # ---- collectives -------------------------------------------------------------------------
+    def all_reduce(self, x: np.ndarray, op: ReduceOp) -> None:
+        symmetric.all_reduce(self, x, op)
+
+    def reduce(self, x: np.ndarray, root: int, op: ReduceOp) -> None:
+        symmetric.all_reduce(self, x, op, root=root)
+
+    def broadcast(self, x: np.ndarray, root: int) -> None:
+        symmetric.broadcast(self, x, root)
+
+    def all_gather(self, outs: list[np.ndarray], x: np.ndarray) -> None:
+        symmetric.all_gather(self, outs, x)
+
+    def gather(self, x: np.ndarray, outs: list[np.ndarray] | None, root: int) -> None:
+        symmetric.all_gather(self, outs, x, root=root)
+
+    def scatter(self, out: np.ndarray, chunks: list[np.ndarray] | None, root: int) -> None:
+        symmetric.scatter(self, out, chunks, root)
+
+    def reduce_scatter(self, out: np.ndarray, inputs: list[np.ndarray], op: ReduceOp) -> None:
+        symmetric.reduce_scatter(self, out, inputs, op)
+
+    def all_to_all(self, outs: list[np.ndarray], inputs: list[np.ndarray]) -> None:
+        symmetric.all_to_all(self, outs, inputs)
+
+    # ---- point to point ----------------------------------------------------------------------
+    def post_send(self, x: np.ndarray, dst: int, tag: int, record: OpRecord, deadline: float,
+                  on_done: Completion) -> None:
+        self._sendq[dst].append(_Send(x.reshape(-1).view(np.uint8), tag, x.dtype, record,
+                                      deadline, on_done))
+        self._progress_send(dst)
+
+    def post_recv(self, x: np.ndarray, src: int, tag: int, record: OpRecord, deadline: float,
+                  on_done: Completion) -> None:
+        recv = _Recv(x.reshape(-1).view(np.uint8), tag, x.dtype, record, deadline, on_done)
+        for msg in self._unexpected[src]:
+            if msg.tag == tag:
+                self._unexpected[src].remove(msg)
+                self._claim(msg, recv, src)
+                return
+        self._posted[src].append(recv)
+        self._progress_receive(src)
+
+    def has_pending(self) -> bool:
+        return any(self._sendq) or any(self._posted) or any(
+            m.target is not None for m in self._incoming if m is not None)
+
+    def progress(self) -> None:
+        self._progress_messages()
+        now = time.monotonic()
+        if now >= self._next_peer_check:
+            self._next_peer_check = now + _PEER_CHECK_S
+            self._check_peers()
+        for queue in (*self._sendq, *self._posted):
+            for req in list(queue):
+                if now >= req.deadline:
+                    queue.remove(req)
+                    req.on_done(self._timeout_error(req.record, "its peer"))
+
+    def fail_pending(self, error: BaseException) -> None:
+        for queue in (*self._sendq, *self._posted):
+            while queue:
+                queue.pop().on_done(error)
+        for msg in self._incoming:
+            if msg is not None and msg.target is not None:
+                msg.target.on_done(error)
+                msg.target = None
+
+    def wait_for_messages(self, finished: Callable[[], bool], record: OpRecord,
+                          deadline: float) -> None:
+        self._wait_until(finished, record, deadline, lambda: "the matching message")
+
+    def _progress_messages(self) -> bool:
+        moved = False
+        for j in range(self.size):
+            if j == self.rank:
+                continue
+            if self._sendq[j]:
+                moved |= self._progress_send(j)
+            if self._ctl[j][_W_SENT + self.rank] != self._consumed[j]:
+                moved |= self._progress_receive(j)
+        return moved
+
+    def _progress_send(self, dst: int) -> bool:
+        queue, ring = self._sendq[dst], self._out_rings[dst]
+        cap, moved = ring.size, False
+        while queue:
+            msg = queue[0]
+            free = cap - (self._sent[dst] - self._ctl[dst][self._layout.w_consumed + self.rank])
+            if msg.written == 0 and free < _HEADER:
+                break
+            n = min(free, msg.total - msg.written)
+            if n <= 0:
+                break
+            pos = self._sent[dst]
+            lo, hi = msg.written, msg.written + n
+            if lo < _HEADER:
+                _ring_write(ring, pos, msg.header)
+            a, b = max(lo, _HEADER) - _HEADER, min(hi - _HEADER, msg.data.size)
+            if b > a:
+                _ring_write(ring, pos + (a + _HEADER - lo), msg.data[a:b])
+            msg.written = hi
+            self._sent[dst] = pos + n
+            self._own.words[_W_SENT + dst] = pos + n
+            self._bells[dst].ring()
+            moved = True
+            if msg.written == msg.total:
+                queue.popleft()
+                msg.on_done(None)
+        return moved
+
+    def _progress_receive(self, src: int) -> bool:
+        ring, cap = self._rings[src], self._layout.channel_bytes
+        available = self._ctl[src][_W_SENT + self.rank] - self._consumed[src]
+        if available <= 0:
+            return False
+        pos = self._consumed[src]
+        while available > 0:
+            msg = self._incoming[src]
+            if msg is None:
+                header = _ring_read(ring, pos, _HEADER).view(np.int64)
+                tag, nbytes, code = int(header[0]), int(header[1]), int(header[2])
+                pos, available = pos + _HEADER, available - _HEADER
+                msg = self._incoming[src] = _Incoming(tag, nbytes, SUPPORTED_DTYPES[code])
+                self._match(msg, src)
+            n = min(available, msg.stream_bytes - msg.received)
+            a, b = msg.received, min(msg.received + n, msg.nbytes)
+            if b > a and msg.sink is not None:
+                msg.sink[a:b] = _ring_read(ring, pos, b - a)
+            msg.received += n
+            pos, available = pos + n, available - n
+            if msg.received == msg.stream_bytes:
+                self._incoming[src] = None
+                if msg.target is not None:
+                    self._deliver(msg, src)
+        self._consumed[src] = pos
+        self._own.words[self._layout.w_consumed + src] = pos
+        self._bells[src].ring()
+        return True
+
+    def _match(self, msg: _Incoming, src: int) -> None:
+        for recv in self._posted[src]:
+            if recv.tag == msg.tag:
+                self._posted[src].remove(recv)
+                msg.target = recv
+                if recv.data.size == msg.nbytes and recv.dtype == msg.dtype:
+                    msg.sink = recv.data
+                else:
+                    msg.error = self._mismatch(msg, recv, src)
+                return
+        msg.sink = np.empty(msg.nbytes, dtype=np.uint8)
+        self._unexpected[src].append(msg)
+
+    def _claim(self, msg: _Incoming, recv: _Recv, src: int) -> None:
+        msg.target = recv
+        if recv.data.size != msg.nbytes or recv.dtype != msg.dtype:
+            msg.error = self._mismatch(msg, recv, src)
+        if msg.received == msg.stream_bytes:
+            self._deliver(msg, src)
+
+    def _deliver(self, msg: _Incoming, src: int) -> None:
+        recv = msg.target
+        if msg.error is None and msg.sink is not recv.data:
+            recv.data[:] = msg.sink
+        recv.on_done(msg.error)
+
+    def _mismatch(self, msg: _Incoming, recv: _Recv, src: int) -> InvalidArgumentError:
+        theirs = f"{msg.dtype.name} x {msg.nbytes // msg.dtype.itemsize}"
+        ours = f"{recv.dtype.name} x {recv.data.size // recv.dtype.itemsize}"
+        return InvalidArgumentError(
+            f"rank {self.rank}: {recv.record}: rank {src} sent {theirs} "
+            f"({format_bytes(msg.nbytes)}) with tag {msg.tag}, but the receiving array is {ours}; "
+            f"the message was discarded")
+
+    # ---- teardown ----------------------------------------------------------------------------
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._own.words[_W_CLOSED] = 1
+        for j, bell in enumerate(self._bells):
+            if j != self.rank:
+                bell.ring()
+        self._bells = []
+        self._staging, self._rings, self._out_rings, self._ctl = [], [], [], []
+        for seg in self._segments:
+            seg.close()
+        self._segments = []
+
+
+def _ring_write(ring: np.ndarray, pos: int, data: np.ndarray) -> None:
+    cap = ring.size
+    off = pos % cap
+    first = min(data.size, cap - off)
+    ring[off:off + first] = data[:first]
+    if first < data.size:
+        ring[:data.size - first] = data[first:]
+
+
+def _ring_read(ring: np.ndarray, pos: int, n: int) -> np.ndarray:
+    cap = ring.size
+    off = pos % cap
+    if off + n <= cap:
+        return ring[off:off + n]
+    return np.concatenate((ring[off:], ring[:n - (cap - off)]))
+

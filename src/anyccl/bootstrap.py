@@ -1,0 +1,249 @@
+"""`anyccl.init()`: find this process's rank and peers, meet them, and build a Communicator.
+
+Explicit arguments win; then the environment of `anyccl run`, torchrun (RANK, WORLD_SIZE,
+LOCAL_RANK, MASTER_ADDR, MASTER_PORT), mpiexec (OMPI_COMM_WORLD_*, PMI_*) and SLURM; a plain
+`python script.py` is a world of one.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ipaddress
+import logging
+import os
+import secrets
+import socket
+from datetime import timedelta
+from typing import Callable
+from urllib.parse import urlparse
+
+from .backends.base import Backend
+from .communicator import Communicator, _seconds, close_all
+from .errors import InvalidArgumentError, RendezvousError, UnsupportedError
+from .store import FileStore, Store, StoreServer, TCPStore
+
+log = logging.getLogger("anyccl")
+
+DEFAULT_TIMEOUT_S = 600.0
+
+# (rank, world size, local rank) variables of the launchers we recognise, in order of preference
+_LAUNCHER_ENV = (
+    ("RANK", "WORLD_SIZE", "LOCAL_RANK"),
+    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
+    ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),
+    ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),
+)
+
+_BACKEND_ALIASES = {"gloo": "shm", "cpu": "shm"}  # torch.distributed scripts name gloo
+_PLANNED_BACKENDS = ("mpi", "nccl", "ipc")
+_servers: list[StoreServer] = []  # stores this process hosts; they live until it exits
+
+
+def _shm_factory(store: Store, rank: int, size: int, job_id: str, timeout_s: float) -> Backend:
+    from .backends.shm import SharedMemoryBackend
+
+    return SharedMemoryBackend(store, rank, size, job_id=job_id, comm_name="w",
+                               timeout_s=timeout_s)
+
+
+BACKENDS: dict[str, Callable[[Store, int, int, str, float], Backend]] = {"shm": _shm_factory}
+
+
+def _env_int(name: str) -> int | None:
+    text = os.environ.get(name)
+    if text is None or text == "":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise RendezvousError(f"environment variable {name}={text!r} is not an integer") from None
+
+
+def _launcher_identity() -> tuple[int | None, int | None, int | None]:
+    for rank_var, size_var, local_var in _LAUNCHER_ENV:
+        rank, size = _env_int(rank_var), _env_int(size_var)
+        if rank is not None and size is not None:
+            return rank, size, _env_int(local_var)
+    return None, None, None
+
+
+def _job_key() -> bytes | None:
+    text = os.environ.get("ANYCCL_JOB_KEY")
+    if not text:
+        return None
+    try:
+        return bytes.fromhex(text)
+    except ValueError:
+        raise RendezvousError("ANYCCL_JOB_KEY must be hexadecimal") from None
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        return False
+
+
+def _tcp_store(host: str, port: int, rank: int, timeout_s: float) -> Store:
+    key = _job_key()
+    if key is None:
+        log.info("rendezvous at %s:%d is not authenticated: set ANYCCL_JOB_KEY on every rank "
+                 "(anyccl run does this for you)", host, port)
+        key = f"anyccl-unkeyed:{port}".encode()
+    if rank == 0:
+        bind = "127.0.0.1" if _is_loopback(host) else host
+        _servers.append(StoreServer(key, host=bind, port=port))
+    return TCPStore(host, port, key, timeout_s)
+
+
+def _torch_agent_store(timeout_s: float) -> Store:
+    """torchrun's agent already serves a store at MASTER_PORT; talk to it with torch."""
+    from datetime import timedelta as _td
+
+    import torch.distributed as tdist
+
+    from .store import Store as _Store
+
+    inner = tdist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                           is_master=False, timeout=_td(seconds=timeout_s))
+
+    class TorchAgentStore(_Store):
+        def set(self, key: str, value: bytes) -> None:
+            inner.set("anyccl/" + key, value)
+
+        def get(self, key: str, timeout_s: float) -> bytes:
+            inner.wait(["anyccl/" + key], _td(seconds=timeout_s))
+            return inner.get("anyccl/" + key)
+
+        def add(self, key: str, amount: int) -> int:
+            return inner.add("anyccl/" + key, amount)
+
+        def check(self, key: str) -> bool:
+            return inner.check(["anyccl/" + key])
+
+        def delete(self, key: str) -> None:
+            inner.delete_key("anyccl/" + key)
+
+    return TorchAgentStore()
+
+
+def _mpi_store(rank: int, timeout_s: float) -> Store:
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        raise RendezvousError(
+            "launched by mpiexec, but mpi4py is not installed to exchange the rendezvous address;"
+            " pip install mpi4py, or set MASTER_ADDR and MASTER_PORT") from None
+    address = None
+    if rank == 0:
+        key = secrets.token_bytes(32)
+        server = StoreServer(key, host="127.0.0.1")
+        _servers.append(server)
+        address = (server.host, server.port, key)
+    host, port, key = MPI.COMM_WORLD.bcast(address, root=0)
+    return TCPStore(host, port, key, timeout_s)
+
+
+def _make_store(init_method: str | None, rank: int, size: int, timeout_s: float) -> Store:
+    if init_method is not None:
+        url = urlparse(init_method)
+        if url.scheme == "env":
+            return _make_store(None, rank, size, timeout_s)
+        elif url.scheme == "tcp":
+            if not url.hostname or not url.port:
+                raise InvalidArgumentError(
+                    f"init_method={init_method!r}: expected tcp://host:port")
+            return _tcp_store(url.hostname, url.port, rank, timeout_s)
+        elif url.scheme == "file":
+            return FileStore(url.path)
+        else:
+            raise InvalidArgumentError(f"init_method={init_method!r}: expected env://, "
+                                       f"tcp://host:port or file:///path")
+    if os.environ.get("ANYCCL_STORE"):
+        host, _, port = os.environ["ANYCCL_STORE"].rpartition(":")
+        return TCPStore(host, int(port), _job_key() or b"", timeout_s)
+    if os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            return _torch_agent_store(timeout_s)
+        return _tcp_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), rank,
+                          timeout_s)
+    if size == 1:
+        key = secrets.token_bytes(32)
+        server = StoreServer(key)
+        _servers.append(server)
+        return TCPStore(server.host, server.port, key, timeout_s)
+    if _env_int("OMPI_COMM_WORLD_SIZE") or _env_int("PMI_SIZE"):
+        return _mpi_store(rank, timeout_s)
+    raise RendezvousError(
+        f"rank {rank} of {size} has no way to meet its peers: launch with `anyccl run -n "
+        f"{size}`, torchrun or mpiexec, or pass init_method='tcp://host:port' or 'file:///path'")
+
+
+def _local_rank(store: Store, rank: int, size: int, timeout_s: float) -> int:
+    host = socket.gethostname()
+    store.set(f"host/{rank}", host.encode())
+    return sum(store.get(f"host/{r}", timeout_s).decode() == host for r in range(rank))
+
+
+def _backend_name(backend: str | None) -> str:
+    name = (backend or os.environ.get("ANYCCL_BACKEND") or "shm").strip().lower()
+    name = _BACKEND_ALIASES.get(name, name)
+    if name in BACKENDS:
+        return name
+    available = ", ".join(BACKENDS)
+    if name in _PLANNED_BACKENDS:
+        raise UnsupportedError(f"backend={name!r} is not part of this anyccl build yet; "
+                               f"available: {available}")
+    raise UnsupportedError(f"backend={name!r} is unknown; available: {available}")
+
+
+def init(backend: str | None = None, *, rank: int | None = None,
+         world_size: int | None = None, init_method: str | None = None,
+         timeout: float | timedelta | None = None,
+         local_rank: int | None = None) -> Communicator:
+    """Join the job and return the communicator of all its ranks.
+
+    backend:     "shm" (default; "gloo" is accepted as its alias), or ANYCCL_BACKEND.
+    rank, world_size: this process's rank and the number of ranks; default from the launcher's
+                 environment, else a world of one.
+    init_method: "env://" (MASTER_ADDR/MASTER_PORT), "tcp://host:port" (rank 0 serves it) or
+                 "file:///path" (a directory every rank sees); default from the environment.
+    timeout:     seconds (or a timedelta) any one operation may wait before it fails with
+                 anyccl.TimeoutError; default ANYCCL_TIMEOUT or 600.
+    """
+    env_rank, env_size, env_local = _launcher_identity()
+    rank = env_rank if rank is None else rank
+    world_size = env_size if world_size is None else world_size
+    if rank is None and world_size is None:
+        rank, world_size = 0, 1
+    if rank is None or world_size is None:
+        raise InvalidArgumentError(f"pass both rank and world_size (got rank={rank}, "
+                                   f"world_size={world_size})")
+    for name, value in (("rank", rank), ("world_size", world_size)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise InvalidArgumentError(f"{name}={value!r} must be an int")
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise InvalidArgumentError(f"rank={rank} must be in 0..world_size-1 and world_size="
+                                   f"{world_size} at least 1")
+    env_timeout = os.environ.get("ANYCCL_TIMEOUT")
+    timeout_s = _seconds(timeout, float(env_timeout) if env_timeout else DEFAULT_TIMEOUT_S)
+    name = _backend_name(backend)
+    store = _make_store(init_method, rank, world_size, timeout_s)
+    try:
+        job_id = os.environ.get("ANYCCL_JOB_ID")
+        if not job_id:
+            if rank == 0:
+                store.set("job_id", secrets.token_hex(4).encode())
+            job_id = store.get("job_id", timeout_s).decode()
+        if local_rank is None:
+            local_rank = env_local if env_local is not None else _local_rank(
+                store, rank, world_size, timeout_s)
+        backend_impl = BACKENDS[name](store, rank, world_size, job_id, timeout_s)
+    except BaseException:
+        store.close()
+        raise
+    return Communicator(backend_impl, store, rank=rank, size=world_size, local_rank=local_rank,
+                        timeout_s=timeout_s)
+
+
+atexit.register(close_all)

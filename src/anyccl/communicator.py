@@ -1,0 +1,438 @@
+"""The Communicator: the public operations, their argument checks, sub-groups and routing.
+
+Every argument is checked here, once, before any byte moves; a refused call raises on the
+calling rank alone and leaves the communicator usable. Backends receive flat NumPy views and
+trust them.
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+import weakref
+from datetime import timedelta
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from .backends.base import Backend
+from .buffers import as_numpy
+from .engine import Engine
+from .errors import AnycclError, InvalidArgumentError
+from .ops import ReduceOp, check_reduce_op
+from .store import Store
+from .trace import OpRecord, format_bytes
+from .work import Work
+
+_live: "weakref.WeakSet[Communicator]" = weakref.WeakSet()
+
+
+def _seconds(timeout: float | timedelta | None, default: float) -> float:
+    if timeout is None:
+        return default
+    if isinstance(timeout, timedelta):
+        timeout = timeout.total_seconds()
+    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
+        raise InvalidArgumentError(f"timeout={timeout!r} must be a positive number of seconds")
+    return float(timeout)
+
+
+class Communicator:
+    """A group of ranks that exchange arrays. Create one with `anyccl.init()`.
+
+    Collectives must be called by every rank of the communicator, in the same order. Blocking
+    calls return once this rank's part is done and its arrays hold the result; with
+    ``async_op=True`` they return a `Work` instead, and collectives complete in issue order.
+    Messages between one pair of ranks with one tag are received in the order they were sent.
+
+    Example, on 2 ranks::
+
+        comm = anyccl.init()
+        x = np.full(4, comm.rank + 1.0)
+        comm.all_reduce(x)            # both ranks: [3. 3. 3. 3.]
+    """
+
+    def __init__(self, backend: Backend, store: Store, *, rank: int, size: int, local_rank: int,
+                 timeout_s: float, name: str = "world") -> None:
+        self.rank, self.size, self.local_rank = rank, size, local_rank
+        self.timeout_s = timeout_s
+        self._backend = backend
+        self._store = store
+        self._name = name
+        self._engine = Engine(backend, timeout_s, f"rank {rank} ({name})")
+        self._seq = 0
+        self._p2p_seq: dict[tuple[str, int], int] = {}
+        self._splits = 0
+        self._closed = False
+        _live.add(self)
+
+    # ---- identity ----------------------------------------------------------------------------
+    @property
+    def backend(self) -> str:
+        """The backend's name: "shm", ..."""
+        return self._backend.name
+
+    def __repr__(self) -> str:
+        return (f"<anyccl.Communicator {self._name} rank {self.rank}/{self.size} "
+                f"backend={self.backend}{' closed' if self._closed else ''}>")
+
+    # ---- argument checks ---------------------------------------------------------------------
+    def _fail(self, op: str, message: str, kind: type = InvalidArgumentError) -> AnycclError:
+        return kind(f"rank {self.rank}: {op}: {message}")
+
+    def _array(self, op: str, x: Any, name: str, *, writable: bool) -> np.ndarray:
+        try:
+            return as_numpy(x, name, writable=writable).reshape(-1)
+        except AnycclError as exc:
+            raise type(exc)(f"rank {self.rank}: {op}: {exc}") from None
+
+    def _peer(self, op: str, value: Any, name: str) -> int:
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise self._fail(op, f"{name}={value!r} must be an int rank")
+        if not 0 <= value < self.size:
+            raise self._fail(op, f"{name}={value} is out of range; this communicator has "
+                                 f"{self.size} rank{'s' if self.size > 1 else ''} "
+                                 f"(0..{self.size - 1})")
+        return int(value)
+
+    def _reduce_op(self, op_name: str, op: Any, dtype: np.dtype) -> ReduceOp:
+        try:
+            reduce_op = ReduceOp.parse(op)
+            check_reduce_op(reduce_op, dtype)
+        except AnycclError as exc:
+            raise type(exc)(f"rank {self.rank}: {op_name}: {exc}") from None
+        return reduce_op
+
+    def _pieces(self, op: str, arg: Any, name: str, like: np.ndarray, *,
+                writable: bool) -> list[np.ndarray]:
+        """`arg` as `size` flat arrays shaped like `like`: a list of them, or one array of
+        size * like.size elements split evenly."""
+        if isinstance(arg, (list, tuple)):
+            if len(arg) != self.size:
+                raise self._fail(op, f"{name} has {len(arg)} entries; expected one per rank "
+                                     f"({self.size})")
+            pieces = [self._array(op, a, f"{name}[{i}]", writable=writable)
+                      for i, a in enumerate(arg)]
+        else:
+            whole = self._array(op, arg, name, writable=writable)
+            if whole.size != self.size * like.size:
+                raise self._fail(op, f"{name} has {whole.size} elements; expected {self.size} x "
+                                     f"{like.size} = {self.size * like.size} (one piece per rank)")
+            pieces = [whole[i * like.size:(i + 1) * like.size] for i in range(self.size)]
+        for i, piece in enumerate(pieces):
+            self._same(op, piece, like, f"{name}[{i}]")
+        return pieces
+
+    def _same(self, op: str, x: np.ndarray, like: np.ndarray, name: str) -> None:
+        if x.dtype != like.dtype:
+            raise self._fail(op, f"{name} has dtype {x.dtype.name}; expected {like.dtype.name} "
+                                 f"like the other arrays of this call")
+        if x.size != like.size:
+            raise self._fail(op, f"{name} has {x.size} elements; expected {like.size}")
+
+    def _disjoint(self, op: str, a: np.ndarray, a_name: str, b: np.ndarray, b_name: str) -> None:
+        if a.size and b.size and np.may_share_memory(a, b):
+            raise self._fail(op, f"{a_name} and {b_name} overlap in memory; the result would "
+                                 f"corrupt the input")
+
+    # ---- running -----------------------------------------------------------------------------
+    def _collective(self, name: str, args: str, nbytes: int, run: Callable[[], None],
+                    async_op: bool) -> Work | None:
+        self._seq += 1
+        record = OpRecord(name, self._seq, args, nbytes)
+        backend, timeout_s = self._backend, self.timeout_s
+
+        def task(_: Work | None = None) -> None:
+            backend.begin(record, time.monotonic() + timeout_s)
+            run()
+
+        work = Work(record, self.rank)
+        if async_op:
+            return self._engine.submit(task, work)
+        self._engine.call(task, work)
+        return None
+
+    def _message(self, kind: str, x: np.ndarray, peer: int, tag: int, async_op: bool) -> Work:
+        key = (kind, peer)
+        self._p2p_seq[key] = seq = self._p2p_seq.get(key, 0) + 1
+        arrow = "dst" if kind == "send" else "src"
+        record = OpRecord(kind, seq, f"{arrow}={peer}, tag={tag}, {format_bytes(x.nbytes)}",
+                          x.nbytes)
+        backend, engine, timeout_s = self._backend, self._engine, self.timeout_s
+        post = backend.post_send if kind == "send" else backend.post_recv
+        work = Work(record, self.rank)
+        if async_op:
+            def task(w: Work) -> None:
+                post(x, peer, tag, record, time.monotonic() + timeout_s, engine.completion(w))
+            return engine.submit(task, work, finishes_itself=True)
+
+        outcome: list[BaseException | None] = []
+
+        def blocking() -> None:
+            deadline = time.monotonic() + timeout_s
+            backend.begin(record, deadline)
+            post(x, peer, tag, record, deadline, outcome.append)
+            backend.wait_for_messages(lambda: bool(outcome), record, deadline)
+            if outcome[0] is not None:
+                raise outcome[0]
+
+        engine.call(blocking, work)
+        return work
+
+    def _tag(self, op: str, tag: Any) -> int:
+        if isinstance(tag, bool) or not isinstance(tag, (int, np.integer)) or not \
+                0 <= tag < 2 ** 63:
+            raise self._fail(op, f"tag={tag!r} must be an int from 0 to 2**63-1")
+        return int(tag)
+
+    # ---- point to point ----------------------------------------------------------------------
+    def _p2p_args(self, op: str, tensor: Any, peer: Any, peer_name: str, tag: Any,
+                  writable: bool) -> tuple[np.ndarray, int, int]:
+        self._check_open(op)
+        peer = self._peer(op, peer, peer_name)
+        if peer == self.rank:
+            raise self._fail(op, f"{peer_name}={peer} is this rank; a rank cannot message itself")
+        return self._array(op, tensor, "tensor", writable=writable), peer, self._tag(op, tag)
+
+    def send(self, tensor: Any, dst: int, tag: int = 0) -> None:
+        """Send `tensor` to rank `dst`. Returns once the data is out of `tensor` (it may be
+        buffered in shared memory before `dst` receives it)."""
+        self._message("send", *self._p2p_args("send", tensor, dst, "dst", tag, False), False)
+
+    def recv(self, tensor: Any, src: int, tag: int = 0) -> int:
+        """Receive the next message from `src` with `tag` into `tensor` (same dtype and size as
+        sent) and return `src`."""
+        self._message("recv", *self._p2p_args("recv", tensor, src, "src", tag, True), False)
+        return src
+
+    def isend(self, tensor: Any, dst: int, tag: int = 0) -> Work:
+        """Start sending `tensor` to `dst`; do not modify it until the Work completes."""
+        return self._message("send", *self._p2p_args("isend", tensor, dst, "dst", tag, False),
+                             True)
+
+    def irecv(self, tensor: Any, src: int, tag: int = 0) -> Work:
+        """Start receiving into `tensor`; read it only after the Work completes."""
+        return self._message("recv", *self._p2p_args("irecv", tensor, src, "src", tag, True),
+                             True)
+
+    # ---- collectives -------------------------------------------------------------------------
+    def broadcast(self, tensor: Any, src: int, async_op: bool = False) -> Work | None:
+        """Every rank's `tensor` becomes a copy of rank `src`'s `tensor`."""
+        self._check_open("broadcast")
+        x = self._array("broadcast", tensor, "tensor", writable=True)
+        src = self._peer("broadcast", src, "src")
+        return self._collective("broadcast", f"{_shape(x)}, src={src}", x.nbytes,
+                                lambda: self._backend.broadcast(x, src), async_op)
+
+    def all_reduce(self, tensor: Any, op: ReduceOp | str = ReduceOp.SUM,
+                   async_op: bool = False) -> Work | None:
+        """Every rank's `tensor` becomes the element-wise reduction of all ranks' `tensor`."""
+        self._check_open("all_reduce")
+        x = self._array("all_reduce", tensor, "tensor", writable=True)
+        rop = self._reduce_op("all_reduce", op, x.dtype)
+        return self._collective("all_reduce", f"{_shape(x)}, op={rop.name}", x.nbytes,
+                                lambda: self._backend.all_reduce(x, rop), async_op)
+
+    def reduce(self, tensor: Any, dst: int, op: ReduceOp | str = ReduceOp.SUM,
+               async_op: bool = False) -> Work | None:
+        """Rank `dst`'s `tensor` becomes the reduction of all ranks' `tensor`; the other ranks'
+        arrays are left as they were."""
+        self._check_open("reduce")
+        x = self._array("reduce", tensor, "tensor", writable=True)
+        dst = self._peer("reduce", dst, "dst")
+        rop = self._reduce_op("reduce", op, x.dtype)
+        return self._collective("reduce", f"{_shape(x)}, dst={dst}, op={rop.name}", x.nbytes,
+                                lambda: self._backend.reduce(x, dst, rop), async_op)
+
+    def all_gather(self, out: Any, tensor: Any, async_op: bool = False) -> Work | None:
+        """`out` receives every rank's `tensor` in rank order: a list of `size` arrays, or one
+        array of size * tensor.size elements."""
+        self._check_open("all_gather")
+        x = self._array("all_gather", tensor, "tensor", writable=False)
+        outs = self._pieces("all_gather", out, "out", x, writable=True)
+        for i, piece in enumerate(outs):
+            if i != self.rank:
+                self._disjoint("all_gather", piece, f"out[{i}]", x, "tensor")
+        return self._collective("all_gather", _shape(x), x.nbytes * self.size,
+                                lambda: self._backend.all_gather(outs, x), async_op)
+
+    def gather(self, tensor: Any, out_list: Any = None, dst: int = 0,
+               async_op: bool = False) -> Work | None:
+        """Rank `dst`'s `out_list` receives every rank's `tensor` in rank order; the other ranks
+        pass out_list=None."""
+        self._check_open("gather")
+        x = self._array("gather", tensor, "tensor", writable=False)
+        dst = self._peer("gather", dst, "dst")
+        outs = None
+        if self.rank == dst:
+            if out_list is None:
+                raise self._fail("gather", f"out_list is None on the destination rank {dst}; "
+                                           f"pass {self.size} arrays like tensor")
+            outs = self._pieces("gather", out_list, "out_list", x, writable=True)
+        elif out_list is not None:
+            raise self._fail("gather", f"out_list must be None on ranks other than dst={dst}")
+        return self._collective("gather", f"{_shape(x)}, dst={dst}", x.nbytes * self.size,
+                                lambda: self._backend.gather(x, outs, dst), async_op)
+
+    def scatter(self, out: Any, chunks: Any = None, src: int = 0,
+                async_op: bool = False) -> Work | None:
+        """Rank i's `out` receives `chunks[i]` of rank `src`; the other ranks pass
+        chunks=None."""
+        self._check_open("scatter")
+        x = self._array("scatter", out, "out", writable=True)
+        src = self._peer("scatter", src, "src")
+        pieces = None
+        if self.rank == src:
+            if chunks is None:
+                raise self._fail("scatter", f"chunks is None on the source rank {src}; pass "
+                                            f"{self.size} arrays like out")
+            pieces = self._pieces("scatter", chunks, "chunks", x, writable=False)
+            for i, piece in enumerate(pieces):
+                if i != self.rank:
+                    self._disjoint("scatter", piece, f"chunks[{i}]", x, "out")
+        elif chunks is not None:
+            raise self._fail("scatter", f"chunks must be None on ranks other than src={src}")
+        return self._collective("scatter", f"{_shape(x)}, src={src}", x.nbytes * self.size,
+                                lambda: self._backend.scatter(x, pieces, src), async_op)
+
+    def reduce_scatter(self, out: Any, inp: Any, op: ReduceOp | str = ReduceOp.SUM,
+                       async_op: bool = False) -> Work | None:
+        """Rank i's `out` becomes the reduction of every rank's piece i of `inp` (a list of
+        `size` arrays like `out`, or one array of size * out.size elements)."""
+        self._check_open("reduce_scatter")
+        x = self._array("reduce_scatter", out, "out", writable=True)
+        inputs = self._pieces("reduce_scatter", inp, "inp", x, writable=False)
+        for i, piece in enumerate(inputs):
+            if i != self.rank:
+                self._disjoint("reduce_scatter", piece, f"inp[{i}]", x, "out")
+        rop = self._reduce_op("reduce_scatter", op, x.dtype)
+        return self._collective("reduce_scatter", f"{_shape(x)}, op={rop.name}",
+                                x.nbytes * self.size,
+                                lambda: self._backend.reduce_scatter(x, inputs, rop), async_op)
+
+    def all_to_all(self, out: Any, inp: Any, async_op: bool = False) -> Work | None:
+        """Rank i's out[j] receives rank j's inp[i]. Both are lists of `size` arrays of one
+        size, or single arrays split evenly into `size` pieces. out may be inp (in place)."""
+        self._check_open("all_to_all")
+        if isinstance(inp, (list, tuple)):
+            if not inp:
+                raise self._fail("all_to_all", "inp is an empty list")
+            first = self._array("all_to_all", inp[0], "inp[0]", writable=False)
+        else:
+            whole = self._array("all_to_all", inp, "inp", writable=False)
+            if whole.size % self.size:
+                raise self._fail("all_to_all", f"inp has {whole.size} elements, not divisible "
+                                               f"into {self.size} equal pieces")
+            first = whole[: whole.size // self.size]
+        inputs = self._pieces("all_to_all", inp, "inp", first, writable=False)
+        outs = self._pieces("all_to_all", out, "out", first, writable=True)
+        for i, o in enumerate(outs):
+            for j, piece in enumerate(inputs):
+                if i != j:
+                    self._disjoint("all_to_all", o, f"out[{i}]", piece, f"inp[{j}]")
+        return self._collective("all_to_all", _shape(first), first.nbytes * self.size,
+                                lambda: self._backend.all_to_all(outs, inputs), async_op)
+
+    def barrier(self, async_op: bool = False) -> Work | None:
+        """Return once every rank of the communicator has called barrier."""
+        self._check_open("barrier")
+        return self._collective("barrier", "", 0, self._backend.barrier, async_op)
+
+    # ---- objects (pickle: trusted peers only) ------------------------------------------------
+    def broadcast_object(self, obj: Any, src: int) -> Any:
+        """Return rank `src`'s `obj` on every rank (other ranks' `obj` is ignored).
+
+        Objects travel as pickles: unpickling runs code, so use this only among trusted peers.
+        """
+        self._check_open("broadcast_object")
+        src = self._peer("broadcast_object", src, "src")
+        payload = np.frombuffer(pickle.dumps(obj), np.uint8) if self.rank == src else None
+        length = np.array([payload.size if payload is not None else 0], np.int64)
+        self.broadcast(length, src)
+        data = payload.copy() if payload is not None else np.empty(int(length[0]), np.uint8)
+        self.broadcast(data, src)
+        return obj if self.rank == src else pickle.loads(data.tobytes())
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Return the list of every rank's `obj`, in rank order (pickle: trusted peers only)."""
+        self._check_open("all_gather_object")
+        payload = np.frombuffer(pickle.dumps(obj), np.uint8)
+        lengths = np.empty(self.size, np.int64)
+        self.all_gather(lengths, np.array([payload.size], np.int64))
+        width = int(lengths.max())
+        mine = np.zeros(width, np.uint8)
+        mine[:payload.size] = payload
+        everything = np.empty(self.size * width, np.uint8)
+        self.all_gather(everything, mine)
+        return [pickle.loads(everything[i * width:i * width + int(n)].tobytes())
+                for i, n in enumerate(lengths)]
+
+    # ---- groups ------------------------------------------------------------------------------
+    def split(self, color: int | None, key: int | None = None) -> Communicator | None:
+        """Collective: a new communicator of the ranks that pass the same `color`, ordered by
+        (`key`, rank). Ranks passing color=None get None."""
+        self._check_open("split")
+        if color is not None and (isinstance(color, bool) or not isinstance(color, int)
+                                  or color < 0):
+            raise self._fail("split", f"color={color!r} must be a non-negative int or None")
+        if key is not None and (isinstance(key, bool) or not isinstance(key, int)):
+            raise self._fail("split", f"key={key!r} must be an int or None")
+        choices = self.all_gather_object((color, self.rank if key is None else key))
+        self._splits += 1
+        if color is None:
+            return None
+        members = sorted((k, r) for r, (c, k) in enumerate(choices) if c == color)
+        ranks = [r for _, r in members]
+        name = f"{self._name}.{self._splits}.{color}"
+        backend = self._backend.subgroup(ranks, name, self.timeout_s)
+        return Communicator(backend, self._store, rank=ranks.index(self.rank), size=len(ranks),
+                            local_rank=self.local_rank, timeout_s=self.timeout_s, name=name)
+
+    def new_group(self, ranks: Sequence[int]) -> Communicator | None:
+        """Collective over all ranks: a communicator of `ranks` (in ascending order, as
+        torch.distributed does). Ranks not listed get None."""
+        self._check_open("new_group")
+        members = list(ranks)
+        for r in members:
+            self._peer("new_group", r, "ranks[...]")
+        if not members or len(set(members)) != len(members):
+            raise self._fail("new_group", f"ranks={members} must be a non-empty list of "
+                                          f"distinct ranks")
+        ordered = sorted(members)
+        inside = self.rank in ordered
+        return self.split(0 if inside else None, ordered.index(self.rank) if inside else None)
+
+    # ---- lifetime ----------------------------------------------------------------------------
+    def _check_open(self, op: str) -> None:
+        if self._closed:
+            from .errors import CommunicatorClosedError
+
+            raise CommunicatorClosedError(f"rank {self.rank}: {op}: the communicator is closed")
+
+    def close(self) -> None:
+        """Finish queued work (briefly), then release shared memory, threads and connections.
+        Idempotent; also called at interpreter exit."""
+        if self._closed:
+            return
+        self._closed = True
+        _live.discard(self)
+        self._engine.close()
+
+    def __enter__(self) -> Communicator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _shape(x: np.ndarray) -> str:
+    return f"{x.dtype.name} x {x.size}"
+
+
+def close_all() -> None:
+    """Close every communicator still open (registered with atexit)."""
+    for comm in list(_live):
+        try:
+            comm.close()
+        except AnycclError:
+            pass

@@ -1,0 +1,164 @@
+"""Runs a backend's operations in issue order, one thread at a time.
+
+A blocking call runs inline on the caller's thread when nothing asynchronous is outstanding (the
+common case, and the fastest). Asynchronous operations go to a worker thread, started on first
+use, which runs queued collectives in order and, in between, progresses posted point-to-point
+messages; while anything is outstanding, blocking calls queue behind it too. Whoever drives the
+backend holds `_drive`; `_state` guards the queue and the counters.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from typing import Callable
+
+from .backends.base import Backend
+from .errors import CommunicatorClosedError
+from .work import Work
+
+_IDLE_POLL_S = 0.25
+
+
+class Engine:
+    def __init__(self, backend: Backend, timeout_s: float, label: str) -> None:
+        self.backend = backend
+        self.timeout_s = timeout_s
+        self._label = label
+        self._drive = threading.Lock()
+        self._state = threading.Condition()
+        self._queue: deque[tuple[Callable[[Work], None], Work, bool]] = deque()
+        self._outstanding = 0     # async works not finished + an inline call running
+        self._thread: threading.Thread | None = None
+        self._closing = False
+        self.failure: BaseException | None = None
+
+    # ---- issuing -----------------------------------------------------------------------------
+    def call(self, task: Callable[[], None], work: Work) -> None:
+        """Run `task` to completion after everything issued before it; raise its error."""
+        with self._state:
+            self._raise_if_unusable()
+            inline = self._outstanding == 0
+            if inline:
+                self._outstanding += 1
+        if not inline:
+            self._enqueue(lambda w: task(), work, False)
+            work.wait()
+            return
+        try:
+            with self._drive:
+                task()
+        except BaseException as exc:
+            self._note_failure(exc)
+            raise
+        finally:
+            with self._state:
+                self._outstanding -= 1
+                self._state.notify_all()
+
+    def submit(self, task: Callable[[Work], None], work: Work, *,
+               finishes_itself: bool = False) -> Work:
+        """Queue `task`. It completes `work` by returning, or, with `finishes_itself` (posted
+        messages), through the callback of `completion(work)`."""
+        self._enqueue(task, work, finishes_itself)
+        return work
+
+    def _enqueue(self, task: Callable[[Work], None], work: Work, finishes_itself: bool) -> None:
+        with self._state:
+            self._raise_if_unusable()
+            self._outstanding += 1
+            self._queue.append((task, work, finishes_itself))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._worker, daemon=True,
+                                                name=f"anyccl-{self._label}")
+                self._thread.start()
+            self._state.notify_all()
+        self.backend.wake()
+
+    def completion(self, work: Work) -> Callable[[BaseException | None], None]:
+        """The callback a backend calls when a posted message of `work` is done."""
+        def done(error: BaseException | None) -> None:
+            if error is not None and not isinstance(error, ValueError):
+                self._note_failure(error)
+            work._finish(error)
+            with self._state:
+                self._outstanding -= 1
+                self._state.notify_all()
+        return done
+
+    # ---- the worker --------------------------------------------------------------------------
+    def _worker(self) -> None:
+        while True:
+            with self._state:
+                while not self._queue and self._outstanding == 0 and not self._closing:
+                    self._state.wait()
+                if self._closing and self._outstanding == 0 and not self._queue:
+                    return
+                item = self._queue.popleft() if self._queue else None
+            if item is not None:
+                self._run_queued(*item)
+                continue
+            with self._drive:
+                try:
+                    self.backend.progress()
+                except BaseException as exc:  # a peer died: fail everything outstanding
+                    self._note_failure(exc)
+                    self._fail_all(exc)
+                    continue
+            self.backend.wait_for_activity(_IDLE_POLL_S)
+
+    def _run_queued(self, task: Callable[[Work], None], work: Work, finishes_itself: bool) -> None:
+        error: BaseException | None = None
+        if self.failure is not None:
+            error = CommunicatorClosedError(
+                f"{work.record} was not run: the communicator broke earlier: {self.failure}")
+        else:
+            try:
+                with self._drive:
+                    task(work)
+            except BaseException as exc:
+                error = exc
+                if not isinstance(exc, ValueError):
+                    self._note_failure(exc)
+        if error is not None or not finishes_itself:
+            work._finish(error)
+            with self._state:
+                self._outstanding -= 1
+                self._state.notify_all()
+
+    def _fail_all(self, exc: BaseException) -> None:
+        with self._drive:
+            self.backend.fail_pending(exc)
+
+    # ---- state -------------------------------------------------------------------------------
+    def _note_failure(self, exc: BaseException) -> None:
+        if self.failure is None and not isinstance(exc, (ValueError, TypeError)):
+            self.failure = exc
+
+    def _raise_if_unusable(self) -> None:
+        if self._closing:
+            raise CommunicatorClosedError(f"{self._label}: the communicator is closed")
+        if self.failure is not None:
+            raise CommunicatorClosedError(
+                f"{self._label}: the communicator broke on an earlier error and cannot be used: "
+                f"{self.failure}") from self.failure
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Let queued work finish (up to `timeout_s`), stop the worker, close the backend."""
+        with self._state:
+            if self._closing:
+                return
+            deadline = time.monotonic() + timeout_s
+            while self._outstanding and self.failure is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._state.wait(min(left, 0.05))
+            self._closing = True
+            self._state.notify_all()
+        self.backend.wake()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=1.0)
+        with self._drive:
+            self.backend.close()

@@ -1,0 +1,44 @@
+"""Every error anyccl raises. Each one says which rank, which operation and what was expected."""
+
+from __future__ import annotations
+
+import builtins
+
+
+class AnycclError(Exception):
+    """Base class of every error anyccl raises."""
+
+
+class InvalidArgumentError(AnycclError, ValueError):
+    """An argument is wrong: a size, a rank, a tag, a list length, a read-only output.
+
+    Raised on the calling rank before any byte moves; the communicator stays usable.
+    """
+
+
+class UnsupportedError(AnycclError, TypeError):
+    """The dtype, array type, device or reduce op is not supported for this operation."""
+
+
+class TimeoutError(AnycclError, builtins.TimeoutError):  # noqa: A001 - deliberate, like asyncio's
+    """A blocking wait passed its deadline. The message names the rank, the op and its peers."""
+
+
+class PeerLostError(AnycclError, ConnectionError):
+    """A peer rank died or left while this rank depended on it."""
+
+    def __init__(self, message: str, lost_rank: int) -> None:
+        super().__init__(message)
+        self.lost_rank = lost_rank
+
+
+class CollectiveMismatchError(AnycclError):
+    """Ranks called different collectives, or the same one with arguments that disagree."""
+
+
+class CommunicatorClosedError(AnycclError, RuntimeError):
+    """The communicator was closed, or broken by an earlier failure, and cannot be used."""
+
+
+class RendezvousError(AnycclError, RuntimeError):
+    """The ranks could not find each other: bad init_method, missing environment, refused store."""

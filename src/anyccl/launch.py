@@ -1,0 +1,157 @@
+"""`anyccl run`: start N ranks on this machine, stream their output, and stop them together.
+
+The launcher serves the rendezvous store (loopback, keyed by a fresh job secret), starts each
+rank with RANK / WORLD_SIZE / LOCAL_RANK and the store's address, and watches them. When a rank
+exits non-zero or dies, the others get SIGTERM, then SIGKILL after a grace period, and the
+launcher exits with the first failing rank's code. Ctrl-C and SIGTERM stop every rank. Ranks
+die with the launcher (PR_SET_PDEATHSIG), and shared-memory segments of the job are removed.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+from .store import StoreServer
+
+GRACE_S = 3.0
+_POLL_S = 0.02
+
+
+@dataclass
+class RankProcess:
+    rank: int
+    proc: subprocess.Popen
+
+
+def _exit_code(returncode: int) -> int:
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def _describe(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            return f"was killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"was killed by signal {-returncode}"
+    return f"exited with code {returncode}"
+
+
+def _pump(stream, rank: int, out) -> None:
+    prefix = f"[rank {rank}] ".encode()
+    for line in iter(stream.readline, b""):
+        out.buffer.write(prefix + line)
+        out.flush()
+    stream.close()
+
+
+def remove_job_segments(job_id: str) -> list[str]:
+    """Delete shared-memory segments left by job `job_id` (only its own, by name)."""
+    removed = []
+    for path in glob.glob(f"/dev/shm/anyccl-{job_id}-*"):
+        try:
+            os.unlink(path)
+            removed.append(path)
+        except FileNotFoundError:
+            pass
+    return removed
+
+
+def run(nprocs: int, target: str, args: list[str], *, module: bool = False,
+        backend: str | None = None, tag_output: bool = False, env: dict | None = None) -> int:
+    """Run `target` (a script path, or a module with `module=True`) on `nprocs` ranks; return
+    the exit code the launcher should exit with."""
+    job_key = secrets.token_bytes(32)
+    job_id = secrets.token_hex(4)
+    server = StoreServer(job_key, host="127.0.0.1")
+    base_env = dict(os.environ if env is None else env)
+    base_env.update({
+        "WORLD_SIZE": str(nprocs), "LOCAL_WORLD_SIZE": str(nprocs),
+        "ANYCCL_STORE": server.address, "ANYCCL_JOB_KEY": job_key.hex(),
+        "ANYCCL_JOB_ID": job_id, "ANYCCL_LAUNCHER_PID": str(os.getpid()),
+        "PYTHONUNBUFFERED": base_env.get("PYTHONUNBUFFERED", "1"),
+    })
+    if backend:
+        base_env["ANYCCL_BACKEND"] = backend
+    ranks: list[RankProcess] = []
+    pumps: list[threading.Thread] = []
+    stop_requested: list[int] = []
+
+    def on_signal(signum, _frame) -> None:
+        stop_requested.append(signum)
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        for rank in range(nprocs):
+            rank_env = dict(base_env, RANK=str(rank), LOCAL_RANK=str(rank))
+            cmd = [sys.executable, "-m", "anyccl._child", "-m" if module else "-s", target, *args]
+            pipe = subprocess.PIPE if tag_output else None
+            proc = subprocess.Popen(cmd, env=rank_env, stdout=pipe, stderr=pipe)
+            ranks.append(RankProcess(rank, proc))
+            if tag_output:
+                for stream, out in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
+                    t = threading.Thread(target=_pump, args=(stream, rank, out), daemon=True)
+                    t.start()
+                    pumps.append(t)
+        code = _watch(ranks, stop_requested)
+    finally:
+        for rp in ranks:
+            if rp.proc.poll() is None:
+                rp.proc.kill()
+                rp.proc.wait()
+        for t in pumps:
+            t.join(timeout=2.0)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        server.close()
+        for path in remove_job_segments(job_id):
+            print(f"anyccl run: removed leftover shared memory {path}", file=sys.stderr)
+    return code
+
+
+def _watch(ranks: list[RankProcess], stop_requested: list[int]) -> int:
+    first_failure: RankProcess | None = None
+    while True:
+        if stop_requested:
+            signum = stop_requested[0]
+            print(f"anyccl run: got {signal.Signals(signum).name}; stopping all ranks",
+                  file=sys.stderr)
+            _stop(ranks)
+            return 128 + signum
+        running = [rp for rp in ranks if rp.proc.poll() is None]
+        failed = [rp for rp in ranks if rp.proc.returncode not in (None, 0)]
+        if failed and first_failure is None:
+            first_failure = failed[0]
+            if running:
+                print(f"anyccl run: rank {first_failure.rank} {_describe(first_failure.proc.returncode)}"
+                      f" (first failure); stopping the other ranks", file=sys.stderr)
+                _stop(ranks)
+            break
+        if not running:
+            break
+        time.sleep(_POLL_S)
+    if first_failure is None:
+        return 0
+    print(f"anyccl run: rank {first_failure.rank} failed first: it "
+          f"{_describe(first_failure.proc.returncode)}", file=sys.stderr)
+    return _exit_code(first_failure.proc.returncode)
+
+
+def _stop(ranks: list[RankProcess]) -> None:
+    for rp in ranks:
+        if rp.proc.poll() is None:
+            rp.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + GRACE_S
+    for rp in ranks:
+        try:
+            rp.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            rp.proc.kill()
+            rp.proc.wait()

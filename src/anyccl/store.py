@@ -1,0 +1,332 @@
+"""The rendezvous key/value store through which ranks find each other.
+
+Two implementations of one small interface (`Store`): `TCPStore`, a client of a `StoreServer`
+thread that the launcher (or rank 0) runs, and `FileStore`, a directory on a file system all ranks
+see. `PrefixStore` gives sub-communicators a private key space.
+
+The TCP server binds to loopback unless told another address. Every connection must answer an
+HMAC-SHA256 challenge keyed by the job's secret before it may send a request; the secret itself
+never crosses the wire. A client that fails or stalls the handshake is logged and dropped, and
+cannot hold up the job: each connection has its own thread and a handshake deadline.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import os
+import secrets
+import socket
+import struct
+import threading
+import time
+from abc import ABC, abstractmethod
+from pathlib import Path
+
+from .errors import RendezvousError, TimeoutError
+
+log = logging.getLogger("anyccl.store")
+
+_SET, _GET, _ADD, _CHECK, _DELETE = b"S", b"G", b"A", b"C", b"D"
+_OK, _MISSING = b"\x00", b"\x01"
+_HEADER = struct.Struct("!cIQ")  # op, key length, value length
+_REPLY = struct.Struct("!cQ")
+_HANDSHAKE_DEADLINE_S = 5.0
+_DOMAIN = b"anyccl-store-v1"
+
+
+def _mac(job_key: bytes, nonce: bytes) -> bytes:
+    return hmac.new(job_key, _DOMAIN + nonce, hashlib.sha256).digest()
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    chunks, got = [], 0
+    while got < n:
+        chunk = sock.recv(min(n - got, 1 << 20))
+        if not chunk:
+            raise ConnectionError("store connection closed")
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
+class Store(ABC):
+    """A key/value store shared by all ranks of a job. Values are bytes."""
+
+    @abstractmethod
+    def set(self, key: str, value: bytes) -> None:
+        """Store `value` under `key`, replacing any earlier value."""
+
+    @abstractmethod
+    def get(self, key: str, timeout_s: float) -> bytes:
+        """Return the value of `key`, waiting until some rank sets it; TimeoutError after
+        `timeout_s` seconds."""
+
+    @abstractmethod
+    def add(self, key: str, amount: int) -> int:
+        """Atomically add `amount` to the integer under `key` (0 if absent); return the sum."""
+
+    @abstractmethod
+    def check(self, key: str) -> bool:
+        """Whether `key` is set, without waiting."""
+
+    @abstractmethod
+    def delete(self, key: str) -> None:
+        """Remove `key` if present."""
+
+    def close(self) -> None:
+        """Release the connection (the data stays with the server)."""
+
+    def barrier(self, name: str, world_size: int, timeout_s: float) -> None:
+        """Return once `world_size` callers have entered the barrier called `name`."""
+        if self.add(f"{name}/arrived", 1) == world_size:
+            self.set(f"{name}/open", b"1")
+        self.get(f"{name}/open", timeout_s)
+
+
+class PrefixStore(Store):
+    """Keys of `inner`, all under `prefix/`: one private namespace per communicator."""
+
+    def __init__(self, prefix: str, inner: Store) -> None:
+        self.prefix, self.inner = prefix, inner
+
+    def set(self, key: str, value: bytes) -> None:
+        self.inner.set(f"{self.prefix}/{key}", value)
+
+    def get(self, key: str, timeout_s: float) -> bytes:
+        return self.inner.get(f"{self.prefix}/{key}", timeout_s)
+
+    def add(self, key: str, amount: int) -> int:
+        return self.inner.add(f"{self.prefix}/{key}", amount)
+
+    def check(self, key: str) -> bool:
+        return self.inner.check(f"{self.prefix}/{key}")
+
+    def delete(self, key: str) -> None:
+        self.inner.delete(f"{self.prefix}/{key}")
+
+
+class StoreServer:
+    """A TCP key/value server on a daemon thread; lives as long as its owner."""
+
+    def __init__(self, job_key: bytes, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.job_key = job_key
+        self._data: dict[str, bytes] = {}
+        self._cond = threading.Condition()
+        self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self._sock.bind((host, port))
+        except OSError as exc:
+            self._sock.close()
+            raise RendezvousError(f"cannot start the rendezvous store on {host}:{port}: {exc}") \
+                from exc
+        self._sock.listen(128)
+        self.host, self.port = host, self._sock.getsockname()[1]
+        self.refused = 0
+        self._closed = False
+        self._thread = threading.Thread(target=self._accept_loop, name="anyccl-store", daemon=True)
+        self._thread.start()
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def close(self) -> None:
+        self._closed = True
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
+
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                conn, peer = self._sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn, peer), daemon=True,
+                             name="anyccl-store-conn").start()
+
+    def _serve(self, conn: socket.socket, peer: tuple) -> None:
+        with conn:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            nonce = secrets.token_bytes(32)
+            try:
+                conn.settimeout(_HANDSHAKE_DEADLINE_S)
+                conn.sendall(nonce)
+                answer = _recv_exact(conn, 32)
+            except (OSError, ConnectionError):
+                self._refuse(peer, "no answer to the challenge")
+                return
+            if not hmac.compare_digest(answer, _mac(self.job_key, nonce)):
+                self._refuse(peer, "wrong job key")
+                return
+            conn.sendall(_OK)
+            conn.settimeout(None)
+            try:
+                while True:
+                    op, klen, vlen = _HEADER.unpack(_recv_exact(conn, _HEADER.size))
+                    key = _recv_exact(conn, klen).decode()
+                    value = _recv_exact(conn, vlen) if vlen else b""
+                    status, reply = self._handle(op, key, value)
+                    conn.sendall(_REPLY.pack(status, len(reply)) + reply)
+            except (OSError, ConnectionError):
+                return
+
+    def _refuse(self, peer: tuple, why: str) -> None:
+        self.refused += 1
+        log.warning("anyccl store refused a connection from %s: %s", peer[0], why)
+
+    def _handle(self, op: bytes, key: str, value: bytes) -> tuple[bytes, bytes]:
+        with self._cond:
+            if op == _SET:
+                self._data[key] = value
+                self._cond.notify_all()
+                return _OK, b""
+            if op == _GET:
+                timeout_s = struct.unpack("!d", value)[0]
+                if not self._cond.wait_for(lambda: key in self._data, timeout=timeout_s):
+                    return _MISSING, b""
+                return _OK, self._data[key]
+            if op == _ADD:
+                total = int(self._data.get(key, b"0")) + struct.unpack("!q", value)[0]
+                self._data[key] = str(total).encode()
+                self._cond.notify_all()
+                return _OK, struct.pack("!q", total)
+            if op == _CHECK:
+                return (_OK if key in self._data else _MISSING), b""
+            if op == _DELETE:
+                self._data.pop(key, None)
+                return _OK, b""
+        return _MISSING, b""
+
+
+class TCPStore(Store):
+    """Client of a StoreServer. Connects with retries until `timeout_s` (the server may start
+    after the client)."""
+
+    def __init__(self, host: str, port: int, job_key: bytes, timeout_s: float) -> None:
+        self.host, self.port = host, port
+        self._lock = threading.Lock()
+        deadline = time.monotonic() + timeout_s
+        delay = 0.01
+        while True:
+            try:
+                self._sock = socket.create_connection((host, port), timeout=timeout_s)
+                break
+            except OSError as exc:
+                if time.monotonic() + delay > deadline:
+                    raise RendezvousError(
+                        f"cannot reach the rendezvous store at {host}:{port} within {timeout_s:g} s"
+                        f" ({exc}); is rank 0 (or `anyccl run`) running there?") from exc
+                time.sleep(delay)
+                delay = min(delay * 2, 0.5)
+        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            nonce = _recv_exact(self._sock, 32)
+            self._sock.sendall(_mac(job_key, nonce))
+            if _recv_exact(self._sock, 1) != _OK:
+                raise ConnectionError("refused")
+        except (OSError, ConnectionError) as exc:
+            self._sock.close()
+            raise RendezvousError(
+                f"the rendezvous store at {host}:{port} refused this rank: the job key differs "
+                f"(ANYCCL_JOB_KEY must be the same on every rank)") from exc
+        self._sock.settimeout(None)
+
+    def _request(self, op: bytes, key: str, value: bytes = b"") -> tuple[bytes, bytes]:
+        kb = key.encode()
+        with self._lock:
+            try:
+                self._sock.sendall(_HEADER.pack(op, len(kb), len(value)) + kb + value)
+                status, n = _REPLY.unpack(_recv_exact(self._sock, _REPLY.size))
+                return status, _recv_exact(self._sock, n) if n else b""
+            except (OSError, ConnectionError) as exc:
+                raise RendezvousError(
+                    f"lost the rendezvous store at {self.host}:{self.port} ({exc}); the process "
+                    f"hosting it (the launcher or rank 0) has probably exited") from exc
+
+    def set(self, key: str, value: bytes) -> None:
+        self._request(_SET, key, value)
+
+    def get(self, key: str, timeout_s: float) -> bytes:
+        status, value = self._request(_GET, key, struct.pack("!d", timeout_s))
+        if status != _OK:
+            raise TimeoutError(f"rendezvous: key {key!r} was not set within {timeout_s:g} s; "
+                               f"not every rank has started, or ranks disagree on world_size")
+        return value
+
+    def add(self, key: str, amount: int) -> int:
+        return struct.unpack("!q", self._request(_ADD, key, struct.pack("!q", amount))[1])[0]
+
+    def check(self, key: str) -> bool:
+        return self._request(_CHECK, key)[0] == _OK
+
+    def delete(self, key: str) -> None:
+        self._request(_DELETE, key)
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+class FileStore(Store):
+    """A store in a directory that every rank can reach (`init_method="file:///path"`).
+
+    As with torch's file store, the path must not hold a previous job's state: the last rank to
+    close removes it.
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.root = Path(path)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        except OSError as exc:
+            raise RendezvousError(f"file store: cannot create directory {self.root}: {exc}") \
+                from exc
+
+    def _path(self, key: str) -> Path:
+        return self.root / key.encode().hex()
+
+    def set(self, key: str, value: bytes) -> None:
+        tmp = self.root / f".tmp-{os.getpid()}-{secrets.token_hex(4)}"
+        tmp.write_bytes(value)
+        os.replace(tmp, self._path(key))
+
+    def get(self, key: str, timeout_s: float) -> bytes:
+        deadline = time.monotonic() + timeout_s
+        delay = 0.0005
+        path = self._path(key)
+        while True:
+            try:
+                return path.read_bytes()
+            except FileNotFoundError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"file store {self.root}: key {key!r} was not set within "
+                                       f"{timeout_s:g} s") from None
+                time.sleep(delay)
+                delay = min(delay * 2, 0.05)
+
+    def add(self, key: str, amount: int) -> int:
+        import fcntl
+
+        with open(self.root / ".lock", "a+b") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            path = self._path(key)
+            total = (int(path.read_bytes()) if path.exists() else 0) + amount
+            self.set(key, str(total).encode())
+            return total
+
+    def check(self, key: str) -> bool:
+        return self._path(key).exists()
+
+    def delete(self, key: str) -> None:
+        self._path(key).unlink(missing_ok=True)
+
+    def remove(self) -> None:
+        """Delete the directory and everything in it."""
+        import shutil
+
+        shutil.rmtree(self.root, ignore_errors=True)
