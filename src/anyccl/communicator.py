@@ -145,6 +145,7 @@ class Communicator:
         def task(_: Work | None = None) -> None:
             backend.begin(record, time.monotonic() + timeout_s)
             run()
+            backend.end(record)
 
         work = Work(record, self.rank)
         if async_op:
@@ -173,6 +174,7 @@ class Communicator:
             backend.begin(record, deadline)
             post(x, peer, tag, record, deadline, outcome.append)
             backend.wait_for_messages(lambda: bool(outcome), record, deadline)
+            backend.end(record)
             if outcome[0] is not None:
                 raise outcome[0]
 

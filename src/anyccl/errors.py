@@ -28,8 +28,11 @@ class PeerLostError(AnycclError, ConnectionError):
     """A peer rank died or left while this rank depended on it."""
 
     def __init__(self, message: str, lost_rank: int) -> None:
-        super().__init__(message)
+        super().__init__(message, lost_rank)
         self.lost_rank = lost_rank
+
+    def __str__(self) -> str:
+        return str(self.args[0])
 
 
 class CollectiveMismatchError(AnycclError):

@@ -31,6 +31,10 @@ class Backend(ABC):
         """Note the collective about to run and the monotonic time by which it must finish."""
 
     @abstractmethod
+    def end(self, record: OpRecord) -> None:
+        """Note that `record` finished on this rank (what peers see while it is idle)."""
+
+    @abstractmethod
     def all_reduce(self, x: np.ndarray, op: ReduceOp) -> None: ...
 
     @abstractmethod

@@ -249,6 +249,9 @@ class SharedMemoryBackend(Backend):
         self._record, self._deadline = record, deadline
         self._set_status(str(record))
 
+    def end(self, record: OpRecord) -> None:
+        self._set_status(f"nothing (idle after {record})")
+
     def _set_status(self, text: str) -> None:
         data = text.encode()[:_STATUS_BYTES]
         self._own.u8[_STATUS_OFFSET:_STATUS_OFFSET + len(data)] = np.frombuffer(data, np.uint8)

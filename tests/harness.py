@@ -1,0 +1,162 @@
+"""The one multi-process harness: run a function on N ranks and collect what each returned.
+
+    results = run_ranks(check_sum, 4, 1000)     # check_sum(comm, 1000) on ranks 0..3
+
+A pool of N rank processes (spawned once per world size and environment, each holding an anyccl
+communicator built by `anyccl.init()` from the launcher environment) runs each call. Every call
+has a hard deadline: if any rank has not answered in time, the pool is killed and the test fails
+with the ranks that hung, instead of stalling CI. A pool whose communicator broke is replaced.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import secrets
+import time
+import traceback
+from typing import Any, Callable
+
+from anyccl.store import StoreServer
+
+DEFAULT_DEADLINE_S = 120.0
+
+
+class RankFailure(AssertionError):
+    """One or more ranks raised; `errors[rank]` is the exception, `tracebacks[rank]` its text."""
+
+    def __init__(self, errors: dict[int, BaseException], tracebacks: dict[int, str]) -> None:
+        self.errors, self.tracebacks = errors, tracebacks
+        text = "\n".join(f"--- rank {r} ---\n{tracebacks[r]}" for r in sorted(errors))
+        super().__init__(f"{len(errors)} rank(s) failed:\n{text}")
+
+
+def _worker(conn, rank: int, env: dict[str, str]) -> None:
+    os.environ.update(env)
+    os.environ["RANK"] = os.environ["LOCAL_RANK"] = str(rank)
+    import anyccl
+
+    comm = anyccl.init()
+    while True:
+        message = conn.recv()
+        if message is None:
+            break
+        fn, args, kwargs = message
+        try:
+            result = fn(comm, *args, **kwargs)
+            conn.send(("ok", result, "", _usable(comm)))
+        except BaseException as exc:  # report everything, including AssertionError
+            text = traceback.format_exc()
+            try:
+                conn.send(("err", exc, text, _usable(comm)))
+            except Exception:  # the exception does not pickle
+                conn.send(("err", RuntimeError(repr(exc)), text, _usable(comm)))
+    comm.close()
+
+
+def _usable(comm) -> bool:
+    return not comm._closed and comm._engine.failure is None
+
+
+class RankPool:
+    """`world_size` processes waiting for functions to run on their communicator."""
+
+    def __init__(self, world_size: int, env: dict[str, str] | None = None) -> None:
+        self.world_size = world_size
+        key = secrets.token_bytes(32)
+        self.server = StoreServer(key)
+        full_env = {"WORLD_SIZE": str(world_size), "ANYCCL_STORE": self.server.address,
+                    "ANYCCL_JOB_KEY": key.hex(), "ANYCCL_JOB_ID": secrets.token_hex(4),
+                    "ANYCCL_TIMEOUT": "30",
+                    **(env or {})}
+        ctx = mp.get_context("spawn")
+        self.conns, self.procs = [], []
+        for rank in range(world_size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_worker, args=(child, rank, full_env), daemon=True)
+            proc.start()
+            self.conns.append(parent)
+            self.procs.append(proc)
+        self.healthy = True
+
+    def run(self, fn: Callable, *args: Any, deadline_s: float = DEFAULT_DEADLINE_S,
+            **kwargs: Any) -> list[tuple[str, Any, str]]:
+        """Run fn(comm, *args, **kwargs) on every rank; return (status, value, traceback) per
+        rank. Kill the pool and raise AssertionError if a rank misses the deadline."""
+        for conn in self.conns:
+            conn.send((fn, args, kwargs))
+        outcomes: list = [None] * self.world_size
+        end = time.monotonic() + deadline_s
+        for rank, conn in enumerate(self.conns):
+            if not conn.poll(max(0.0, end - time.monotonic())):
+                hung = [r for r in range(self.world_size) if outcomes[r] is None]
+                self.kill()
+                raise AssertionError(f"{fn.__name__}: rank(s) {hung} did not finish within "
+                                     f"{deadline_s:g} s (hang)")
+            try:
+                status, value, text, usable = conn.recv()
+            except EOFError:
+                self.kill()
+                raise AssertionError(f"{fn.__name__}: rank {rank} died") from None
+            outcomes[rank] = (status, value, text)
+            self.healthy &= usable
+        return outcomes
+
+    def kill(self) -> None:
+        self.healthy = False
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.kill()
+        for proc in self.procs:
+            proc.join(timeout=5)
+        self.server.close()
+
+    def close(self) -> None:
+        if not self.healthy:
+            self.kill()
+            return
+        for conn in self.conns:
+            try:
+                conn.send(None)
+            except OSError:
+                pass
+        for proc in self.procs:
+            proc.join(timeout=10)
+        self.kill()
+
+
+_pools: dict[tuple, RankPool] = {}
+
+
+def pool_for(world_size: int, env: dict[str, str] | None = None) -> RankPool:
+    key = (world_size, tuple(sorted((env or {}).items())))
+    pool = _pools.get(key)
+    if pool is None or not pool.healthy:
+        if pool is not None:
+            pool.kill()
+        pool = _pools[key] = RankPool(world_size, env)
+    return pool
+
+
+def run_ranks_outcomes(fn: Callable, world_size: int, *args: Any, env: dict | None = None,
+                       deadline_s: float = DEFAULT_DEADLINE_S, **kwargs: Any) -> list:
+    """Per rank: the value fn returned, or the exception it raised."""
+    outcomes = pool_for(world_size, env).run(fn, *args, deadline_s=deadline_s, **kwargs)
+    return [value for _, value, _ in outcomes]
+
+
+def run_ranks(fn: Callable, world_size: int, *args: Any, env: dict | None = None,
+              deadline_s: float = DEFAULT_DEADLINE_S, **kwargs: Any) -> list:
+    """fn(comm, *args, **kwargs) on every rank; its return values in rank order. Raises
+    RankFailure naming each rank that raised."""
+    outcomes = pool_for(world_size, env).run(fn, *args, deadline_s=deadline_s, **kwargs)
+    errors = {r: v for r, (s, v, _) in enumerate(outcomes) if s == "err"}
+    if errors:
+        raise RankFailure(errors, {r: outcomes[r][2] for r in errors})
+    return [value for _, value, _ in outcomes]
+
+
+def close_pools() -> None:
+    for pool in _pools.values():
+        pool.close()
+    _pools.clear()

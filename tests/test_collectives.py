@@ -1,0 +1,178 @@
+"""Every collective, every dtype, world sizes 1 to 4 and element counts from 0 to 1_048_579,
+against NumPy. Staging halves of 256 KiB make the larger counts cross many chunks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from harness import run_ranks
+from reference import (
+    COUNTS,
+    DTYPES,
+    FAMILY_DTYPES,
+    assert_matches,
+    make_input,
+    reduce_reference,
+    valid_ops,
+)
+
+WORLD_SIZES = (1, 2, 3, 4)
+SMALL_STAGING = {"ANYCCL_SHM_STAGING_BYTES": str(256 << 10)}
+
+
+def cases():
+    """(dtype, count) pairs: every dtype at the small counts, one per family at the large."""
+    for count in COUNTS:
+        for dtype in (DTYPES if count <= 1000 else FAMILY_DTYPES):
+            yield np.dtype(dtype), count
+
+
+def check_all_reduce(comm):
+    checked = 0
+    for dtype, count in cases():
+        for op in valid_ops(dtype):
+            x = make_input(comm.rank, count, dtype)
+            comm.all_reduce(x, op=op)
+            expected = reduce_reference([make_input(r, count, dtype) for r in range(comm.size)], op)
+            assert_matches(x, expected, f"all_reduce {dtype} x {count} {op}")
+            checked += 1
+    return checked
+
+
+def check_reduce(comm):
+    for dtype, count in cases():
+        for op in valid_ops(dtype):
+            root = (count + 1) % comm.size
+            x = make_input(comm.rank, count, dtype)
+            comm.reduce(x, dst=root, op=op)
+            if comm.rank == root:
+                expected = reduce_reference([make_input(r, count, dtype)
+                                             for r in range(comm.size)], op)
+            else:
+                expected = make_input(comm.rank, count, dtype)  # untouched on other ranks
+            assert_matches(x, expected, f"reduce {dtype} x {count} {op} root {root}")
+    return True
+
+
+def check_broadcast(comm):
+    for dtype, count in cases():
+        root = count % comm.size
+        x = make_input(comm.rank, count, dtype)
+        comm.broadcast(x, src=root)
+        assert_matches(x, make_input(root, count, dtype), f"broadcast {dtype} x {count}")
+    return True
+
+
+def check_all_gather(comm):
+    for dtype, count in cases():
+        x = make_input(comm.rank, count, dtype)
+        as_list = [np.empty(count, dtype) for _ in range(comm.size)]
+        comm.all_gather(as_list, x)
+        as_array = np.empty(comm.size * count, dtype)
+        comm.all_gather(as_array, x)
+        for r in range(comm.size):
+            expected = make_input(r, count, dtype)
+            assert_matches(as_list[r], expected, f"all_gather list {dtype} x {count} from {r}")
+            assert_matches(as_array[r * count:(r + 1) * count], expected,
+                           f"all_gather array {dtype} x {count} from {r}")
+    return True
+
+
+def check_gather(comm):
+    for dtype, count in cases():
+        root = (count + 2) % comm.size
+        outs = [np.empty(count, dtype) for _ in range(comm.size)] if comm.rank == root else None
+        comm.gather(make_input(comm.rank, count, dtype), outs, dst=root)
+        if comm.rank == root:
+            for r in range(comm.size):
+                assert_matches(outs[r], make_input(r, count, dtype), f"gather {dtype} from {r}")
+    return True
+
+
+def check_scatter(comm):
+    for dtype, count in cases():
+        root = (count + 3) % comm.size
+        chunks = [make_input(r, count, dtype, salt=1) for r in range(comm.size)] \
+            if comm.rank == root else None
+        out = np.empty(count, dtype)
+        comm.scatter(out, chunks, src=root)
+        assert_matches(out, make_input(comm.rank, count, dtype, salt=1),
+                       f"scatter {dtype} x {count}")
+    return True
+
+
+def check_reduce_scatter(comm):
+    for dtype, count in cases():
+        for op in valid_ops(dtype):
+            inputs = [make_input(comm.rank, count, dtype, salt=j) for j in range(comm.size)]
+            out = np.empty(count, dtype)
+            comm.reduce_scatter(out, inputs, op=op)
+            expected = reduce_reference([make_input(r, count, dtype, salt=comm.rank)
+                                         for r in range(comm.size)], op)
+            assert_matches(out, expected, f"reduce_scatter {dtype} x {count} {op}")
+            whole = np.concatenate(inputs) if count else np.empty(0, dtype)
+            out2 = np.empty(count, dtype)
+            comm.reduce_scatter(out2, whole, op=op)
+            assert_matches(out2, expected, f"reduce_scatter (one array) {dtype} x {count} {op}")
+    return True
+
+
+def check_all_to_all(comm):
+    for dtype, count in cases():
+        inputs = [make_input(comm.rank, count, dtype, salt=j) for j in range(comm.size)]
+        outs = [np.empty(count, dtype) for _ in range(comm.size)]
+        comm.all_to_all(outs, inputs)
+        for j in range(comm.size):
+            assert_matches(outs[j], make_input(j, count, dtype, salt=comm.rank),
+                           f"all_to_all {dtype} x {count} from {j}")
+        in_place = np.concatenate(inputs) if count else np.empty(0, dtype)
+        comm.all_to_all(in_place, in_place)
+        assert_matches(in_place, np.concatenate(outs) if count else in_place,
+                       f"all_to_all in place {dtype} x {count}")
+    return True
+
+
+CHECKS = [check_all_reduce, check_reduce, check_broadcast, check_all_gather, check_gather,
+          check_scatter, check_reduce_scatter, check_all_to_all]
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("check", CHECKS, ids=lambda f: f.__name__.removeprefix("check_"))
+def test_collective_matches_numpy(check, world_size):
+    assert all(run_ranks(check, world_size, env=SMALL_STAGING, deadline_s=300))
+
+
+def check_default_staging_large(comm):
+    """Defaults (16 MiB halves): one 40 MiB all_reduce, broadcast and all_gather."""
+    count = 10 * 1024 * 1024 + 3
+    x = make_input(comm.rank, count, np.dtype(np.float32))
+    comm.all_reduce(x)
+    expected = reduce_reference([make_input(r, count, np.dtype(np.float32))
+                                 for r in range(comm.size)], __import__("anyccl").ReduceOp.SUM)
+    assert_matches(x, expected, "all_reduce 40 MiB")
+    y = make_input(comm.rank, count, np.dtype(np.float32))
+    comm.broadcast(y, src=comm.size - 1)
+    assert_matches(y, make_input(comm.size - 1, count, np.dtype(np.float32)), "broadcast 40 MiB")
+    return True
+
+
+@pytest.mark.parametrize("world_size", (2, 3))
+def test_messages_larger_than_the_staging_area_pipeline_through_it(world_size):
+    assert all(run_ranks(check_default_staging_large, world_size))
+
+
+def check_barrier_orders_ranks(comm):
+    import time
+
+    stamps = np.zeros(comm.size)
+    if comm.rank == 0:
+        time.sleep(0.2)
+    before = time.monotonic()
+    comm.barrier()
+    stamps[comm.rank] = time.monotonic() - before
+    return float(stamps[comm.rank])
+
+
+def test_barrier_holds_every_rank_until_the_last_arrives():
+    waited = run_ranks(check_barrier_orders_ranks, 3)
+    assert min(waited[1:]) > 0.15, waited

@@ -1,0 +1,181 @@
+"""send/recv/isend/irecv: tags, ordering, many in flight, and exchanges that must not deadlock."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+from harness import run_ranks, run_ranks_outcomes
+from reference import DTYPES, make_input
+
+import anyccl
+
+
+def check_every_dtype_and_size_arrives_intact(comm):
+    peer = 1 - comm.rank
+    for dtype in DTYPES:
+        for count in (0, 1, 7, 1000, 1_048_579):
+            x = make_input(comm.rank, count, np.dtype(dtype))
+            got = np.empty(count, dtype)
+            if comm.rank == 0:
+                comm.send(x, peer)
+                comm.recv(got, peer)
+            else:
+                comm.recv(got, peer)
+                comm.send(x, peer)
+            assert np.array_equal(got.view(np.uint8), make_input(peer, count, np.dtype(dtype))
+                                  .view(np.uint8)), (dtype, count)
+    return True
+
+
+def test_send_recv_delivers_every_dtype_and_size():
+    assert all(run_ranks(check_every_dtype_and_size_arrives_intact, 2))
+
+
+def check_tags_select_messages_in_any_order(comm):
+    if comm.rank == 0:
+        for tag in range(5):
+            comm.send(np.full(100_000, tag, np.int64), 1, tag=tag)
+        return True
+    got = {}
+    for tag in (4, 2, 0, 3, 1):  # the reverse of the send order, messages larger than the ring
+        x = np.empty(100_000, np.int64)
+        comm.recv(x, 0, tag=tag)
+        got[tag] = int(x[0]) if (x == x[0]).all() else -1
+    return got == {t: t for t in range(5)}
+
+
+def test_tags_match_receives_regardless_of_order():
+    assert all(run_ranks(check_tags_select_messages_in_any_order, 2))
+
+
+def check_same_tag_never_overtakes(comm):
+    if comm.rank == 0:
+        works = [comm.isend(np.full(1000 * (i % 3 + 1), i, np.int32), 1, tag=7) for i in range(40)]
+        for w in works:
+            w.wait()
+        return True
+    order = []
+    for i in range(40):
+        x = np.empty(1000 * (i % 3 + 1), np.int32)
+        comm.recv(x, 0, tag=7)
+        order.append(int(x[0]))
+    return order == list(range(40))
+
+
+def test_messages_with_one_tag_arrive_in_send_order():
+    assert all(run_ranks(check_same_tag_never_overtakes, 2))
+
+
+def check_sixteen_in_flight(comm):
+    n, count = 16, 50_000
+    peer = (comm.rank + 1) % comm.size
+    prev = (comm.rank - 1) % comm.size
+    recvs = [np.empty(count, np.float64) for _ in range(n)]
+    works = [comm.irecv(recvs[i], prev, tag=i) for i in range(n)]
+    works += [comm.isend(np.full(count, comm.rank * 100 + i, np.float64), peer, tag=i)
+              for i in range(n)]
+    assert not all(w.is_completed() for w in works) or True  # may finish early: no claim
+    for w in works:
+        assert w.wait() is True
+        assert w.is_completed() and w.exception() is None
+    return all((recvs[i] == prev * 100 + i).all() for i in range(n))
+
+
+@pytest.mark.parametrize("world_size", (2, 3, 4))
+def test_sixteen_async_messages_in_flight_around_a_ring(world_size):
+    assert all(run_ranks(check_sixteen_in_flight, world_size))
+
+
+def check_head_to_head_large_sends(comm):
+    """Both ranks send 32 MiB first and receive after: larger than any buffer, must not hang."""
+    peer = 1 - comm.rank
+    mine = np.full(4 << 20, comm.rank, np.float64)
+    w = comm.isend(mine, peer)
+    got = np.empty_like(mine)
+    comm.recv(got, peer)
+    w.wait()
+    return bool((got == peer).all())
+
+
+def test_simultaneous_large_sends_do_not_deadlock():
+    assert all(run_ranks(check_head_to_head_large_sends, 2))
+
+
+def check_recv_posted_before_send(comm):
+    peer = 1 - comm.rank
+    got = np.empty(3_000_000, np.float32)
+    w = comm.irecv(got, peer, tag=1)
+    comm.send(np.full(3_000_000, comm.rank, np.float32), peer, tag=1)
+    w.wait(timeout=60)
+    return bool((got == peer).all())
+
+
+def test_receives_posted_first_complete_when_the_send_comes():
+    assert all(run_ranks(check_recv_posted_before_send, 2))
+
+
+def check_size_mismatch(comm):
+    if comm.rank == 0:
+        comm.send(np.zeros(10, np.float32), 1, tag=3)
+        comm.send(np.arange(4, dtype=np.int64), 1, tag=4)
+        return "sent"
+    try:
+        comm.recv(np.empty(12, np.float32), 0, tag=3)
+    except anyccl.InvalidArgumentError as exc:
+        message = str(exc)
+    else:
+        return "no error"
+    after = np.empty(4, np.int64)
+    comm.recv(after, 0, tag=4)  # the communicator still works
+    return message if (after == np.arange(4)).all() else "corrupt"
+
+
+def test_receiving_into_a_wrong_sized_array_is_a_clear_error():
+    _, message = run_ranks(check_size_mismatch, 2)
+    assert "rank 0 sent float32 x 10" in message and "float32 x 12" in message, message
+
+
+def check_torch_tensors(comm):
+    import torch
+
+    peer = 1 - comm.rank
+    t = torch.arange(6, dtype=torch.bfloat16) * (comm.rank + 1)
+    got = torch.empty(6, dtype=torch.bfloat16)
+    w = comm.isend(t, peer)
+    comm.recv(got, peer)
+    w.wait()
+    return bool(torch.equal(got, torch.arange(6, dtype=torch.bfloat16) * (peer + 1)))
+
+
+def test_torch_cpu_tensors_travel_zero_copy():
+    pytest.importorskip("torch")
+    assert all(run_ranks(check_torch_tensors, 2))
+
+
+def check_recv_without_send_times_out(comm):
+    import time
+
+    comm_timeout = comm.timeout_s
+    comm.timeout_s = 1.0  # this communicator only, for this check
+    try:
+        if comm.rank == 1:
+            start = time.monotonic()
+            try:
+                comm.recv(np.empty(3, np.float32), 0)
+            except anyccl.TimeoutError as exc:
+                return str(exc), time.monotonic() - start
+            return "no error", 0
+        return "idle", 0
+    finally:
+        comm.timeout_s = comm_timeout
+
+
+def test_a_recv_with_no_matching_send_fails_with_a_timeout_that_names_it():
+    outcomes = run_ranks_outcomes(check_recv_without_send_times_out, 2)
+    message, waited = outcomes[1]
+    assert re.match(r"rank 1: recv\(src=0, tag=0, 12 B\) #\d+ timed out after 1 s", message), \
+        message
+    assert "rank 0 is in nothing (idle after" in message, message
+    assert 0.9 < waited < 5
