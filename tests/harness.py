@@ -13,6 +13,8 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import secrets
+import subprocess
+import sys
 import time
 import traceback
 from typing import Any, Callable
@@ -154,6 +156,30 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, env: dict | None = None
     if errors:
         raise RankFailure(errors, {r: outcomes[r][2] for r in errors})
     return [value for _, value, _ in outcomes]
+
+
+def spawn_processes(source: str, envs: list[dict[str, str]], timeout_s: float = 120,
+                    args: list[str] | None = None) -> list[subprocess.CompletedProcess]:
+    """Run Python `source` in one fresh process per entry of `envs` (added to this process's
+    environment, minus any launcher variables), all at once; their completed processes."""
+    base = {k: v for k, v in os.environ.items()
+            if not k.startswith(("ANYCCL_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_",
+                                 "OMPI_", "PMI_", "SLURM_"))}
+    procs = [subprocess.Popen([sys.executable, "-c", source, *(args or [])], env={**base, **env},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for env in envs]
+    done = []
+    end = time.monotonic() + timeout_s
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=max(0.1, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise AssertionError(f"process {p.args} did not finish within {timeout_s} s") \
+                from None
+        done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    return done
 
 
 def close_pools() -> None:

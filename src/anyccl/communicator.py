@@ -10,8 +10,9 @@ from __future__ import annotations
 import pickle
 import time
 import weakref
+from collections.abc import Sequence
 from datetime import timedelta
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import numpy as np
 
@@ -24,7 +25,7 @@ from .store import Store
 from .trace import OpRecord, format_bytes
 from .work import Work
 
-_live: "weakref.WeakSet[Communicator]" = weakref.WeakSet()
+_live: weakref.WeakSet[Communicator] = weakref.WeakSet()
 
 
 def _seconds(timeout: float | timedelta | None, default: float) -> float:

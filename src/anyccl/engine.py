@@ -29,7 +29,8 @@ class Engine:
         self._drive = threading.Lock()
         self._state = threading.Condition()
         self._queue: deque[tuple[Callable[[Work], None], Work, bool]] = deque()
-        self._outstanding = 0     # async works not finished + an inline call running
+        self._outstanding = 0     # async works not finished
+        self._inline = False      # a blocking call runs on its caller's thread
         self._thread: threading.Thread | None = None
         self._closing = False
         self.failure: BaseException | None = None
@@ -39,9 +40,8 @@ class Engine:
         """Run `task` to completion after everything issued before it; raise its error."""
         with self._state:
             self._raise_if_unusable()
-            inline = self._outstanding == 0
-            if inline:
-                self._outstanding += 1
+            inline = self._outstanding == 0 and not self._inline
+            self._inline |= inline
         if not inline:
             self._enqueue(lambda w: task(), work, False)
             work.wait()
@@ -54,7 +54,7 @@ class Engine:
             raise
         finally:
             with self._state:
-                self._outstanding -= 1
+                self._inline = False
                 self._state.notify_all()
 
     def submit(self, task: Callable[[Work], None], work: Work, *,
@@ -79,13 +79,16 @@ class Engine:
     def completion(self, work: Work) -> Callable[[BaseException | None], None]:
         """The callback a backend calls when a posted message of `work` is done."""
         def done(error: BaseException | None) -> None:
-            if error is not None and not isinstance(error, ValueError):
+            if error is not None:
                 self._note_failure(error)
-            work._finish(error)
-            with self._state:
-                self._outstanding -= 1
-                self._state.notify_all()
+            self._finished(work, error)
         return done
+
+    def _finished(self, work: Work, error: BaseException | None) -> None:
+        work._finish(error)
+        with self._state:
+            self._outstanding -= 1
+            self._state.notify_all()
 
     # ---- the worker --------------------------------------------------------------------------
     def _worker(self) -> None:
@@ -93,19 +96,25 @@ class Engine:
             with self._state:
                 while not self._queue and self._outstanding == 0 and not self._closing:
                     self._state.wait()
-                if self._closing and self._outstanding == 0 and not self._queue:
-                    return
                 item = self._queue.popleft() if self._queue else None
+                closing = self._closing
             if item is not None:
                 self._run_queued(*item)
                 continue
+            if closing:
+                self._fail_all(CommunicatorClosedError(
+                    f"{self._label}: the communicator was closed before this message finished"))
+                return
+            error = None
             with self._drive:
                 try:
                     self.backend.progress()
-                except BaseException as exc:  # a peer died: fail everything outstanding
-                    self._note_failure(exc)
-                    self._fail_all(exc)
-                    continue
+                except BaseException as exc:  # a lost peer: everything outstanding fails
+                    error = exc
+            if error is not None:
+                self._note_failure(error)
+                self._fail_all(error)
+                continue
             self.backend.wait_for_activity(_IDLE_POLL_S)
 
     def _run_queued(self, task: Callable[[Work], None], work: Work, finishes_itself: bool) -> None:
@@ -119,13 +128,9 @@ class Engine:
                     task(work)
             except BaseException as exc:
                 error = exc
-                if not isinstance(exc, ValueError):
-                    self._note_failure(exc)
+                self._note_failure(exc)
         if error is not None or not finishes_itself:
-            work._finish(error)
-            with self._state:
-                self._outstanding -= 1
-                self._state.notify_all()
+            self._finished(work, error)
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._drive:
@@ -133,6 +138,8 @@ class Engine:
 
     # ---- state -------------------------------------------------------------------------------
     def _note_failure(self, exc: BaseException) -> None:
+        """Errors of the arguments (ValueError, TypeError) leave the communicator usable;
+        anything else (a timeout, a lost peer) breaks it."""
         if self.failure is None and not isinstance(exc, (ValueError, TypeError)):
             self.failure = exc
 

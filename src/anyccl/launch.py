@@ -130,8 +130,9 @@ def _watch(ranks: list[RankProcess], stop_requested: list[int]) -> int:
         if failed and first_failure is None:
             first_failure = failed[0]
             if running:
-                print(f"anyccl run: rank {first_failure.rank} {_describe(first_failure.proc.returncode)}"
-                      f" (first failure); stopping the other ranks", file=sys.stderr)
+                what = _describe(first_failure.proc.returncode)
+                print(f"anyccl run: rank {first_failure.rank} {what} (first failure); stopping "
+                      f"the other ranks", file=sys.stderr)
                 _stop(ranks)
             break
         if not running:

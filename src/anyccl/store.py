@@ -75,7 +75,7 @@ class Store(ABC):
     def delete(self, key: str) -> None:
         """Remove `key` if present."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - most stores hold nothing to release
         """Release the connection (the data stays with the server)."""
 
     def barrier(self, name: str, world_size: int, timeout_s: float) -> None:

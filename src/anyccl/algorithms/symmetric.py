@@ -70,8 +70,7 @@ def _chunks(count: int, chunk: int):
 def all_reduce(stg: SymmetricStaging, x: np.ndarray, op: ReduceOp, root: int | None = None) -> None:
     """Reduce flat `x` over all ranks in place; with `root`, only that rank receives the result
     (the reduce collective) and the others' `x` stays as it was."""
-    n, dtype = stg.size, x.dtype
-    if n == 1:
+    if stg.size == 1:
         finish(x, op, 1)
         return
     if x.nbytes <= ONE_SHOT_MAX_BYTES:

@@ -97,7 +97,7 @@ class Backend(ABC):
         """Progress until `finished()`; TimeoutError at `deadline`."""
 
     @abstractmethod
-    def subgroup(self, ranks: list[int], name: str, timeout_s: float) -> "Backend":
+    def subgroup(self, ranks: list[int], name: str, timeout_s: float) -> Backend:
         """A backend over `ranks` (this rank among them); collective over those ranks."""
 
     @abstractmethod

@@ -37,7 +37,7 @@ from ..ops import ReduceOp
 from ..store import Store
 from ..trace import OpRecord, format_bytes
 from .base import Backend, Completion
-from .doorbell import SEM_BYTES, Doorbell
+from .doorbell import Doorbell
 
 try:  # the same calls multiprocessing.shared_memory uses, without its resource tracker
     import _posixshmem
@@ -452,7 +452,7 @@ class SharedMemoryBackend(Backend):
         return moved
 
     def _progress_receive(self, src: int) -> bool:
-        ring, cap = self._rings[src], self._layout.channel_bytes
+        ring = self._rings[src]
         available = self._ctl[src][_W_SENT + self.rank] - self._consumed[src]
         if available <= 0:
             return False

@@ -1,0 +1,33 @@
+"""A rank that records its pid, then behaves as argv says:
+  ok                     finish normally
+  exit RANK CODE         rank RANK exits with CODE after a few collectives; others keep going
+  kill RANK              rank RANK kills itself with SIGKILL mid-loop
+  forever                every rank loops on collectives until stopped
+"""
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+import anyccl
+
+mode, pid_dir = sys.argv[1], Path(sys.argv[2])
+comm = anyccl.init()
+(pid_dir / f"rank{comm.rank}.pid").write_text(str(os.getpid()))
+print(f"hello from rank {comm.rank}", flush=True)
+x = np.ones(1000, np.float32)
+for step in range(10**9):
+    if mode == "ok" and step == 20:
+        break
+    if mode == "exit" and comm.rank == int(sys.argv[3]) and step == 5:
+        sys.exit(int(sys.argv[4]))
+    if mode == "kill" and comm.rank == int(sys.argv[3]) and step == 5:
+        os.kill(os.getpid(), signal.SIGKILL)
+    comm.all_reduce(x)
+    if mode == "forever":
+        time.sleep(0.01)
+comm.close()

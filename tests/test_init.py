@@ -1,0 +1,129 @@
+"""anyccl.init() meets its peers however the job was started: explicit arguments, env://,
+tcp://, file://, torchrun's and SLURM's variables, mpiexec, or alone."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import sys
+
+import pytest
+from harness import spawn_processes
+
+import anyccl
+
+PROGRAM = r"""
+import sys, numpy as np, anyccl
+kwargs = eval(sys.argv[1]) if len(sys.argv) > 1 else {}
+comm = anyccl.init(**kwargs)
+x = np.array([comm.rank + 1.0])
+comm.all_reduce(x)
+sys.stdout.write(f"{comm.rank} {comm.size} {comm.local_rank} {int(x[0])}\n")
+sys.stdout.flush()
+comm.close()
+"""
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _outputs(procs) -> list[list[int]]:
+    for p in procs:
+        assert p.returncode == 0, p.stderr[-2000:]
+    return sorted([int(v) for v in p.stdout.split()] for p in procs)
+
+
+def test_a_plain_python_process_is_a_world_of_one():
+    assert _outputs(spawn_processes(PROGRAM, [{}])) == [[0, 1, 0, 1]]
+
+
+def test_torchrun_style_environment_with_env_init_method():
+    port = _port()
+    envs = [{"RANK": str(r), "WORLD_SIZE": "3", "LOCAL_RANK": str(r), "MASTER_ADDR": "127.0.0.1",
+             "MASTER_PORT": str(port)} for r in range(3)]
+    assert _outputs(spawn_processes(PROGRAM, envs, args=["{'init_method': 'env://'}"])) == \
+        [[r, 3, r, 6] for r in range(3)]
+
+
+def test_explicit_rank_and_world_size_with_tcp_init_method():
+    port = _port()
+    procs = [subprocess.Popen([sys.executable, "-c", PROGRAM,
+                               f"{{'rank': {r}, 'world_size': 2, "
+                               f"'init_method': 'tcp://127.0.0.1:{port}'}}"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(2)]
+    outs = [p.communicate(timeout=60) for p in procs]
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err
+    # local_rank is derived from host names when no launcher gives it
+    assert sorted(o.split() for o, _ in outs) == [["0", "2", "0", "3"], ["1", "2", "1", "3"]]
+
+
+def test_file_init_method_and_explicit_arguments_win_over_the_environment(tmp_path):
+    store = tmp_path / "rendezvous"
+    envs = [{"RANK": "7", "WORLD_SIZE": "9"} for _ in range(2)]  # ignored: arguments win
+    procs = [subprocess.Popen([sys.executable, "-c", PROGRAM,
+                               f"{{'rank': {r}, 'world_size': 2, "
+                               f"'init_method': 'file://{store}'}}"],
+                              env={**envs[r], "PATH": "/usr/bin:/bin"},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(2)]
+    outs = [p.communicate(timeout=60) for p in procs]
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err
+    assert sorted(o.split()[:2] for o, _ in outs) == [["0", "2"], ["1", "2"]]
+
+
+def test_slurm_variables_give_rank_size_and_local_rank():
+    port = _port()
+    envs = [{"SLURM_PROCID": str(r), "SLURM_NTASKS": "2", "SLURM_LOCALID": str(r),
+             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)} for r in range(2)]
+    assert _outputs(spawn_processes(PROGRAM, envs)) == [[0, 2, 0, 3], [1, 2, 1, 3]]
+
+
+@pytest.mark.skipif(shutil.which("mpiexec") is None, reason="no mpiexec on PATH")
+def test_ranks_started_by_mpiexec_meet_through_mpi():
+    pytest.importorskip("mpi4py")
+    proc = subprocess.run(["mpiexec", "-n", "3", sys.executable, "-c", PROGRAM],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert sorted(line.split()[:2] + line.split()[3:] for line in proc.stdout.splitlines()) == \
+        [[str(r), "3", "6"] for r in range(3)]
+
+
+def test_a_rank_without_any_way_to_meet_says_how_to_launch():
+    procs = spawn_processes(PROGRAM, [{}], args=["{'rank': 1, 'world_size': 2}"])
+    assert procs[0].returncode != 0
+    assert "anyccl run -n 2" in procs[0].stderr
+
+
+def test_a_foreign_client_without_the_job_key_is_refused():
+    from anyccl.store import StoreServer, TCPStore
+
+    server = StoreServer(b"k" * 32)
+    with pytest.raises(anyccl.RendezvousError, match="job key differs"):
+        TCPStore(server.host, server.port, b"wrong" * 6, timeout_s=5)
+    good = TCPStore(server.host, server.port, b"k" * 32, timeout_s=5)
+    good.set("a", b"1")
+    assert good.get("a", 1) == b"1" and server.refused == 1
+    server.close()
+
+
+def test_the_store_waits_for_keys_and_counts_atomically(tmp_path):
+    from anyccl.store import FileStore, StoreServer, TCPStore
+
+    server = StoreServer(b"k")
+    for store in (TCPStore(server.host, server.port, b"k", 5), FileStore(tmp_path / "fs")):
+        assert store.add("n", 2) == 2 and store.add("n", 3) == 5
+        assert not store.check("x")
+        with pytest.raises(anyccl.TimeoutError, match="'x' was not set"):
+            store.get("x", 0.2)
+        store.set("x", b"v")
+        assert store.check("x") and store.get("x", 1) == b"v"
+        store.delete("x")
+        assert not store.check("x")
+    server.close()

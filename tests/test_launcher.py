@@ -1,0 +1,117 @@
+"""`anyccl run`: output, exit codes, stopping together, and nothing left behind."""
+
+from __future__ import annotations
+
+import glob
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+SCRIPT = str(Path(__file__).parent / "scripts" / "rank_behaviour.py")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead for our purposes
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _launch(n: int, *args: str, tag: bool = False) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "anyccl", "run", "-n", str(n)]
+    if tag:
+        cmd.append("--tag-output")
+    return subprocess.Popen([*cmd, SCRIPT, *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _pids(pid_dir: Path, n: int, timeout_s: float = 30) -> list[int]:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        files = list(pid_dir.glob("rank*.pid"))
+        if len(files) == n and all(f.read_text() for f in files):
+            return [int(f.read_text()) for f in files]
+        time.sleep(0.05)
+    raise AssertionError(f"only {len(list(pid_dir.glob('*.pid')))} of {n} ranks started")
+
+
+@pytest.fixture
+def no_leftovers(tmp_path):
+    """Yields a pid folder; afterwards no rank may be alive and no new segment may exist."""
+    before = set(glob.glob("/dev/shm/anyccl-*"))
+    yield tmp_path
+    pids = [int(f.read_text()) for f in tmp_path.glob("rank*.pid") if f.read_text()]
+    end = time.monotonic() + 5
+    while any(_alive(p) for p in pids) and time.monotonic() < end:
+        time.sleep(0.05)
+    assert not [p for p in pids if _alive(p)], "orphan rank processes survived the launcher"
+    assert set(glob.glob("/dev/shm/anyccl-*")) <= before, "shared-memory segments left behind"
+
+
+def test_a_clean_job_exits_zero_and_tags_output_with_ranks(no_leftovers):
+    proc = _launch(3, "ok", str(no_leftovers), tag=True)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert sorted(line for line in out.splitlines() if "hello" in line) == \
+        [f"[rank {r}] hello from rank {r}" for r in range(3)]
+
+
+def test_a_failing_rank_stops_the_others_and_sets_the_exit_code(no_leftovers):
+    proc = _launch(3, "exit", str(no_leftovers), "1", "3")
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 3, err
+    assert "rank 1 exited with code 3 (first failure)" in err, err
+    assert "rank 1 failed first" in err
+
+
+def test_a_rank_killed_by_sigkill_stops_the_job_within_five_seconds(no_leftovers):
+    proc = _launch(4, "kill", str(no_leftovers), "2")
+    _pids(no_leftovers, 4)
+    start = time.monotonic()
+    out, err = proc.communicate(timeout=60)
+    assert time.monotonic() - start < 5 + 1, "the others were not stopped in time"
+    assert proc.returncode == 128 + signal.SIGKILL, err
+    assert "rank 2 was killed by SIGKILL" in err, err
+
+
+def test_sigterm_to_the_launcher_stops_every_rank(no_leftovers):
+    proc = _launch(3, "forever", str(no_leftovers))
+    _pids(no_leftovers, 3)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "got SIGTERM; stopping all ranks" in err
+
+
+def test_ctrl_c_stops_every_rank(no_leftovers):
+    proc = _launch(2, "forever", str(no_leftovers))
+    _pids(no_leftovers, 2)
+    proc.send_signal(signal.SIGINT)
+    proc.communicate(timeout=30)
+    assert proc.returncode == 128 + signal.SIGINT
+
+
+def test_ranks_die_with_a_launcher_killed_by_sigkill(no_leftovers):
+    proc = _launch(2, "forever", str(no_leftovers))
+    _pids(no_leftovers, 2)
+    proc.kill()
+    proc.communicate(timeout=30)
+
+
+def test_the_launcher_needs_a_script_and_a_positive_rank_count():
+    proc = subprocess.run([sys.executable, "-m", "anyccl", "run", "-n", "0", SCRIPT],
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 2 and "at least one rank" in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "anyccl", "run", "-n", "2"],
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 2 and "name a script" in proc.stderr
