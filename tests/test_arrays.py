@@ -1,0 +1,74 @@
+"""Arrays of any shape and both kinds (NumPy, torch CPU) are used in place, without copies."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import numpy as np
+import pytest
+from harness import run_ranks
+
+import anyccl
+
+
+def check_shapes(comm):
+    for shape in [(), (3, 4), (2, 0, 5), (1, 1, 1, 7)]:
+        x = np.full(shape, comm.rank + 1, np.int32)
+        address = x.ctypes.data
+        comm.all_reduce(x)
+        assert x.shape == shape and x.ctypes.data == address
+        assert (x == comm.size * (comm.size + 1) // 2).all()
+        out = np.empty((comm.size, *shape), np.int32)
+        comm.all_gather(out, np.full(shape, comm.rank, np.int32))
+        assert all((out[r] == r).all() for r in range(comm.size))
+    return True
+
+
+def test_any_shape_including_scalars_and_empty_arrays():
+    assert all(run_ranks(check_shapes, 3))
+
+
+def check_torch_dtypes_in_place(comm):
+    import torch
+
+    dtypes = [torch.bool, torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64,
+              torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64]
+    for dtype in dtypes:
+        t = torch.ones((2, 3), dtype=dtype) * (comm.rank + 1) if dtype != torch.bool \
+            else torch.tensor([[comm.rank == 0] * 3] * 2)
+        t.requires_grad_(dtype.is_floating_point)
+        pointer = t.data_ptr()
+        op = anyccl.ReduceOp.MAX if dtype != torch.complex64 else anyccl.ReduceOp.SUM
+        comm.all_reduce(t, op=op)
+        assert t.data_ptr() == pointer, dtype
+        expected = {torch.bool: True, torch.complex64: comm.size * (comm.size + 1) / 2}.get(
+            dtype, comm.size)
+        assert (t.detach() == expected).all(), (dtype, t)
+    return True
+
+
+def test_torch_tensors_of_every_dtype_reduce_in_place():
+    pytest.importorskip("torch")
+    assert all(run_ranks(check_torch_dtypes_in_place, 2))
+
+
+def test_a_non_contiguous_torch_tensor_is_refused_with_advice():
+    torch = pytest.importorskip("torch")
+    comm = anyccl.init()
+    with pytest.raises(anyccl.InvalidArgumentError, match=r"tensor.contiguous\(\)"):
+        comm.all_reduce(torch.ones(4, 4).t())
+    comm.close()
+
+
+def test_segments_are_private_to_the_user():
+    from anyccl.backends.shm import _Segment
+
+    seg = _Segment(f"/anyccl-test-{os.getpid()}", 4096, create=True)
+    try:
+        mode = stat.S_IMODE(os.stat(f"/dev/shm{seg.name}").st_mode)
+        assert mode == 0o600, oct(mode)
+    finally:
+        seg.close()
+        seg.unlink()
+    assert not os.path.exists(f"/dev/shm{seg.name}")
