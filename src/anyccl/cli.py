@@ -31,10 +31,17 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("-m", dest="module", help="run a module, as python -m does")
     run.add_argument("args", nargs=argparse.REMAINDER, help="script.py and its arguments")
     run.set_defaults(handler=_run)
+    sub.add_parser("bench", add_help=False,
+                   help="nccl-tests style measurements (anyccl bench --help)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:  # its own parser: its options must not meet `anyccl`'s
+        from .tools.bench import main as bench
+
+        return bench(argv[1:])
     ns = build_parser().parse_args(argv)
     return ns.handler(ns)
 

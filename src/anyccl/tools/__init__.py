@@ -1,0 +1,1 @@
+"""The command-line tools: bench (and, as they land, info and viz)."""

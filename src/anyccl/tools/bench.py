@@ -1,0 +1,498 @@
+"""`anyccl bench`: nccl-tests style measurements of every collective, side by side with
+torch.distributed and MPI in the same run.
+
+Columns, size/count conventions and bus-bandwidth factors follow nccl-tests (PERFORMANCE.md):
+`size` is the bytes of the largest buffer an op touches, `count` the elements each rank sends,
+algbw = size / time and busbw = algbw x the op's factor from `anyccl.ops.COLLECTIVES`. Time is
+the mean over the iterations of the slowest rank, after warm-up and a barrier. Every size is
+also run once more on fresh inputs and checked element by element: #wrong counts the elements,
+over all ranks, that differ from what NumPy computes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from .._units import parse_size
+from ..buffers import BFLOAT16
+from ..communicator import Communicator
+from ..ops import COLLECTIVES, ReduceOp
+from .peers import PEERS, AnycclPeer
+
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "gather", "scatter",
+       "all_to_all", "sendrecv")
+_TYPE_NAMES = {"float32": "float", "float64": "double", "float16": "half",
+               "bfloat16": "bfloat16", "int8": "int8", "uint8": "uint8", "int32": "int32",
+               "uint32": "uint32", "int64": "int64", "uint64": "uint64"}
+_ROOTED = ("broadcast", "reduce", "gather", "scatter")
+_REDUCING = ("all_reduce", "reduce", "reduce_scatter")
+_IN_PLACE_ONLY = ("all_reduce", "broadcast", "reduce")  # anyccl's API is in place for these
+_OUT_OF_PLACE_ONLY = ("gather", "scatter", "sendrecv")
+_TARGET_S = 0.2  # automatic iteration counts aim at this much time per size
+
+
+def bus_factor(op: str, n: int) -> float:
+    return 1.0 if op == "sendrecv" else COLLECTIVES[op].bus_factor(n)
+
+
+@dataclass
+class Row:
+    library: str
+    op: str
+    variant: str  # "out-of-place" | "in-place"
+    size: int
+    count: int
+    type: str
+    redop: str
+    root: int
+    time_us: float | None
+    algbw: float | None
+    busbw: float | None
+    wrong: int | None
+
+
+# ---- inputs, buffers and expected results -------------------------------------------------
+def _values(rank: int, count: int, dtype: np.dtype, salt: int = 0) -> np.ndarray:
+    v = (np.arange(count, dtype=np.int64) * 3 + rank * 7 + salt) % 5
+    return (v if dtype.kind == "u" else v - 2).astype(dtype)
+
+
+def _reduce(arrays: list[np.ndarray], op: ReduceOp) -> np.ndarray:
+    from ..ops import accumulate, finish
+
+    acc = arrays[0].copy()
+    for a in arrays[1:]:
+        accumulate(acc, a, op)
+    finish(acc, op, len(arrays))
+    return acc
+
+
+def sizes_of(op: str, nbytes: int, itemsize: int, n: int) -> tuple[int, int]:
+    """(count, size) as nccl-tests prints them for a requested size of `nbytes`."""
+    elems = nbytes // itemsize
+    if op in ("all_gather", "gather", "scatter", "reduce_scatter", "all_to_all"):
+        count = elems // n
+        return count, count * n * itemsize
+    return elems, elems * itemsize
+
+
+def build(op: str, count: int, dtype: np.dtype, rank: int, n: int, root: int, in_place: bool,
+          redop: ReduceOp) -> tuple[dict[str, Any], Callable[[dict[str, Any]], int]]:
+    """Buffers for one run of `op`, and a function counting the wrong elements after it."""
+    b: dict[str, Any] = {"kind": "in" if in_place else "out"}
+    values = lambda r, salt=0: _values(r, count, dtype, salt)  # noqa: E731
+
+    def wrong(actual: np.ndarray, expected: np.ndarray) -> int:
+        if dtype.kind == "f" or dtype == BFLOAT16:
+            bad = ~np.isclose(actual.astype(np.float64), expected.astype(np.float64),
+                              rtol=1e-2, atol=1e-2)
+        else:
+            bad = actual != expected
+        return int(np.count_nonzero(bad))
+
+    if op in ("all_reduce", "reduce", "broadcast"):
+        b["buf"] = values(rank)
+        if op == "broadcast":
+            return b, lambda b: wrong(b["buf"], values(root))
+        expected = _reduce([values(r) for r in range(n)], redop)
+        if op == "reduce" and rank != root:
+            return b, lambda b: 0  # non-root contents are unspecified (nccl-tests checks root)
+        return b, lambda b: wrong(b["buf"], expected)
+    if op in ("all_gather", "gather"):
+        whole = np.zeros(n * count, dtype)
+        b["inp"] = whole[rank * count:(rank + 1) * count] if in_place else np.empty(count, dtype)
+        b["inp"][:] = values(rank)
+        receives = op == "all_gather" or rank == root
+        if op == "all_gather":
+            b["out"] = whole
+        elif receives:
+            b["out_whole"] = whole
+            b["outs"] = [whole[j * count:(j + 1) * count] for j in range(n)]
+        else:
+            b["outs"] = None
+        expected = np.concatenate([values(r) for r in range(n)])
+        return b, (lambda b: wrong(whole, expected)) if receives else (lambda b: 0)
+    if op == "scatter":
+        b["out"] = np.zeros(count, dtype)
+        if rank == root:
+            b["chunks_whole"] = np.concatenate([values(root, j) for j in range(n)])
+            b["chunks"] = [b["chunks_whole"][j * count:(j + 1) * count] for j in range(n)]
+        else:
+            b["chunks"] = None
+        return b, lambda b: wrong(b["out"], values(root, rank))
+    if op in ("reduce_scatter", "all_to_all"):
+        b["inp"] = np.concatenate([values(rank, j) for j in range(n)])
+        if op == "reduce_scatter":
+            b["out"] = b["inp"][rank * count:(rank + 1) * count] if in_place \
+                else np.empty(count, dtype)
+            expected = _reduce([values(r, rank) for r in range(n)], redop)
+        else:
+            b["out"] = b["inp"] if in_place else np.empty(n * count, dtype)
+            expected = np.concatenate([values(j, rank) for j in range(n)])
+        return b, lambda b: wrong(b["out"], expected)
+    if op == "sendrecv":
+        b["inp"], b["out"] = values(rank), np.zeros(count, dtype)
+        return b, lambda b: wrong(b["out"], values((rank - 1) % n))
+    raise ValueError(op)
+
+
+# ---- measuring ----------------------------------------------------------------------------
+@dataclass
+class Settings:
+    ops: list[str]
+    min_bytes: int
+    max_bytes: int
+    factor: float
+    dtype: np.dtype
+    redop: ReduceOp
+    root: int
+    iters: int | None
+    warmup: int
+
+
+def sweep_sizes(s: Settings) -> list[int]:
+    sizes, size = [], s.min_bytes
+    while size <= s.max_bytes:
+        sizes.append(size)
+        size = max(size + 1, int(size * s.factor))
+    return sizes
+
+
+def measure(comm: Communicator, peer: Any, op: str, nbytes: int, s: Settings,
+            in_place: bool) -> Row:
+    n, itemsize = comm.size, s.dtype.itemsize
+    count, size = sizes_of(op, nbytes, itemsize, n)
+    root = s.root if op in _ROOTED else -1
+    redop = s.redop.name.lower() if op in _REDUCING else "none"
+    row = Row(peer.name, op, "in-place" if in_place else "out-of-place", size, count,
+              _TYPE_NAMES.get(s.dtype.name, s.dtype.name), redop, root, None, None, None, None)
+    buffers, _ = build(op, count, s.dtype, comm.rank, n, max(root, 0), in_place, s.redop)
+    run = peer.runner(op, buffers, s.redop, max(root, 0))
+    if run is None:
+        return row
+    for _ in range(s.warmup):
+        run()
+    iters = s.iters
+    if iters is None:  # every rank must run the same number: agree on the slowest warm-up
+        t0 = time.perf_counter()
+        run()
+        probe = np.array([time.perf_counter() - t0])
+        comm.all_reduce(probe, ReduceOp.MAX)
+        iters = int(min(2000, max(5, _TARGET_S / max(float(probe[0]), 1e-7))))
+    peer.barrier()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        run()
+    elapsed = np.array([(time.perf_counter() - t0) / iters])
+    comm.all_reduce(elapsed, ReduceOp.MAX)
+    buffers, count_wrong = build(op, count, s.dtype, comm.rank, n, max(root, 0), in_place,
+                                 s.redop)
+    peer.runner(op, buffers, s.redop, max(root, 0))()
+    wrong = np.array([count_wrong(buffers)], np.int64)
+    comm.all_reduce(wrong)
+    seconds = float(elapsed[0])
+    row.time_us = seconds * 1e6
+    row.algbw = size / seconds / 1e9
+    row.busbw = row.algbw * bus_factor(op, n)
+    row.wrong = int(wrong[0])
+    return row
+
+
+def memory_bandwidth_gbs(nbytes: int = 256 << 20) -> float:
+    """One core copying `nbytes` with NumPy: bytes read plus written per second."""
+    src, dst = np.ones(nbytes, np.uint8), np.empty(nbytes, np.uint8)
+    np.copyto(dst, src)
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * nbytes / best / 1e9
+
+
+# ---- printing -----------------------------------------------------------------------------
+def _fmt_variant(r: Row | None) -> str:
+    if r is None or r.time_us is None:
+        return f"  {'N/A':>7}  {'N/A':>6}  {'N/A':>6}  {'N/A':>5}"
+    t = f"{r.time_us:7.2f}" if r.time_us < 1e5 else f"{r.time_us:7.0f}"
+    return f"  {t}  {r.algbw:6.2f}  {r.busbw:6.2f}  {r.wrong:5d}"
+
+
+def print_table(out, library: str, op: str, rows: list[Row]) -> None:
+    print(f"#\n# {library}: {op}", file=out)
+    print(f"# {'':>10}  {'':>12}  {'':>8}  {'':>6}  {'':>6}           out-of-place"
+          f"                       in-place", file=out)
+    print(f"# {'size':>10}  {'count':>12}  {'type':>8}  {'redop':>6}  {'root':>6}  "
+          f"{'time':>7}  {'algbw':>6}  {'busbw':>6}  {'#wrong':>5}  {'time':>7}  {'algbw':>6}  "
+          f"{'busbw':>6}  {'#wrong':>5}", file=out)
+    print(f"# {'(B)':>10}  {'(elements)':>12}  {'':>8}  {'':>6}  {'':>6}  {'(us)':>7}  "
+          f"{'(GB/s)':>6}  {'(GB/s)':>6}  {'':>5}  {'(us)':>7}  {'(GB/s)':>6}  {'(GB/s)':>6}",
+          file=out)
+    by_size: dict[int, dict[str, Row]] = {}
+    for r in rows:
+        by_size.setdefault(r.size, {})[r.variant] = r
+    for size, variants in by_size.items():
+        first = next(iter(variants.values()))
+        print(f"{size:12d}  {first.count:12d}  {first.type:>8}  {first.redop:>6}  "
+              f"{first.root:6d}" + _fmt_variant(variants.get("out-of-place"))
+              + _fmt_variant(variants.get("in-place")), file=out)
+    wrong = sum(r.wrong or 0 for r in rows)
+    busbws = [r.busbw for r in rows if r.busbw is not None]
+    print(f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}", file=out)
+    avg = sum(busbws) / len(busbws) if busbws else 0.0
+    print(f"# Avg bus bandwidth    : {avg:g} ", file=out)
+
+
+def comparison_variant(op: str) -> str:
+    return "in-place" if op in _IN_PLACE_ONLY else "out-of-place"
+
+
+def print_comparison(out, op: str, rows: list[Row], libraries: list[str]) -> None:
+    variant = comparison_variant(op)
+    peers = [lib for lib in libraries if lib != "anyccl"]
+    head = f"# {'size':>10}  {'anyccl':>8}" + "".join(f"  {p:>8}  {'ratio':>6}" for p in peers)
+    print(f"#\n# {op}: busbw (GB/s, {variant}); ratio = anyccl / peer\n{head}", file=out)
+    table: dict[int, dict[str, Row]] = {}
+    for r in rows:
+        if r.variant == variant:
+            table.setdefault(r.size, {})[r.library] = r
+    for size, libs in table.items():
+        ours = libs.get("anyccl")
+        line = f"{size:12d}  {_bw(ours):>8}"
+        for p in peers:
+            theirs = libs.get(p)
+            ratio = (f"{ours.busbw / theirs.busbw:6.2f}" if ours and theirs and ours.busbw
+                     and theirs.busbw else f"{'N/A':>6}")
+            line += f"  {_bw(theirs):>8}  {ratio}"
+        print(line, file=out)
+    print(f"# latency at the smallest size (us): " + ", ".join(
+        f"{lib} {r.time_us:.1f}" for lib, r in table[min(table)].items() if r.time_us)
+        if table else "#", file=out)
+
+
+def _bw(r: Row | None) -> str:
+    return "N/A" if r is None or r.busbw is None else f"{r.busbw:.3f}"
+
+
+def plot(rows: list[Row], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ops = sorted({r.op for r in rows}, key=OPS.index)
+    fig, axes = plt.subplots(len(ops), 2, figsize=(11, 3.2 * len(ops)), squeeze=False)
+    for i, op in enumerate(ops):
+        variant = comparison_variant(op)
+        for lib in dict.fromkeys(r.library for r in rows):
+            pts = [r for r in rows if r.op == op and r.library == lib and r.variant == variant
+                   and r.busbw]
+            if not pts:
+                continue
+            axes[i][0].plot([p.size for p in pts], [p.busbw for p in pts], marker="o", label=lib)
+            axes[i][1].plot([p.size for p in pts], [p.time_us for p in pts], marker="o",
+                            label=lib)
+        for j, (ylabel, name) in enumerate((("busbw (GB/s)", "bus bandwidth"),
+                                            ("time (us)", "latency"))):
+            ax = axes[i][j]
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("size (bytes)")
+            ax.set_ylabel(ylabel)
+            ax.set_title(f"{op} {name} ({variant})")
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+class Progress:
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.total, self.done, self.enabled = total, 0, enabled
+
+    def step(self, what: str) -> None:
+        self.done += 1
+        if self.enabled:
+            width = 30
+            filled = int(width * self.done / self.total)
+            sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] "
+                             f"{self.done}/{self.total} {what:<40}")
+            if self.done == self.total:
+                sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+# ---- the command --------------------------------------------------------------------------
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="anyccl bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("-n", "--nprocs", type=int, help="launch this many ranks (else: this job)")
+    p.add_argument("--op", default="all_reduce", help="|".join(OPS) + "|all, or a list a,b")
+    p.add_argument("--min", default="8", help="smallest size (default 8)")
+    p.add_argument("--max", default="64M", help="largest size (default 64M)")
+    p.add_argument("--factor", type=float, default=2.0, help="size step factor (default 2)")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--redop", default="sum")
+    p.add_argument("--root", type=int, default=0)
+    p.add_argument("--iters", type=int, help="timed iterations per size (default: automatic)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--backend", default=None, help="anyccl backend (default shm)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--compare", default="", help="peers to run in the same job: torch,mpi")
+    p.add_argument("--json", help="write every row to this JSON file")
+    p.add_argument("--plot", help="draw busbw and latency against size into this PNG")
+    return p.parse_args(argv)
+
+
+def _settings(ns: argparse.Namespace) -> Settings:
+    from ..buffers import SUPPORTED_DTYPES
+
+    ops = list(OPS) if ns.op == "all" else [o.strip() for o in ns.op.split(",")]
+    for op in ops:
+        if op not in OPS:
+            raise SystemExit(f"anyccl bench: --op {op}: expected one of {', '.join(OPS)}, all")
+    by_name = {d.name: d for d in SUPPORTED_DTYPES}
+    if ns.dtype not in by_name:
+        raise SystemExit(f"anyccl bench: --dtype {ns.dtype}: expected one of "
+                         f"{', '.join(by_name)}")
+    return Settings(ops, parse_size(ns.min, "--min"), parse_size(ns.max, "--max"), ns.factor,
+                    by_name[ns.dtype], ReduceOp.parse(ns.redop), ns.root, ns.iters, ns.warmup)
+
+
+def _in_a_job() -> bool:
+    return any(os.environ.get(v) for v in ("ANYCCL_STORE", "RANK", "OMPI_COMM_WORLD_RANK",
+                                            "PMI_RANK"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = parse_args(argv)
+    if ns.device == "cuda":
+        raise SystemExit("anyccl bench: --device cuda needs the nccl or ipc backend, which this "
+                         "build does not have yet")
+    settings = _settings(ns)
+    compare = [c.strip() for c in ns.compare.split(",") if c.strip()]
+    for c in compare:
+        if c not in PEERS:
+            raise SystemExit(f"anyccl bench: --compare {c}: expected torch and/or mpi")
+    if ns.nprocs and not _in_a_job():
+        return _launch(ns, argv if argv is not None else sys.argv[1:], compare)
+    return _bench(ns, settings, compare)
+
+
+def _launch(ns: argparse.Namespace, argv: list[str], compare: list[str]) -> int:
+    rest = _without_nprocs(argv)
+    if "mpi" in compare:
+        mpiexec = shutil.which("mpiexec")
+        if mpiexec is None:
+            raise SystemExit("anyccl bench: --compare mpi needs mpiexec on PATH "
+                             "(pip install mpich mpi4py)")
+        import subprocess
+
+        return subprocess.call([mpiexec, "-n", str(ns.nprocs), sys.executable, "-m",
+                                "anyccl.tools.bench", *rest])
+    from ..launch import run
+
+    return run(ns.nprocs, "anyccl.tools.bench", rest, module=True, backend=ns.backend)
+
+
+def _without_nprocs(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in ("-n", "--nprocs"):
+            skip = True
+        elif not a.startswith(("-n=", "--nprocs=")):
+            out.append(a)
+    return out
+
+
+def _bench(ns: argparse.Namespace, s: Settings, compare: list[str]) -> int:
+    import anyccl
+
+    comm = anyccl.init(ns.backend)
+    out = sys.stdout
+    peers: list[Any] = [AnycclPeer(comm)] + [PEERS[c](comm) for c in compare]
+    sizes = sweep_sizes(s)
+    lead = comm.rank == 0
+    membw = memory_bandwidth_gbs() if lead else 0.0
+    comm.barrier()
+    hosts = comm.all_gather_object((os.getpid(), socket.gethostname()))
+    if lead:
+        print(f"# anyccl bench: {','.join(s.ops)} on {comm.size} ranks, backend {comm.backend} "
+              f"(cpu), {s.dtype.name}, redop {s.redop.name.lower()}, root {s.root}, sizes "
+              f"{s.min_bytes} B .. {s.max_bytes} B x{s.factor:g}, warmup {s.warmup}, iters "
+              f"{s.iters or 'auto'}", file=out)
+        print(f"# libraries: {', '.join(_versions(compare))}", file=out)
+        print(f"# memory: one core copying 256 MiB with NumPy moves {membw:.1f} GB/s "
+              f"(read + written)", file=out)
+        print("#", file=out)
+        for r, (pid, host) in enumerate(hosts):
+            print(f"#  Rank {r:2d} Pid {pid:7d} on {host}", file=out)
+        out.flush()
+    progress = Progress(len(peers) * len(s.ops) * len(sizes),
+                        lead and sys.stderr.isatty())
+    rows: list[Row] = []
+    for op in s.ops:
+        if op == "sendrecv" and comm.size == 1:
+            continue
+        for peer in peers:
+            peer_rows = []
+            for nbytes in sizes:
+                variants = [True] if op in _IN_PLACE_ONLY else \
+                    [False] if op in _OUT_OF_PLACE_ONLY else [False, True]
+                for in_place in variants:
+                    peer_rows.append(measure(comm, peer, op, nbytes, s, in_place))
+                progress.step(f"{peer.name} {op} {nbytes} B")
+            rows += peer_rows
+            if lead:
+                print_table(out, peer.name, op, peer_rows)
+                out.flush()
+        if lead and compare:
+            print_comparison(out, op, [r for r in rows if r.op == op],
+                             [p.name for p in peers])
+            out.flush()
+    wrong = sum(r.wrong or 0 for r in rows)
+    if lead:
+        if ns.json:
+            meta = {"ranks": comm.size, "backend": comm.backend, "memory_copy_gbs": membw,
+                    "libraries": _versions(compare), "host": socket.gethostname()}
+            with open(ns.json, "w") as f:
+                json.dump({"meta": meta, "rows": [asdict(r) for r in rows]}, f, indent=1)
+        if ns.plot:
+            plot(rows, ns.plot, f"anyccl bench, {comm.size} ranks, {s.dtype.name}")
+    for peer in peers:
+        peer.close()
+    comm.close()
+    return 1 if wrong else 0
+
+
+def _versions(compare: list[str]) -> list[str]:
+    import anyccl
+
+    found = [f"anyccl {anyccl.__version__}", f"numpy {np.__version__}"]
+    if "torch" in compare:
+        import torch
+
+        found.append(f"torch {torch.__version__} (gloo)")
+    if "mpi" in compare:
+        from mpi4py import MPI
+
+        import mpi4py
+
+        found.append(f"mpi4py {mpi4py.__version__} on {MPI.Get_library_version().splitlines()[0]}")
+    return found
+
+
+if __name__ == "__main__":
+    sys.exit(main())

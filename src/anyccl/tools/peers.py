@@ -1,0 +1,174 @@
+"""The libraries `anyccl bench` measures side by side: anyccl itself, torch.distributed and
+mpi4py. Each adapter runs one op on NumPy buffers it is handed (torch views them without a
+copy), so every library moves the same bytes; an op a library lacks returns None."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+
+from ..communicator import Communicator
+from ..ops import ReduceOp
+
+Runner = Callable[[], None]
+
+
+class AnycclPeer:
+    name = "anyccl"
+
+    def __init__(self, comm: Communicator) -> None:
+        self.comm = comm
+
+    def barrier(self) -> None:
+        self.comm.barrier()
+
+    def runner(self, op: str, b: dict[str, Any], redop: ReduceOp, root: int) -> Runner | None:
+        c = self.comm
+        table: dict[str, Runner] = {
+            "all_reduce": lambda: c.all_reduce(b["buf"], redop),
+            "reduce": lambda: c.reduce(b["buf"], root, redop),
+            "broadcast": lambda: c.broadcast(b["buf"], root),
+            "all_gather": lambda: c.all_gather(b["out"], b["inp"]),
+            "gather": lambda: c.gather(b["inp"], b.get("outs"), root),
+            "scatter": lambda: c.scatter(b["out"], b.get("chunks"), root),
+            "reduce_scatter": lambda: c.reduce_scatter(b["out"], b["inp"], redop),
+            "all_to_all": lambda: c.all_to_all(b["out"], b["inp"]),
+            "sendrecv": lambda: _ring_exchange(c, b),
+        }
+        return table[op]
+
+    def close(self) -> None:
+        pass
+
+
+def _ring_exchange(c: Communicator, b: dict[str, Any]) -> None:
+    w = c.irecv(b["out"], (c.rank - 1) % c.size)
+    c.send(b["inp"], (c.rank + 1) % c.size)
+    w.wait()
+
+
+class TorchPeer:
+    """torch.distributed with gloo (CPU)."""
+
+    name = "torch"
+
+    def __init__(self, comm: Communicator) -> None:
+        import torch
+        import torch.distributed as dist
+
+        self.torch, self.dist = torch, dist
+        address = None
+        if comm.rank == 0:
+            import socket
+
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+        address = comm.broadcast_object(address, 0)
+        dist.init_process_group("gloo", init_method=address, rank=comm.rank,
+                                world_size=comm.size)
+        self.rank, self.size = comm.rank, comm.size
+
+    def barrier(self) -> None:
+        self.dist.barrier()
+
+    def _t(self, a: Any) -> Any:
+        if isinstance(a, list):
+            return [self._t(x) for x in a]
+        if a.dtype.name == "bfloat16":
+            return self.torch.from_numpy(a.view(np.int16)).view(self.torch.bfloat16)
+        return self.torch.from_numpy(a)
+
+    def runner(self, op: str, b: dict[str, Any], redop: ReduceOp, root: int) -> Runner | None:
+        d = self.dist
+        ops = {ReduceOp.SUM: d.ReduceOp.SUM, ReduceOp.MAX: d.ReduceOp.MAX,
+               ReduceOp.MIN: d.ReduceOp.MIN, ReduceOp.PROD: d.ReduceOp.PRODUCT,
+               ReduceOp.BAND: d.ReduceOp.BAND, ReduceOp.BOR: d.ReduceOp.BOR,
+               ReduceOp.BXOR: d.ReduceOp.BXOR}
+        top = ops.get(redop)
+        t = {k: self._t(v) for k, v in b.items() if v is not None and k not in ("kind",)}
+        rank = self.rank
+        if top is None and op in ("all_reduce", "reduce", "reduce_scatter"):
+            return None
+        table: dict[str, Runner] = {
+            "all_reduce": lambda: d.all_reduce(t["buf"], top),
+            "reduce": lambda: d.reduce(t["buf"], root, top),
+            "broadcast": lambda: d.broadcast(t["buf"], root),
+            "all_gather": lambda: d.all_gather_into_tensor(t["out"], t["inp"]),
+            "gather": lambda: d.gather(t["inp"], t.get("outs"), root),
+            "scatter": lambda: d.scatter(t["out"], t.get("chunks"), root),
+            "reduce_scatter": lambda: d.reduce_scatter_tensor(t["out"], t["inp"], top),
+            "all_to_all": lambda: d.all_to_all_single(t["out"], t["inp"]),
+            "sendrecv": lambda: _torch_ring(d, t, rank, self.size),
+        }
+        return table[op]
+
+    def close(self) -> None:
+        self.dist.destroy_process_group()
+
+
+def _torch_ring(d: Any, t: dict[str, Any], rank: int, size: int) -> None:
+    w = d.irecv(t["out"], (rank - 1) % size)
+    d.send(t["inp"], (rank + 1) % size)
+    w.wait()
+
+
+class MPIPeer:
+    """mpi4py's buffer interface, on whatever MPI it was built with."""
+
+    name = "mpi"
+
+    def __init__(self, comm: Communicator) -> None:
+        from mpi4py import MPI
+
+        self.MPI, self.c = MPI, MPI.COMM_WORLD
+        if self.c.Get_size() != comm.size:
+            raise RuntimeError("--compare mpi needs the job started by mpiexec (anyccl bench -n N "
+                               "does this when mpiexec is on PATH)")
+
+    def barrier(self) -> None:
+        self.c.Barrier()
+
+    def runner(self, op: str, b: dict[str, Any], redop: ReduceOp, root: int) -> Runner | None:
+        MPI, c = self.MPI, self.c
+        if any(getattr(v, "dtype", np.dtype("f4")).name in ("bfloat16", "float16")
+               for v in b.values() if v is not None and not isinstance(v, (list, str))):
+            return None  # MPI has no standard type for these
+        mop = {ReduceOp.SUM: MPI.SUM, ReduceOp.MAX: MPI.MAX, ReduceOp.MIN: MPI.MIN,
+               ReduceOp.PROD: MPI.PROD, ReduceOp.BAND: MPI.BAND, ReduceOp.BOR: MPI.BOR,
+               ReduceOp.BXOR: MPI.BXOR}.get(redop)
+        if mop is None and op in ("all_reduce", "reduce", "reduce_scatter"):
+            return None
+        rank, size = c.Get_rank(), c.Get_size()
+        in_place = b.get("kind") == "in"
+        IN = MPI.IN_PLACE
+
+        def reduce() -> None:
+            if rank == root:
+                c.Reduce(IN, b["buf"], mop, root)
+            else:
+                c.Reduce(b["buf"], None, mop, root)
+
+        table: dict[str, Runner] = {
+            "all_reduce": lambda: c.Allreduce(IN, b["buf"], mop),
+            "reduce": reduce,
+            "broadcast": lambda: c.Bcast(b["buf"], root),
+            "all_gather": (lambda: c.Allgather(IN, b["out"])) if in_place else
+            (lambda: c.Allgather(b["inp"], b["out"])),
+            "gather": lambda: c.Gather(b["inp"], b.get("out_whole"), root),
+            "scatter": lambda: c.Scatter(b.get("chunks_whole"), b["out"], root),
+            "reduce_scatter": (lambda: c.Reduce_scatter_block(IN, b["inp"], mop)) if in_place
+            else (lambda: c.Reduce_scatter_block(b["inp"], b["out"], mop)),
+            "all_to_all": (lambda: c.Alltoall(IN, b["out"])) if in_place else
+            (lambda: c.Alltoall(b["inp"], b["out"])),
+            "sendrecv": lambda: c.Sendrecv(b["inp"], (rank + 1) % size, 0, b["out"],
+                                           (rank - 1) % size, 0),
+        }
+        return table[op]
+
+    def close(self) -> None:
+        pass
+
+
+PEERS = {"torch": TorchPeer, "mpi": MPIPeer}
