@@ -18,6 +18,8 @@ from reference import (
 
 WORLD_SIZES = (1, 2, 3, 4)
 SMALL_STAGING = {"ANYCCL_SHM_STAGING_BYTES": str(256 << 10)}
+# large messages take the single-copy path when cross-memory attach works; pin each path
+PATHS = {"direct": SMALL_STAGING, "staging": {**SMALL_STAGING, "ANYCCL_SHM_CMA": "0"}}
 
 
 def cases():
@@ -136,10 +138,20 @@ CHECKS = [check_all_reduce, check_reduce, check_broadcast, check_all_gather, che
           check_scatter, check_reduce_scatter, check_all_to_all]
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 @pytest.mark.parametrize("check", CHECKS, ids=lambda f: f.__name__.removeprefix("check_"))
-def test_collective_matches_numpy(check, world_size):
-    assert all(run_ranks(check, world_size, env=SMALL_STAGING, deadline_s=300))
+def test_collective_matches_numpy(check, world_size, path):
+    assert all(run_ranks(check, world_size, env=PATHS[path], deadline_s=300))
+
+
+def check_path(comm):
+    return comm._backend.direct
+
+
+def test_cross_memory_attach_is_agreed_by_every_rank_and_can_be_turned_off():
+    assert len(set(run_ranks(check_path, 3))) == 1
+    assert run_ranks(check_path, 2, env={"ANYCCL_SHM_CMA": "0"}) == [False, False]
 
 
 def check_default_staging_large(comm):

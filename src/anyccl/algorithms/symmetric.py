@@ -95,32 +95,45 @@ def _one_shot(stg: SymmetricStaging, x: np.ndarray, op: ReduceOp, root: int | No
 
 
 def _two_shot(stg: SymmetricStaging, x: np.ndarray, op: ReduceOp, root: int | None) -> None:
+    """Per chunk: stage the slices peers reduce; reduce this rank's slice from its own array and
+    the peers' staging, publish it; then (overlapped with the next chunk's staging) copy the
+    peers' reduced slices. Per rank this reads and writes about 4.5x the chunk for 2 ranks,
+    against 5.5x for staging everything."""
     n, me, count, dtype = stg.size, stg.rank, x.size, x.dtype
     align = max(1, _SLICE_ALIGN_BYTES // dtype.itemsize)
-    pending: tuple[int, int, int] | None = None  # chunk whose result is still to be copied out
+    receives = root is None or me == root
+    pending: tuple[int, list[tuple[int, int]], int] | None = None  # result still to copy out
 
-    def copy_out(start: int, c: int, half: int) -> None:
-        if root is not None and me != root:
-            return
-        for j, (lo, hi) in enumerate(split_bounds(c, n, align)):
-            x[start + lo:start + hi] = _typed(stg.peer(j, half), dtype, hi)[lo:hi]
+    def copy_out(start: int, bounds: list[tuple[int, int]], half: int) -> None:
+        for j, (lo, hi) in enumerate(bounds):
+            if j != me:
+                x[start + lo:start + hi] = _typed(stg.peer(j, half), dtype, hi)[lo:hi]
 
     for start, c in _chunks(count, max(1, stg.half_bytes // dtype.itemsize)):
         half = stg.next_half()
+        bounds = split_bounds(c, n, align)
         mine = _typed(stg.mine(half), dtype, c)
-        mine[:] = x[start:start + c]
-        if pending:
+        for j, (lo, hi) in enumerate(bounds):
+            if j != me:
+                mine[lo:hi] = x[start + lo:start + hi]
+        if pending and receives:
             copy_out(*pending)
         stg.barrier()
-        lo, hi = split_bounds(c, n, align)[me]
-        acc = mine[lo:hi]
+        lo, hi = bounds[me]
+        if receives:  # reduce straight into the caller's array, then publish the slice
+            acc = x[start + lo:start + hi]
+        else:  # a non-root rank of reduce keeps its array as it was
+            acc = mine[lo:hi]
+            acc[:] = x[start + lo:start + hi]
         for j in range(n):
             if j != me:
                 accumulate(acc, _typed(stg.peer(j, half), dtype, hi)[lo:hi], op)
         finish(acc, op, n)
+        if receives:
+            mine[lo:hi] = acc
         stg.barrier()
-        pending = (start, c, half)
-    if pending:
+        pending = (start, bounds, half)
+    if pending and receives:
         copy_out(*pending)
 
 

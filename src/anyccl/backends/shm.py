@@ -30,12 +30,13 @@ from typing import Callable
 
 import numpy as np
 
-from ..algorithms import symmetric
+from ..algorithms import direct, symmetric
 from ..buffers import SUPPORTED_DTYPES
 from ..errors import InvalidArgumentError, PeerLostError, RendezvousError, TimeoutError
 from ..ops import ReduceOp
 from ..store import Store
 from ..trace import OpRecord, format_bytes
+from . import cross_memory
 from .base import Backend, Completion
 from .doorbell import Doorbell
 
@@ -44,7 +45,7 @@ try:  # the same calls multiprocessing.shared_memory uses, without its resource 
 except ImportError:  # pragma: no cover - non-POSIX platforms
     _posixshmem = None
 
-DEFAULT_STAGING_BYTES = 16 << 20   # per half; ANYCCL_SHM_STAGING_BYTES
+DEFAULT_STAGING_BYTES = 1 << 20    # per half; ANYCCL_SHM_STAGING_BYTES (cache-sized: measured)
 DEFAULT_CHANNEL_BYTES = 1 << 20    # per destination; ANYCCL_SHM_CHANNEL_BYTES
 _MAGIC = 0x616E7963636C3031        # "anyccl01"
 
@@ -52,6 +53,7 @@ _MAGIC = 0x616E7963636C3031        # "anyccl01"
 _W_MAGIC, _W_PID, _W_ARRIVE, _W_CLOSED, _W_STATUS_LEN = 0, 1, 2, 3, 8
 _BELL_OFFSET = 32                  # bytes; SEM_BYTES long, words 4..7
 _STATUS_OFFSET, _STATUS_BYTES = 72, 256
+_W_SEGMENT_ADDRESS = 42            # where the owner maps its own segment (to probe CMA)
 _W_SENT = 64                       # words 64 .. 64+n: bytes this rank wrote into channel to j
 _HEADER = 32                       # message header: tag, nbytes, dtype code, 0 (int64 each)
 _PEER_CHECK_S = 0.25
@@ -77,7 +79,8 @@ class _Layout:
     def __init__(self, size: int, staging_bytes: int, channel_bytes: int) -> None:
         self.size = size
         self.w_consumed = _W_SENT + size  # words: bytes this rank consumed from channel of j
-        self.control = _round_up((self.w_consumed + size) * 8, 4096)
+        self.w_published = self.w_consumed + size  # words: array addresses of the current op
+        self.control = _round_up((self.w_published + size) * 8, 4096)
         self.channel_bytes = channel_bytes
         self.channels = self.control
         self.staging_bytes = staging_bytes
@@ -182,6 +185,7 @@ class SharedMemoryBackend(Backend):
         self._own = _Segment(name, layout.total, create=True)
         try:
             self._own.words[_W_PID] = os.getpid()
+            self._own.words[_W_SEGMENT_ADDRESS] = self._own.address(0)
             self._bell = Doorbell(self._own.address(_BELL_OFFSET), create=True)
             self._own.words[_W_MAGIC] = _MAGIC
             self._segments = self._rendezvous(store, name, timeout_s)
@@ -207,6 +211,8 @@ class SharedMemoryBackend(Backend):
         self._unexpected: list[list[_Incoming]] = [[] for _ in range(size)]
         self._incoming: list[_Incoming | None] = [None] * size
         self._pids = [int(ctl[_W_PID]) for ctl in self._ctl]
+        self._scratch = np.empty(0, np.uint8)
+        self.direct = self._agree_on_cross_memory(store, timeout_s)
 
     # ---- setup -----------------------------------------------------------------------------
     def _rendezvous(self, store: Store, name: str, timeout_s: float) -> list[_Segment]:
@@ -236,6 +242,23 @@ class SharedMemoryBackend(Backend):
             raise
         self._own.unlink()
         return segments
+
+    def _agree_on_cross_memory(self, store: Store, timeout_s: float) -> bool:
+        """Whether every rank can read every peer's memory directly (probed, then agreed)."""
+        ok = cross_memory.available()
+        if ok:
+            probe = np.zeros(1, np.uint64)
+            for j, ctl in enumerate(self._ctl):
+                if j == self.rank:
+                    continue
+                try:
+                    cross_memory.read(self._pids[j], int(ctl[_W_SEGMENT_ADDRESS]), probe)
+                except OSError:
+                    ok = False
+                    break
+                ok &= int(probe[0]) == _MAGIC
+        store.set(f"shm/cma/{self.rank}", b"1" if ok else b"0")
+        return all(store.get(f"shm/cma/{j}", timeout_s) == b"1" for j in range(self.size))
 
     def subgroup(self, ranks: list[int], name: str, timeout_s: float) -> Backend:
         from ..store import PrefixStore
@@ -340,24 +363,52 @@ class SharedMemoryBackend(Backend):
         late = [j for j, c in enumerate(self._ctl) if c[_W_ARRIVE] < epoch]
         return "rank " + ", ".join(map(str, late)) + " to arrive"
 
+    # ---- direct-access interface of algorithms.direct ---------------------------------------
+    def publish(self, addresses: list[int]) -> None:
+        words, base = self._own.words, self._layout.w_published
+        for i, address in enumerate(addresses):
+            words[base + i] = address
+
+    def addresses(self, rank: int) -> list[int]:
+        words, base = self._ctl[rank], self._layout.w_published
+        return [int(words[base + i]) for i in range(self.size)]
+
+    def read(self, rank: int, address: int, dst: np.ndarray) -> None:
+        cross_memory.read(self._pids[rank], address, dst)
+
+    def scratch(self, nbytes: int) -> np.ndarray:
+        if self._scratch.nbytes < nbytes:
+            self._scratch = np.empty(nbytes, np.uint8)
+        return self._scratch
+
+    def _direct_for(self, op: str, nbytes: int) -> bool:
+        # the same answer on every rank: `direct` is agreed and nbytes is the same everywhere
+        return self.direct and self.size > 1 and nbytes >= direct.MIN_BYTES[op]
+
     # ---- collectives -------------------------------------------------------------------------
     def all_reduce(self, x: np.ndarray, op: ReduceOp) -> None:
-        symmetric.all_reduce(self, x, op)
+        if self._direct_for("all_reduce", x.nbytes):
+            direct.all_reduce(self, x, op)
+        else:
+            symmetric.all_reduce(self, x, op)
 
     def reduce(self, x: np.ndarray, root: int, op: ReduceOp) -> None:
         symmetric.all_reduce(self, x, op, root=root)
 
     def broadcast(self, x: np.ndarray, root: int) -> None:
-        symmetric.broadcast(self, x, root)
+        (direct if self._direct_for("broadcast", x.nbytes) else symmetric).broadcast(self, x, root)
 
     def all_gather(self, outs: list[np.ndarray], x: np.ndarray) -> None:
-        symmetric.all_gather(self, outs, x)
+        (direct if self._direct_for("all_gather", x.nbytes) else symmetric).all_gather(
+            self, outs, x)
 
     def gather(self, x: np.ndarray, outs: list[np.ndarray] | None, root: int) -> None:
-        symmetric.all_gather(self, outs, x, root=root)
+        (direct if self._direct_for("gather", x.nbytes) else symmetric).all_gather(
+            self, outs, x, root)
 
     def scatter(self, out: np.ndarray, chunks: list[np.ndarray] | None, root: int) -> None:
-        symmetric.scatter(self, out, chunks, root)
+        (direct if self._direct_for("scatter", out.nbytes) else symmetric).scatter(
+            self, out, chunks, root)
 
     def reduce_scatter(self, out: np.ndarray, inputs: list[np.ndarray], op: ReduceOp) -> None:
         symmetric.reduce_scatter(self, out, inputs, op)

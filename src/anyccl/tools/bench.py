@@ -39,6 +39,13 @@ _REDUCING = ("all_reduce", "reduce", "reduce_scatter")
 _IN_PLACE_ONLY = ("all_reduce", "broadcast", "reduce")  # anyccl's API is in place for these
 _OUT_OF_PLACE_ONLY = ("gather", "scatter", "sendrecv")
 _TARGET_S = 0.2  # automatic iteration counts aim at this much time per size
+_HEADER = (  # as nccl-tests prints it
+    "#                                                              out-of-place"
+    "                       in-place\n"
+    "#       size         count      type   redop    root     time   algbw   busbw #wrong"
+    "     time   algbw   busbw #wrong\n"
+    "#        (B)    (elements)                               (us)  (GB/s)  (GB/s)       "
+    "     (us)  (GB/s)  (GB/s)")
 
 
 def bus_factor(op: str, n: int) -> float:
@@ -223,21 +230,14 @@ def memory_bandwidth_gbs(nbytes: int = 256 << 20) -> float:
 # ---- printing -----------------------------------------------------------------------------
 def _fmt_variant(r: Row | None) -> str:
     if r is None or r.time_us is None:
-        return f"  {'N/A':>7}  {'N/A':>6}  {'N/A':>6}  {'N/A':>5}"
+        return f"  {'N/A':>7}  {'N/A':>6}  {'N/A':>6}  {'N/A':>5}"  # nccl-tests' widths
     t = f"{r.time_us:7.2f}" if r.time_us < 1e5 else f"{r.time_us:7.0f}"
     return f"  {t}  {r.algbw:6.2f}  {r.busbw:6.2f}  {r.wrong:5d}"
 
 
 def print_table(out, library: str, op: str, rows: list[Row]) -> None:
     print(f"#\n# {library}: {op}", file=out)
-    print(f"# {'':>10}  {'':>12}  {'':>8}  {'':>6}  {'':>6}           out-of-place"
-          f"                       in-place", file=out)
-    print(f"# {'size':>10}  {'count':>12}  {'type':>8}  {'redop':>6}  {'root':>6}  "
-          f"{'time':>7}  {'algbw':>6}  {'busbw':>6}  {'#wrong':>5}  {'time':>7}  {'algbw':>6}  "
-          f"{'busbw':>6}  {'#wrong':>5}", file=out)
-    print(f"# {'(B)':>10}  {'(elements)':>12}  {'':>8}  {'':>6}  {'':>6}  {'(us)':>7}  "
-          f"{'(GB/s)':>6}  {'(GB/s)':>6}  {'':>5}  {'(us)':>7}  {'(GB/s)':>6}  {'(GB/s)':>6}",
-          file=out)
+    print(_HEADER, file=out)
     by_size: dict[int, dict[str, Row]] = {}
     for r in rows:
         by_size.setdefault(r.size, {})[r.variant] = r
@@ -275,7 +275,7 @@ def print_comparison(out, op: str, rows: list[Row], libraries: list[str]) -> Non
                      and theirs.busbw else f"{'N/A':>6}")
             line += f"  {_bw(theirs):>8}  {ratio}"
         print(line, file=out)
-    print(f"# latency at the smallest size (us): " + ", ".join(
+    print("# latency at the smallest size (us): " + ", ".join(
         f"{lib} {r.time_us:.1f}" for lib, r in table[min(table)].items() if r.time_us)
         if table else "#", file=out)
 
@@ -449,6 +449,9 @@ def _bench(ns: argparse.Namespace, s: Settings, compare: list[str]) -> int:
         for peer in peers:
             peer_rows = []
             for nbytes in sizes:
+                if sizes_of(op, nbytes, s.dtype.itemsize, comm.size)[0] == 0:
+                    progress.step(f"{peer.name} {op} {nbytes} B (no element per rank)")
+                    continue
                 variants = [True] if op in _IN_PLACE_ONLY else \
                     [False] if op in _OUT_OF_PLACE_ONLY else [False, True]
                 for in_place in variants:
@@ -486,9 +489,8 @@ def _versions(compare: list[str]) -> list[str]:
 
         found.append(f"torch {torch.__version__} (gloo)")
     if "mpi" in compare:
-        from mpi4py import MPI
-
         import mpi4py
+        from mpi4py import MPI
 
         found.append(f"mpi4py {mpi4py.__version__} on {MPI.Get_library_version().splitlines()[0]}")
     return found

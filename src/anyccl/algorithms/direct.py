@@ -1,0 +1,110 @@
+"""Single-copy collectives for transports where a rank can read a peer's own arrays (the shm
+backend with cross-memory attach). Each rank publishes the addresses of its arrays, passes a
+barrier, reads what it needs straight into its own arrays, and passes a final barrier so that no
+array is changed while a peer still reads it. Large messages move once instead of twice."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+
+from ..ops import ReduceOp, accumulate, finish
+from .symmetric import split_bounds
+
+# Below these sizes the staging path is faster (fewer system calls, data already in cache).
+# Measured with `anyccl bench -n 2 --compare mpi` on the 2-core CI machine class
+# (benchmarks/results/2026-11-22-ci2core-shm.md).
+MIN_BYTES = {"all_reduce": 2 << 20, "broadcast": 256 << 10, "all_gather": 256 << 10,
+             "gather": 256 << 10, "scatter": 256 << 10}
+ALL_REDUCE_CHUNK_BYTES = 8 << 20  # per chunk: bounds the scratch; larger chunks won there
+_SLICE_ALIGN_BYTES = 4096
+
+
+class DirectAccess(Protocol):
+    rank: int
+    size: int
+
+    def publish(self, addresses: list[int]) -> None:
+        """Make this rank's array addresses visible to peers for the current op."""
+
+    def addresses(self, rank: int) -> list[int]:
+        """What `rank` published for the current op (valid after the next barrier)."""
+
+    def read(self, rank: int, address: int, dst: np.ndarray) -> None:
+        """Copy dst.nbytes bytes at `address` in `rank`'s memory into `dst`."""
+
+    def scratch(self, nbytes: int) -> np.ndarray:
+        """A private uint8 buffer of at least `nbytes`, reused across ops."""
+
+    def barrier(self) -> None: ...
+
+
+def _addr(a: np.ndarray) -> int:
+    return a.ctypes.data
+
+
+def all_gather(d: DirectAccess, outs: list[np.ndarray] | None, x: np.ndarray,
+               root: int | None = None) -> None:
+    """outs[j] = rank j's `x` on every rank (with `root`: on the root only)."""
+    receives = root is None or d.rank == root
+    d.publish([_addr(x)])
+    if receives:
+        outs[d.rank][:] = x
+    d.barrier()
+    if receives:
+        for j in range(d.size):
+            if j != d.rank:
+                d.read(j, d.addresses(j)[0], outs[j])
+    d.barrier()
+
+
+def broadcast(d: DirectAccess, x: np.ndarray, root: int) -> None:
+    d.publish([_addr(x)])
+    d.barrier()
+    if d.rank != root:
+        d.read(root, d.addresses(root)[0], x)
+    d.barrier()
+
+
+def scatter(d: DirectAccess, out: np.ndarray, chunks: list[np.ndarray] | None,
+            root: int) -> None:
+    d.publish([_addr(c) for c in chunks] if d.rank == root else [])
+    if d.rank == root:
+        out[:] = chunks[root]
+    d.barrier()
+    if d.rank != root:
+        d.read(root, d.addresses(root)[d.rank], out)
+    d.barrier()
+
+
+def all_reduce(d: DirectAccess, x: np.ndarray, op: ReduceOp) -> None:
+    """Per chunk: read the peers' inputs for this rank's slice and reduce it in place; barrier;
+    read the peers' reduced slices. One barrier per chunk plus one at the end suffice: a rank
+    changes a slice of chunk k only in a phase that starts after the barrier following every
+    peer's last read of that slice."""
+    n, me, dtype = d.size, d.rank, x.dtype
+    d.publish([_addr(x)])
+    align = max(1, _SLICE_ALIGN_BYTES // dtype.itemsize)
+    step = max(align * n, ALL_REDUCE_CHUNK_BYTES // dtype.itemsize)
+    base = [None] * n
+    tmp = d.scratch((-(-step // n) + align) * dtype.itemsize)  # largest slice of a chunk
+    for start in range(0, x.size, step):
+        c = min(step, x.size - start)
+        bounds = split_bounds(c, n, align)
+        if start == 0:
+            d.barrier()  # addresses published; every rank has entered
+            base = [d.addresses(j)[0] if j != me else 0 for j in range(n)]
+        lo, hi = bounds[me]
+        acc = x[start + lo:start + hi]
+        piece = tmp[:acc.nbytes].view(dtype)
+        for j in range(n):
+            if j != me:
+                d.read(j, base[j] + (start + lo) * dtype.itemsize, piece)
+                accumulate(acc, piece, op)
+        finish(acc, op, n)
+        d.barrier()
+        for j, (lo_j, hi_j) in enumerate(bounds):
+            if j != me and hi_j > lo_j:
+                d.read(j, base[j] + (start + lo_j) * dtype.itemsize, x[start + lo_j:start + hi_j])
+    d.barrier()

@@ -1,0 +1,77 @@
+"""`anyccl bench`: nccl-tests columns and conventions, real result checks, comparisons."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from anyccl import ReduceOp
+from anyccl.tools import bench
+
+
+def _bench(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "anyccl", "bench", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_every_op_runs_with_no_wrong_element_in_nccl_tests_format(tmp_path):
+    out = tmp_path / "rows.json"
+    proc = _bench("-n", "3", "--op", "all", "--min", "8", "--max", "1M", "--factor", "16",
+                  "--iters", "3", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    header = "#       size         count      type   redop    root     time   algbw   busbw #wrong"
+    assert proc.stdout.count(header) == len(bench.OPS)
+    assert proc.stdout.count("# Out of bounds values : 0 OK") == len(bench.OPS)
+    assert "# Avg bus bandwidth    :" in proc.stdout
+    rows = json.loads(out.read_text())["rows"]
+    measured = [r for r in rows if r["time_us"] is not None]
+    assert {r["op"] for r in measured} == set(bench.OPS)
+    assert [r for r in measured if r["wrong"] != 0 or not r["busbw"] > 0] == []
+    line = next(ln for ln in proc.stdout.splitlines() if ln.split()[:1] == ["32768"])
+    assert line.split()[1:5] == ["8192", "float", "sum", "-1"]  # all_reduce comes first
+
+
+@pytest.mark.parametrize("op", bench.OPS)
+def test_the_result_check_counts_corrupted_elements(op):
+    count, n = 64, 3
+    for rank in range(n):
+        buffers, wrong = bench.build(op, count, np.dtype(np.float32), rank, n, 0, False,
+                                     ReduceOp.SUM)
+        if op in ("reduce", "gather") and rank != 0:
+            assert wrong(buffers) == 0  # nothing is defined there to check
+            continue
+        target = next(k for k in ("buf", "out", "out_whole") if buffers.get(k) is not None)
+        buffers[target].reshape(-1)[:5] = 1e9  # a broken collective wrote garbage
+        assert wrong(buffers) >= 5, (op, rank)
+
+
+def test_sizes_and_bus_factors_follow_nccl_tests():
+    assert bench.sizes_of("all_reduce", 1024, 4, 4) == (256, 1024)
+    assert bench.sizes_of("all_gather", 1024, 4, 4) == (64, 1024)
+    assert bench.sizes_of("reduce_scatter", 1000, 4, 3) == (83, 996)
+    assert bench.bus_factor("all_reduce", 4) == pytest.approx(1.5)
+    assert bench.bus_factor("all_gather", 4) == pytest.approx(0.75)
+    assert bench.bus_factor("broadcast", 4) == bench.bus_factor("sendrecv", 4) == 1.0
+
+
+def test_compare_with_torch_prints_ratios_and_plots(tmp_path):
+    pytest.importorskip("torch")
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "plot.png"
+    proc = _bench("-n", "2", "--op", "all_reduce,broadcast", "--min", "1K", "--max", "64K",
+                  "--factor", "8", "--iters", "3", "--compare", "torch", "--plot", str(png))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "# all_reduce: busbw (GB/s, in-place); ratio = anyccl / peer" in proc.stdout
+    assert "# torch: broadcast" in proc.stdout
+    assert png.stat().st_size > 10_000
+
+
+def test_bad_options_are_refused_clearly():
+    proc = _bench("--op", "all_sum")
+    assert proc.returncode != 0 and "--op all_sum: expected one of" in proc.stderr
+    proc = _bench("--max", "lots")
+    assert proc.returncode != 0 and "--max='lots' is not a size" in proc.stderr
