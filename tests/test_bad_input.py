@@ -63,7 +63,7 @@ BAD_CALLS = {
     "all_to_all_indivisible": (lambda c: c.all_to_all(_ones(5), _ones(5)),
                                anyccl.InvalidArgumentError, "not divisible"),
     "scatter_without_chunks_on_src": (lambda c: c.scatter(_ones(), None, src=0),
-                                      anyccl.InvalidArgumentError, "chunks is None on the source"),
+                                      anyccl.InvalidArgumentError, "chunks is None on the src"),
     "gather_list_on_non_root": (lambda c: c.gather(_ones(), [_ones(), _ones()], dst=1),
                                 anyccl.InvalidArgumentError, "must be None on ranks other"),
     "split_bad_color": (lambda c: c.split(-3), anyccl.InvalidArgumentError, "color=-3"),

@@ -200,7 +200,7 @@ def _backend_name(backend: str | None) -> str:
 def init(backend: str | None = None, *, rank: int | None = None,
          world_size: int | None = None, init_method: str | None = None,
          timeout: float | timedelta | None = None,
-         local_rank: int | None = None) -> Communicator:
+         local_rank: int | None = None, debug: bool | None = None) -> Communicator:
     """Join the job and return the communicator of all its ranks.
 
     backend:     "shm" (default; "gloo" is accepted as its alias), or ANYCCL_BACKEND.
@@ -210,7 +210,11 @@ def init(backend: str | None = None, *, rank: int | None = None,
                  "file:///path" (a directory every rank sees); default from the environment.
     timeout:     seconds (or a timedelta) any one operation may wait before it fails with
                  anyccl.TimeoutError; default ANYCCL_TIMEOUT or 600.
+    debug:       check before every collective that all ranks called the same one with
+                 agreeing arguments (CollectiveMismatchError otherwise); default ANYCCL_DEBUG.
     """
+    if debug is None:
+        debug = os.environ.get("ANYCCL_DEBUG", "0").strip().lower() not in ("", "0", "false")
     env_rank, env_size, env_local = _launcher_identity()
     rank = env_rank if rank is None else rank
     world_size = env_size if world_size is None else world_size
@@ -242,8 +246,35 @@ def init(backend: str | None = None, *, rank: int | None = None,
     except BaseException:
         store.close()
         raise
+    _dump_flight_records_on_sigterm()
     return Communicator(backend_impl, store, rank=rank, size=world_size, local_rank=local_rank,
-                        timeout_s=timeout_s)
+                        timeout_s=timeout_s, job_id=job_id, debug=debug)
+
+
+def _dump_flight_records_on_sigterm() -> None:
+    """When `anyccl run` stops this rank (SIGTERM), first write where every communicator was,
+    so the launcher can say which rank was behind. Only if the program set no handler."""
+    import signal
+    import threading
+
+    if not os.environ.get("ANYCCL_LAUNCHER_PID") or \
+            threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return
+
+    def on_sigterm(signum: int, _frame: object) -> None:
+        from .communicator import _live
+        from .trace import flight_directory
+
+        for comm in list(_live):
+            try:
+                comm.flight_recorder.dump(flight_directory(comm.job_id))
+            except OSError:
+                pass
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
 
 
 atexit.register(close_all)

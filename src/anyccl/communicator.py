@@ -17,13 +17,23 @@ from typing import Any, Callable
 import numpy as np
 
 from .backends.base import Backend
-from .buffers import as_numpy
+from .buffers import SUPPORTED_DTYPES, as_numpy
 from .engine import Engine
-from .errors import AnycclError, InvalidArgumentError
-from .ops import ReduceOp, check_reduce_op
+from .errors import (
+    AnycclError,
+    CollectiveMismatchError,
+    InvalidArgumentError,
+    PeerLostError,
+    TimeoutError,
+)
+from .ops import COLLECTIVES, ReduceOp, check_reduce_op
 from .store import Store
-from .trace import OpRecord, format_bytes
+from .trace import FlightRecorder, OpRecord, flight_directory, format_bytes
 from .work import Work
+
+_OP_CODES = list(COLLECTIVES)
+_REDOP_CODES = list(ReduceOp)
+_DTYPE_CODES = {d: i for i, d in enumerate(SUPPORTED_DTYPES)}
 
 _live: weakref.WeakSet[Communicator] = weakref.WeakSet()
 
@@ -54,9 +64,13 @@ class Communicator:
     """
 
     def __init__(self, backend: Backend, store: Store, *, rank: int, size: int, local_rank: int,
-                 timeout_s: float, name: str = "world") -> None:
+                 timeout_s: float, name: str = "world", job_id: str = "local",
+                 debug: bool = False) -> None:
         self.rank, self.size, self.local_rank = rank, size, local_rank
         self.timeout_s = timeout_s
+        self.debug = debug
+        self.job_id = job_id
+        self.flight_recorder = FlightRecorder(rank, name)
         self._backend = backend
         self._store = store
         self._name = name
@@ -124,6 +138,19 @@ class Communicator:
             self._same(op, piece, like, f"{name}[{i}]")
         return pieces
 
+    def _root_pieces(self, op: str, arg: Any, name: str, like: np.ndarray, root: int,
+                     root_name: str, *, writable: bool) -> list[np.ndarray] | None:
+        """The root's list argument of gather/scatter as pieces; None, as required, elsewhere."""
+        if self.rank != root:
+            if arg is not None:
+                raise self._fail(op, f"{name} must be None on ranks other than "
+                                     f"{root_name}={root}")
+            return None
+        if arg is None:
+            raise self._fail(op, f"{name} is None on the {root_name} rank {root}; pass "
+                                 f"{self.size} arrays like {'tensor' if op == 'gather' else 'out'}")
+        return self._pieces(op, arg, name, like, writable=writable)
+
     def _same(self, op: str, x: np.ndarray, like: np.ndarray, name: str) -> None:
         if x.dtype != like.dtype:
             raise self._fail(op, f"{name} has dtype {x.dtype.name}; expected {like.dtype.name} "
@@ -138,14 +165,33 @@ class Communicator:
 
     # ---- running -----------------------------------------------------------------------------
     def _collective(self, name: str, args: str, nbytes: int, run: Callable[[], None],
-                    async_op: bool) -> Work | None:
+                    async_op: bool, *, like: np.ndarray | None = None, root: int = -1,
+                    op: ReduceOp | None = None) -> Work | None:
+        """Run collective `name` in issue order. `like` (the array whose dtype and size every
+        rank must agree on), `root` and `op` are what debug mode compares across ranks."""
         self._seq += 1
         record = OpRecord(name, self._seq, args, nbytes)
         backend, timeout_s = self._backend, self.timeout_s
+        entry = self.flight_recorder.queued(record)
+        signature = None
+        if self.debug:
+            signature = np.array([_OP_CODES.index(name), record.seq,
+                                  _DTYPE_CODES[like.dtype] if like is not None else -1,
+                                  like.size if like is not None else -1, root,
+                                  _REDOP_CODES.index(op) if op is not None else -1], np.int64)
 
         def task(_: Work | None = None) -> None:
+            FlightRecorder.started(entry)
             backend.begin(record, time.monotonic() + timeout_s)
-            run()
+            try:
+                if signature is not None:
+                    self._check_agreement(record, signature)
+                run()
+            except BaseException as exc:
+                FlightRecorder.ended(entry, exc)
+                self._post_mortem(exc)
+                raise
+            FlightRecorder.ended(entry)
             backend.end(record)
 
         work = Work(record, self.rank)
@@ -153,6 +199,33 @@ class Communicator:
             return self._engine.submit(task, work)
         self._engine.call(task, work)
         return None
+
+    def _check_agreement(self, record: OpRecord, signature: np.ndarray) -> None:
+        """Debug mode: every rank learns what every rank called; all raise on a difference."""
+        everyone = [np.empty_like(signature) for _ in range(self.size)]
+        self._backend.all_gather(everyone, signature)
+        if all((s == signature).all() for s in everyone):
+            return
+        lines = [f"rank {self.rank}: collectives disagree at {record} (debug mode):",
+                 f"  {'rank':>4}  {'op':<15}{'seq':>6}  {'dtype':<10}{'count':>10}{'root':>6}  "
+                 f"redop"]
+        for r, (op, seq, dtype, count, root, redop) in enumerate(everyone):
+            lines.append(
+                f"  {r:>4}  {_OP_CODES[op]:<15}{seq:>6}  "
+                f"{SUPPORTED_DTYPES[dtype].name if dtype >= 0 else '-':<10}"
+                f"{count if count >= 0 else '-':>10}{root if root >= 0 else '-':>6}  "
+                f"{_REDOP_CODES[redop].name if redop >= 0 else '-'}")
+        raise CollectiveMismatchError("\n".join(lines))
+
+    def _post_mortem(self, exc: BaseException) -> None:
+        """On a timeout or a lost peer: write the flight record once and point the error at it."""
+        if not isinstance(exc, (TimeoutError, PeerLostError)):
+            return
+        path = self.flight_recorder.dumped_to or self.flight_recorder.dump(
+            flight_directory(self.job_id))
+        if exc.args and isinstance(exc.args[0], str) and path not in exc.args[0]:
+            exc.args = (f"{exc.args[0]}\n  flight record of rank {self.rank}: {path}",
+                        *exc.args[1:])
 
     def _message(self, kind: str, x: np.ndarray, peer: int, tag: int, async_op: bool) -> Work:
         key = (kind, peer)
@@ -163,19 +236,35 @@ class Communicator:
         backend, engine, timeout_s = self._backend, self._engine, self.timeout_s
         post = backend.post_send if kind == "send" else backend.post_recv
         work = Work(record, self.rank)
+        entry = self.flight_recorder.queued(record)
+
+        def finished(error: BaseException | None) -> None:
+            FlightRecorder.ended(entry, error)
+            if error is not None:
+                self._post_mortem(error)
+
         if async_op:
             def task(w: Work) -> None:
-                post(x, peer, tag, record, time.monotonic() + timeout_s, engine.completion(w))
+                FlightRecorder.started(entry)
+                done = engine.completion(w)
+                post(x, peer, tag, record, time.monotonic() + timeout_s,
+                     lambda error: (finished(error), done(error)))
             return engine.submit(task, work, finishes_itself=True)
 
         outcome: list[BaseException | None] = []
 
         def blocking() -> None:
+            FlightRecorder.started(entry)
             deadline = time.monotonic() + timeout_s
             backend.begin(record, deadline)
             post(x, peer, tag, record, deadline, outcome.append)
-            backend.wait_for_messages(lambda: bool(outcome), record, deadline)
+            try:
+                backend.wait_for_messages(lambda: bool(outcome), record, deadline)
+            except BaseException as exc:
+                finished(exc)
+                raise
             backend.end(record)
+            finished(outcome[0])
             if outcome[0] is not None:
                 raise outcome[0]
 
@@ -225,7 +314,7 @@ class Communicator:
         x = self._array("broadcast", tensor, "tensor", writable=True)
         src = self._peer("broadcast", src, "src")
         return self._collective("broadcast", f"{_shape(x)}, src={src}", x.nbytes,
-                                lambda: self._backend.broadcast(x, src), async_op)
+                                lambda: self._backend.broadcast(x, src), async_op, like=x, root=src)
 
     def all_reduce(self, tensor: Any, op: ReduceOp | str = ReduceOp.SUM,
                    async_op: bool = False) -> Work | None:
@@ -234,7 +323,7 @@ class Communicator:
         x = self._array("all_reduce", tensor, "tensor", writable=True)
         rop = self._reduce_op("all_reduce", op, x.dtype)
         return self._collective("all_reduce", f"{_shape(x)}, op={rop.name}", x.nbytes,
-                                lambda: self._backend.all_reduce(x, rop), async_op)
+                                lambda: self._backend.all_reduce(x, rop), async_op, like=x, op=rop)
 
     def reduce(self, tensor: Any, dst: int, op: ReduceOp | str = ReduceOp.SUM,
                async_op: bool = False) -> Work | None:
@@ -245,7 +334,8 @@ class Communicator:
         dst = self._peer("reduce", dst, "dst")
         rop = self._reduce_op("reduce", op, x.dtype)
         return self._collective("reduce", f"{_shape(x)}, dst={dst}, op={rop.name}", x.nbytes,
-                                lambda: self._backend.reduce(x, dst, rop), async_op)
+                                lambda: self._backend.reduce(x, dst, rop), async_op, like=x,
+                                root=dst, op=rop)
 
     def all_gather(self, out: Any, tensor: Any, async_op: bool = False) -> Work | None:
         """`out` receives every rank's `tensor` in rank order: a list of `size` arrays, or one
@@ -257,7 +347,7 @@ class Communicator:
             if i != self.rank:
                 self._disjoint("all_gather", piece, f"out[{i}]", x, "tensor")
         return self._collective("all_gather", _shape(x), x.nbytes * self.size,
-                                lambda: self._backend.all_gather(outs, x), async_op)
+                                lambda: self._backend.all_gather(outs, x), async_op, like=x)
 
     def gather(self, tensor: Any, out_list: Any = None, dst: int = 0,
                async_op: bool = False) -> Work | None:
@@ -266,16 +356,10 @@ class Communicator:
         self._check_open("gather")
         x = self._array("gather", tensor, "tensor", writable=False)
         dst = self._peer("gather", dst, "dst")
-        outs = None
-        if self.rank == dst:
-            if out_list is None:
-                raise self._fail("gather", f"out_list is None on the destination rank {dst}; "
-                                           f"pass {self.size} arrays like tensor")
-            outs = self._pieces("gather", out_list, "out_list", x, writable=True)
-        elif out_list is not None:
-            raise self._fail("gather", f"out_list must be None on ranks other than dst={dst}")
+        outs = self._root_pieces("gather", out_list, "out_list", x, dst, "dst", writable=True)
         return self._collective("gather", f"{_shape(x)}, dst={dst}", x.nbytes * self.size,
-                                lambda: self._backend.gather(x, outs, dst), async_op)
+                                lambda: self._backend.gather(x, outs, dst), async_op, like=x,
+                                root=dst)
 
     def scatter(self, out: Any, chunks: Any = None, src: int = 0,
                 async_op: bool = False) -> Work | None:
@@ -284,19 +368,13 @@ class Communicator:
         self._check_open("scatter")
         x = self._array("scatter", out, "out", writable=True)
         src = self._peer("scatter", src, "src")
-        pieces = None
-        if self.rank == src:
-            if chunks is None:
-                raise self._fail("scatter", f"chunks is None on the source rank {src}; pass "
-                                            f"{self.size} arrays like out")
-            pieces = self._pieces("scatter", chunks, "chunks", x, writable=False)
-            for i, piece in enumerate(pieces):
-                if i != self.rank:
-                    self._disjoint("scatter", piece, f"chunks[{i}]", x, "out")
-        elif chunks is not None:
-            raise self._fail("scatter", f"chunks must be None on ranks other than src={src}")
+        pieces = self._root_pieces("scatter", chunks, "chunks", x, src, "src", writable=False)
+        for i, piece in enumerate(pieces or ()):
+            if i != self.rank:
+                self._disjoint("scatter", piece, f"chunks[{i}]", x, "out")
         return self._collective("scatter", f"{_shape(x)}, src={src}", x.nbytes * self.size,
-                                lambda: self._backend.scatter(x, pieces, src), async_op)
+                                lambda: self._backend.scatter(x, pieces, src), async_op, like=x,
+                                root=src)
 
     def reduce_scatter(self, out: Any, inp: Any, op: ReduceOp | str = ReduceOp.SUM,
                        async_op: bool = False) -> Work | None:
@@ -311,7 +389,8 @@ class Communicator:
         rop = self._reduce_op("reduce_scatter", op, x.dtype)
         return self._collective("reduce_scatter", f"{_shape(x)}, op={rop.name}",
                                 x.nbytes * self.size,
-                                lambda: self._backend.reduce_scatter(x, inputs, rop), async_op)
+                                lambda: self._backend.reduce_scatter(x, inputs, rop), async_op,
+                                like=x, op=rop)
 
     def all_to_all(self, out: Any, inp: Any, async_op: bool = False) -> Work | None:
         """Rank i's out[j] receives rank j's inp[i]. Both are lists of `size` arrays of one
@@ -334,7 +413,8 @@ class Communicator:
                 if i != j:
                     self._disjoint("all_to_all", o, f"out[{i}]", piece, f"inp[{j}]")
         return self._collective("all_to_all", _shape(first), first.nbytes * self.size,
-                                lambda: self._backend.all_to_all(outs, inputs), async_op)
+                                lambda: self._backend.all_to_all(outs, inputs), async_op,
+                                like=first)
 
     def barrier(self, async_op: bool = False) -> Work | None:
         """Return once every rank of the communicator has called barrier."""
@@ -389,7 +469,8 @@ class Communicator:
         name = f"{self._name}.{self._splits}.{color}"
         backend = self._backend.subgroup(ranks, name, self.timeout_s)
         return Communicator(backend, self._store, rank=ranks.index(self.rank), size=len(ranks),
-                            local_rank=self.local_rank, timeout_s=self.timeout_s, name=name)
+                            local_rank=self.local_rank, timeout_s=self.timeout_s, name=name,
+                            job_id=self.job_id, debug=self.debug)
 
     def new_group(self, ranks: Sequence[int]) -> Communicator | None:
         """Collective over all ranks: a communicator of `ranks` (in ascending order, as

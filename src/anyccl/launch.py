@@ -113,7 +113,36 @@ def run(nprocs: int, target: str, args: list[str], *, module: bool = False,
         server.close()
         for path in remove_job_segments(job_id):
             print(f"anyccl run: removed leftover shared memory {path}", file=sys.stderr)
+        if code != 0:
+            print_flight_summary(job_id)
     return code
+
+
+def print_flight_summary(job_id: str) -> None:
+    """After a failure: what each rank was doing, from the flight records ranks wrote."""
+    import json
+
+    from .trace import flight_directory
+
+    directory = flight_directory(job_id)
+    records = []
+    for path in sorted(glob.glob(os.path.join(directory, "flight-*.json"))):
+        try:
+            with open(path) as f:
+                records.append(json.load(f))
+        except (OSError, ValueError):
+            continue
+    if not records:
+        return
+    print(f"anyccl run: flight records in {directory}:", file=sys.stderr)
+    for rec in sorted(records, key=lambda r: (r["communicator"], r["rank"])):
+        ops = rec["ops"]
+        pending = [o for o in ops if o["state"] in ("started", "queued", "failed")]
+        last = pending[0] if pending else (ops[-1] if ops else None)
+        what = f"{last['op']}({last['args']}) #{last['seq']} {last['state']}" if last else "-"
+        done = sum(o["state"] == "done" for o in ops)
+        print(f"  {rec['communicator']} rank {rec['rank']}: {what}; {done} recent ops done",
+              file=sys.stderr)
 
 
 def _watch(ranks: list[RankProcess], stop_requested: list[int]) -> int:
@@ -128,7 +157,9 @@ def _watch(ranks: list[RankProcess], stop_requested: list[int]) -> int:
         running = [rp for rp in ranks if rp.proc.poll() is None]
         failed = [rp for rp in ranks if rp.proc.returncode not in (None, 0)]
         if failed and first_failure is None:
-            first_failure = failed[0]
+            # Seen in the same poll, a rank killed by a signal is the likelier cause: the others
+            # often exit because they lost it.
+            first_failure = min(failed, key=lambda rp: (rp.proc.returncode >= 0, rp.rank))
             if running:
                 what = _describe(first_failure.proc.returncode)
                 print(f"anyccl run: rank {first_failure.rank} {what} (first failure); stopping "

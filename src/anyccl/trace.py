@@ -32,3 +32,66 @@ def format_bytes(n: int) -> str:
             return f"{n} B" if unit == "B" else f"{value:.4g} {unit}"
         value /= 1024
     return f"{n} B"
+
+
+class FlightRecorder:
+    """The last `capacity` operations of one communicator on this rank, with their states
+    (queued, started, done, failed) and times, for post-mortems of hangs and lost peers."""
+
+    def __init__(self, rank: int, name: str, capacity: int = 64) -> None:
+        from collections import deque
+
+        self.rank, self.name = rank, name
+        self._entries: deque[dict] = deque(maxlen=capacity)
+        self.dumped_to: str | None = None
+
+    def queued(self, record: OpRecord) -> dict:
+        entry = {"op": record.name, "seq": record.seq, "args": record.args,
+                 "bytes": record.nbytes, "state": "queued", "queued_at": time.time(),
+                 "started_at": None, "ended_at": None, "error": None}
+        self._entries.append(entry)
+        return entry
+
+    @staticmethod
+    def started(entry: dict) -> None:
+        entry["state"], entry["started_at"] = "started", time.time()
+
+    @staticmethod
+    def ended(entry: dict, error: BaseException | None = None) -> None:
+        entry["state"] = "done" if error is None else "failed"
+        entry["ended_at"] = time.time()
+        if error is not None:
+            entry["error"] = f"{type(error).__name__}: {error}"
+
+    def entries(self) -> list[dict]:
+        return list(self._entries)
+
+    def dump(self, directory: str) -> str:
+        """Write the entries as JSON to `directory`/flight-<name>-rank<r>.json; return the path."""
+        import json
+        import os
+
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        path = os.path.join(directory, f"flight-{self.name}-rank{self.rank}.json")
+        with open(path, "w") as f:
+            json.dump({"rank": self.rank, "communicator": self.name, "pid": os.getpid(),
+                       "written_at": time.time(), "ops": self.entries()}, f, indent=1)
+        self.dumped_to = path
+        return path
+
+    def summary(self) -> str:
+        """One line: the last op that started and has not finished, else the last op."""
+        pending = [e for e in self._entries if e["state"] in ("started", "queued")]
+        entry = pending[0] if pending else (self._entries[-1] if self._entries else None)
+        if entry is None:
+            return f"rank {self.rank}: no operation recorded"
+        return f"rank {self.rank}: {entry['op']}({entry['args']}) #{entry['seq']} {entry['state']}"
+
+
+def flight_directory(job_id: str) -> str:
+    """Where ranks of job `job_id` write flight records (ANYCCL_FLIGHT_DIR overrides)."""
+    import os
+    import tempfile
+
+    root = os.environ.get("ANYCCL_FLIGHT_DIR") or tempfile.gettempdir()
+    return os.path.join(root, f"anyccl-{job_id}")

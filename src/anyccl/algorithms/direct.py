@@ -34,6 +34,9 @@ class DirectAccess(Protocol):
     def read(self, rank: int, address: int, dst: np.ndarray) -> None:
         """Copy dst.nbytes bytes at `address` in `rank`'s memory into `dst`."""
 
+    def write(self, rank: int, address: int, src: np.ndarray) -> None:
+        """Copy `src` to `address` in `rank`'s memory."""
+
     def scratch(self, nbytes: int) -> np.ndarray:
         """A private uint8 buffer of at least `nbytes`, reused across ops."""
 
@@ -44,26 +47,43 @@ def _addr(a: np.ndarray) -> int:
     return a.ctypes.data
 
 
-def all_gather(d: DirectAccess, outs: list[np.ndarray] | None, x: np.ndarray,
-               root: int | None = None) -> None:
-    """outs[j] = rank j's `x` on every rank (with `root`: on the root only)."""
-    receives = root is None or d.rank == root
+def all_gather(d: DirectAccess, outs: list[np.ndarray], x: np.ndarray) -> None:
+    """outs[j] = rank j's `x` on every rank: each rank pulls every peer's array."""
     d.publish([_addr(x)])
-    if receives:
-        outs[d.rank][:] = x
+    outs[d.rank][:] = x
     d.barrier()
-    if receives:
-        for j in range(d.size):
-            if j != d.rank:
-                d.read(j, d.addresses(j)[0], outs[j])
+    for j in range(d.size):
+        if j != d.rank:
+            d.read(j, d.addresses(j)[0], outs[j])
+    d.barrier()
+
+
+def gather(d: DirectAccess, outs: list[np.ndarray] | None, x: np.ndarray, root: int) -> None:
+    """The root's outs[j] = rank j's `x`: every other rank pushes its array into the root's list,
+    so all ranks copy at once instead of the root alone."""
+    d.publish([_addr(o) for o in outs] if d.rank == root else [])
+    d.barrier()
+    if d.rank == root:
+        outs[root][:] = x
+    else:
+        d.write(root, d.addresses(root)[d.rank], x)
     d.barrier()
 
 
 def broadcast(d: DirectAccess, x: np.ndarray, root: int) -> None:
+    """Every receiver pulls the last (n-1)/n of the root's array while the root pushes the first
+    1/n into every receiver: the copying is spread over all n ranks, not n-1."""
+    n = d.size
     d.publish([_addr(x)])
     d.barrier()
-    if d.rank != root:
-        d.read(root, d.addresses(root)[0], x)
+    raw = x.reshape(-1).view(np.uint8)
+    split = min(raw.size, -(-raw.size // n // _SLICE_ALIGN_BYTES) * _SLICE_ALIGN_BYTES)
+    if d.rank == root:
+        for j in range(n):
+            if j != root and split:
+                d.write(j, d.addresses(j)[0], raw[:split])
+    elif split < raw.size:
+        d.read(root, d.addresses(root)[0] + split, raw[split:])
     d.barrier()
 
 

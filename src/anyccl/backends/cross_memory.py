@@ -19,11 +19,11 @@ class _IOVec(ctypes.Structure):
     _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
 
 
-def _load():
+def _load(name: str):
     if not sys.platform.startswith("linux"):
         return None
     libc = ctypes.CDLL(None, use_errno=True)
-    fn = getattr(libc, "process_vm_readv", None)
+    fn = getattr(libc, name, None)
     if fn is None:
         return None
     fn.restype = ctypes.c_ssize_t
@@ -32,23 +32,33 @@ def _load():
     return fn
 
 
-_readv = _load()
+_readv, _writev = _load("process_vm_readv"), _load("process_vm_writev")
 
 
 def available() -> bool:
-    return _readv is not None and os.environ.get("ANYCCL_SHM_CMA", "1") != "0"
+    return _readv is not None and _writev is not None and \
+        os.environ.get("ANYCCL_SHM_CMA", "1") != "0"
 
 
-def read(pid: int, address: int, dst: np.ndarray) -> None:
-    """Copy dst.nbytes bytes at `address` in process `pid` into contiguous `dst`."""
-    total, done = dst.nbytes, 0
-    base = dst.ctypes.data
+def _transfer(call, what: str, pid: int, address: int, local_array: np.ndarray) -> None:
+    total, done = local_array.nbytes, 0
+    base = local_array.ctypes.data
     local, remote = _IOVec(), _IOVec()
     while done < total:
         local.base, local.len = base + done, total - done
         remote.base, remote.len = address + done, total - done
-        n = _readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
+        n = call(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
         if n <= 0:
             err = ctypes.get_errno()
-            raise OSError(err, f"process_vm_readv from pid {pid}: {os.strerror(err)}")
+            raise OSError(err, f"{what} with pid {pid}: {os.strerror(err)}")
         done += n
+
+
+def read(pid: int, address: int, dst: np.ndarray) -> None:
+    """Copy dst.nbytes bytes at `address` in process `pid` into contiguous `dst`."""
+    _transfer(_readv, "process_vm_readv", pid, address, dst)
+
+
+def write(pid: int, address: int, src: np.ndarray) -> None:
+    """Copy contiguous `src` to `address` in process `pid`."""
+    _transfer(_writev, "process_vm_writev", pid, address, src)

@@ -122,6 +122,47 @@ class _Segment:
             pass
 
 
+def process_alive(pid: int) -> bool:
+    """Whether `pid` runs: a zombie (dead, not yet reaped by its parent) counts as dead."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rpartition(b")")[2].split()[0] not in (b"Z", b"X")
+    except (OSError, IndexError):
+        return True  # no /proc (macOS): kill(0) is all we have
+
+
+def reclaim_dead_segments(directory: str = "/dev/shm") -> list[str]:
+    """Unlink anyccl segments whose creator has died before unlinking them (a crash during
+    start-up). Only segments this user can open, with a valid header, and whose creating
+    process no longer exists are touched; live jobs' segments are left alone."""
+    import glob
+
+    removed = []
+    for path in glob.glob(os.path.join(directory, "anyccl-*")):
+        try:
+            with open(path, "rb") as f:
+                header = f.read(16)
+        except OSError:  # another user's (mode 0600), or already gone
+            continue
+        if len(header) < 16:
+            continue
+        magic, pid = np.frombuffer(header, np.uint64)
+        if int(magic) != _MAGIC or pid == 0 or process_alive(int(pid)):
+            continue
+        try:
+            os.unlink(path)
+            removed.append(path)
+        except OSError:
+            pass
+    return removed
+
+
 class _Send:
     __slots__ = ("data", "header", "total", "written", "record", "deadline", "on_done")
 
@@ -180,6 +221,8 @@ class SharedMemoryBackend(Backend):
         self._deadline = float("inf")
         self._closed = False
         self._next_peer_check = 0.0
+        if comm_name == "w":
+            reclaim_dead_segments()
 
         name = f"/anyccl-{job_id}-{comm_name}-{rank}-{secrets.token_hex(4)}"
         self._own = _Segment(name, layout.total, create=True)
@@ -324,13 +367,9 @@ class SharedMemoryBackend(Backend):
             if self._ctl[j][_W_CLOSED]:
                 raise PeerLostError(f"rank {self.rank}: rank {j} closed its communicator while "
                                     f"this rank was in {self._record}", j)
-            try:
-                os.kill(self._pids[j], 0)
-            except ProcessLookupError:
+            if not process_alive(self._pids[j]):
                 raise PeerLostError(f"rank {self.rank}: rank {j} (pid {self._pids[j]}) died while "
-                                    f"this rank was in {self._record}", j) from None
-            except PermissionError:
-                pass
+                                    f"this rank was in {self._record}", j)
 
     def wait_for_activity(self, timeout_s: float) -> None:
         self._bell.sleep(timeout_s)
@@ -376,6 +415,9 @@ class SharedMemoryBackend(Backend):
     def read(self, rank: int, address: int, dst: np.ndarray) -> None:
         cross_memory.read(self._pids[rank], address, dst)
 
+    def write(self, rank: int, address: int, src: np.ndarray) -> None:
+        cross_memory.write(self._pids[rank], address, src)
+
     def scratch(self, nbytes: int) -> np.ndarray:
         if self._scratch.nbytes < nbytes:
             self._scratch = np.empty(nbytes, np.uint8)
@@ -403,8 +445,10 @@ class SharedMemoryBackend(Backend):
             self, outs, x)
 
     def gather(self, x: np.ndarray, outs: list[np.ndarray] | None, root: int) -> None:
-        (direct if self._direct_for("gather", x.nbytes) else symmetric).all_gather(
-            self, outs, x, root)
+        if self._direct_for("gather", x.nbytes):
+            direct.gather(self, outs, x, root)
+        else:
+            symmetric.all_gather(self, outs, x, root)
 
     def scatter(self, out: np.ndarray, chunks: list[np.ndarray] | None, root: int) -> None:
         (direct if self._direct_for("scatter", out.nbytes) else symmetric).scatter(

@@ -1,0 +1,218 @@
+"""Fail fast and explain: lost peers, mismatched collectives, deadlines with flight records,
+clean-up on every exit path, and a rendezvous no foreign client can stall."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from harness import run_ranks_outcomes, spawn_processes
+
+import anyccl
+from anyccl.store import StoreServer
+
+SURVIVOR = r"""
+import os, signal, sys, time, numpy as np, anyccl
+victim, mode = int(sys.argv[1]), sys.argv[2]
+comm = anyccl.init()
+x = np.ones(4096, np.float32)
+step = 0
+try:
+    while True:
+        step += 1
+        if comm.rank == victim and step == 50:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if mode == "collective":
+            comm.all_reduce(x)
+        elif comm.rank == 0:
+            comm.recv(x, victim)          # waits on the victim, which dies
+        else:
+            comm.send(x, 0)
+        if step == 49:
+            died_after = time.monotonic()
+except anyccl.PeerLostError as exc:
+    print(f"LOST {exc.lost_rank} {time.monotonic() - died_after:.2f}", flush=True)
+    print(str(exc), flush=True)
+"""
+
+
+def _job_env(world_size: int) -> tuple[StoreServer, list[dict[str, str]]]:
+    key = secrets.token_bytes(32)
+    server = StoreServer(key)
+    common = {"WORLD_SIZE": str(world_size), "ANYCCL_STORE": server.address,
+              "ANYCCL_JOB_KEY": key.hex(), "ANYCCL_JOB_ID": secrets.token_hex(4)}
+    return server, [{**common, "RANK": str(r), "LOCAL_RANK": str(r)} for r in range(world_size)]
+
+
+@pytest.mark.parametrize("mode", ("collective", "recv"))
+def test_a_rank_killed_mid_job_makes_the_others_raise_peer_lost_within_ten_seconds(mode):
+    world = 3 if mode == "collective" else 2
+    server, envs = _job_env(world)
+    victim = 1
+    procs = spawn_processes(SURVIVOR, envs, timeout_s=60, args=[str(victim), mode])
+    server.close()
+    assert procs[victim].returncode == -signal.SIGKILL
+    for rank, proc in enumerate(procs):
+        if rank == victim:
+            continue
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        first, message = proc.stdout.splitlines()[:2]
+        _, lost, seconds = first.split()
+        assert int(lost) == victim and float(seconds) < 10, first
+        assert f"rank {victim} (pid" in message and "died while this rank was in" in message
+        assert "flight record of rank" in proc.stdout
+
+
+def check_mismatch(comm, case):
+    x = np.ones(8, np.float32)
+    if case == "op":
+        comm.all_reduce(x) if comm.rank == 0 else comm.broadcast(x, 0)
+    elif case == "dtype":
+        comm.all_reduce(x if comm.rank == 0 else np.ones(8, np.float64))
+    elif case == "count":
+        comm.all_reduce(x if comm.rank == 0 else np.ones(9, np.float32))
+    elif case == "root":
+        comm.broadcast(x, src=0 if comm.rank == 0 else 1)
+    elif case == "redop":
+        comm.all_reduce(x, op="sum" if comm.rank == 0 else "max")
+
+
+@pytest.mark.parametrize("case", ("op", "dtype", "count", "root", "redop"))
+def test_debug_mode_stops_every_rank_of_a_mismatched_collective_with_a_table(case):
+    outcomes = run_ranks_outcomes(check_mismatch, 2, case, env={"ANYCCL_DEBUG": "1"})
+    for rank, error in enumerate(outcomes):
+        assert isinstance(error, anyccl.CollectiveMismatchError), repr(error)
+        text = str(error)
+        assert text.startswith(f"rank {rank}: collectives disagree at")
+        rows = [line.split() for line in text.splitlines()[2:]]
+        assert [r[0] for r in rows] == ["0", "1"] and rows[0] != rows[1]
+
+
+def check_matching_in_debug_mode(comm):
+    x = np.ones(5)
+    comm.all_reduce(x)
+    comm.broadcast(x, src=1)
+    comm.barrier()
+    return comm.debug and float(x[0]) == 2.0
+
+
+def test_debug_mode_lets_agreeing_collectives_through():
+    assert all(run_ranks_outcomes(check_matching_in_debug_mode, 2, env={"ANYCCL_DEBUG": "1"}))
+
+
+def check_timeout_writes_flight_record(comm):
+    if comm.rank == 1:
+        comm.barrier()  # rank 0 is elsewhere: this times out after ANYCCL_TIMEOUT
+        return "no error"
+    time.sleep(2.5)
+    return "idle"
+
+
+def test_a_timeout_names_the_peers_and_writes_a_flight_record(tmp_path):
+    env = {"ANYCCL_TIMEOUT": "1", "ANYCCL_FLIGHT_DIR": str(tmp_path)}
+    error = run_ranks_outcomes(check_timeout_writes_flight_record, 2, env=env)[1]
+    assert isinstance(error, anyccl.TimeoutError), repr(error)
+    text = str(error)
+    assert re.match(r"rank 1: barrier\(\) #\d+ timed out after 1 s waiting for rank 0 to arrive",
+                    text), text
+    path = re.search(r"flight record of rank 1: (\S+)", text).group(1)
+    record = json.loads(open(path).read())
+    assert record["rank"] == 1 and record["ops"][-1]["op"] == "barrier"
+    assert record["ops"][-1]["state"] == "failed" and "TimeoutError" in record["ops"][-1]["error"]
+
+
+def test_the_launcher_summarises_where_each_rank_was(tmp_path):
+    script = os.path.join(os.path.dirname(__file__), "scripts", "rank_behaviour.py")
+    proc = subprocess.run([sys.executable, "-m", "anyccl", "run", "-n", "3", script, "kill",
+                           str(tmp_path), "2"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 128 + signal.SIGKILL
+    assert "anyccl run: flight records in" in proc.stderr, proc.stderr
+    assert re.search(r"world rank [01]: all_reduce\(float32 x 1000, op=SUM\) #\d+", proc.stderr)
+
+
+def test_an_exception_in_one_rank_leaves_nothing_behind(tmp_path):
+    before = set(glob.glob("/dev/shm/anyccl-*"))
+    source = ("import anyccl, numpy as np\nc = anyccl.init()\nc.barrier()\n"
+              "if c.rank == 1: raise RuntimeError('boom')\nc.barrier()\n")
+    script = tmp_path / "boom.py"
+    script.write_text(source)
+    proc = subprocess.run([sys.executable, "-m", "anyccl", "run", "-n", "2", str(script)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and "RuntimeError: boom" in proc.stderr
+    assert set(glob.glob("/dev/shm/anyccl-*")) <= before
+
+
+def test_sigkill_of_every_rank_leaves_no_segment_and_no_process(tmp_path):
+    before = set(glob.glob("/dev/shm/anyccl-*"))
+    script = os.path.join(os.path.dirname(__file__), "scripts", "rank_behaviour.py")
+    launcher = subprocess.Popen([sys.executable, "-m", "anyccl", "run", "-n", "3", script,
+                                 "forever", str(tmp_path)], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while len(list(tmp_path.glob("*.pid"))) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.2)
+    pids = [int(p.read_text()) for p in tmp_path.glob("*.pid")]
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    launcher.communicate(timeout=30)
+    assert launcher.returncode == 128 + signal.SIGKILL
+    assert set(glob.glob("/dev/shm/anyccl-*")) <= before
+    for pid in pids:
+        assert not os.path.exists(f"/proc/{pid}") or \
+            open(f"/proc/{pid}/stat").read().split(")")[-1].split()[0] == "Z"
+
+
+def test_the_next_job_reclaims_segments_a_crashed_start_left_behind():
+    from anyccl.backends import shm
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    name = f"/dev/shm/anyccl-deadjob-w-0-{secrets.token_hex(4)}"
+    live = f"/dev/shm/anyccl-livejob-w-0-{secrets.token_hex(4)}"
+    for path, pid in ((name, dead.pid), (live, os.getpid())):
+        with open(path, "wb") as f:
+            f.write(np.array([shm._MAGIC, pid], np.uint64).tobytes() + bytes(4080))
+    try:
+        comm = anyccl.init()
+        comm.close()
+        assert not os.path.exists(name), "a dead job's segment survived"
+        assert os.path.exists(live), "a live process's segment was removed"
+    finally:
+        for path in (name, live):
+            if os.path.exists(path):
+                os.unlink(path)
+
+
+def test_a_stalling_foreign_client_cannot_hold_up_the_job(caplog):
+    server, envs = _job_env(2)
+    squatter = socket.create_connection((server.host, server.port))  # never answers
+    stranger = socket.create_connection((server.host, server.port))
+    stranger.recv(32)
+    stranger.sendall(b"x" * 32)  # a wrong answer to the challenge
+    start = time.monotonic()
+    program = ("import anyccl, numpy as np\nc = anyccl.init()\nx = np.ones(2)\n"
+               "c.all_reduce(x)\nprint(int(x[0]))\n")
+    procs = spawn_processes(program, envs, timeout_s=60)
+    assert [p.stdout.strip() for p in procs] == ["2", "2"], [p.stderr for p in procs]
+    assert time.monotonic() - start < 4.5  # less than the squatter's handshake deadline
+    assert server.refused >= 1
+    squatter.close()
+    stranger.close()
+    server.close()
+
+
+def test_anyccl_timeout_sets_the_default_deadline():
+    proc = spawn_processes("import anyccl\nprint(anyccl.init().timeout_s)",
+                           [{"ANYCCL_TIMEOUT": "12.5"}])[0]
+    assert proc.stdout.strip() == "12.5", proc.stderr
