@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 import pytest
-from harness import run_ranks_outcomes, spawn_processes
+from harness import run_ranks, run_ranks_outcomes, spawn_processes
 
 import anyccl
 from anyccl.store import StoreServer
@@ -107,7 +107,7 @@ def check_matching_in_debug_mode(comm):
 
 
 def test_debug_mode_lets_agreeing_collectives_through():
-    assert all(run_ranks_outcomes(check_matching_in_debug_mode, 2, env={"ANYCCL_DEBUG": "1"}))
+    assert all(run_ranks(check_matching_in_debug_mode, 2, env={"ANYCCL_DEBUG": "1"}))
 
 
 def check_timeout_writes_flight_record(comm):
@@ -216,3 +216,15 @@ def test_anyccl_timeout_sets_the_default_deadline():
     proc = spawn_processes("import anyccl\nprint(anyccl.init().timeout_s)",
                            [{"ANYCCL_TIMEOUT": "12.5"}])[0]
     assert proc.stdout.strip() == "12.5", proc.stderr
+
+
+def check_barrier_then_close(comm):
+    for _ in range(25):
+        sub = comm.split(0)
+        sub.barrier()
+        sub.close()  # some ranks close while others still see the barrier complete
+    return True
+
+
+def test_ranks_that_close_right_after_a_barrier_are_not_reported_lost():
+    assert all(run_ranks(check_barrier_then_close, 4))

@@ -348,7 +348,14 @@ class SharedMemoryBackend(Backend):
             if now >= deadline:
                 raise self._timeout_error(record, waiting_for())
             if now >= next_check:
-                self._check_peers()
+                try:
+                    self._check_peers()
+                except PeerLostError:
+                    # A peer may finish its part and close between our check and this one:
+                    # everything it published precedes its closed flag, so look once more.
+                    if ready():
+                        return
+                    raise
                 next_check = now + _PEER_CHECK_S
             if not progressed:
                 self._bell.sleep(min(deadline - now, _PEER_CHECK_S))
