@@ -76,6 +76,7 @@ def test_file_init_method_and_explicit_arguments_win_over_the_environment(tmp_pa
     for p, (_, err) in zip(procs, outs):
         assert p.returncode == 0, err
     assert sorted(o.split()[:2] for o, _ in outs) == [["0", "2"], ["1", "2"]]
+    assert not store.exists(), "the last rank to close removes the file store"
 
 
 def test_slurm_variables_give_rank_size_and_local_rank():
@@ -101,15 +102,17 @@ def test_a_rank_without_any_way_to_meet_says_how_to_launch():
     assert "anyccl run -n 2" in procs[0].stderr
 
 
-def test_a_foreign_client_without_the_job_key_is_refused():
+def test_a_foreign_client_without_the_job_key_is_refused_and_logged(caplog):
     from anyccl.store import StoreServer, TCPStore
 
     server = StoreServer(b"k" * 32)
+    assert server.host == "127.0.0.1"  # loopback unless told otherwise
     with pytest.raises(anyccl.RendezvousError, match="job key differs"):
         TCPStore(server.host, server.port, b"wrong" * 6, timeout_s=5)
     good = TCPStore(server.host, server.port, b"k" * 32, timeout_s=5)
     good.set("a", b"1")
     assert good.get("a", 1) == b"1" and server.refused == 1
+    assert "refused a connection from 127.0.0.1: wrong job key" in caplog.text
     server.close()
 
 
@@ -127,3 +130,14 @@ def test_the_store_waits_for_keys_and_counts_atomically(tmp_path):
         store.delete("x")
         assert not store.check("x")
     server.close()
+
+
+@pytest.mark.skipif(shutil.which("torchrun") is None, reason="no torchrun (torch) installed")
+def test_ranks_started_by_torchrun_meet_through_its_agent_store(tmp_path):
+    script = tmp_path / "prog.py"
+    script.write_text(PROGRAM)
+    proc = subprocess.run(["torchrun", "--standalone", "--nproc-per-node", "2", str(script)],
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(line.split() for line in proc.stdout.splitlines() if line.strip()) == \
+        [["0", "2", "0", "3"], ["1", "2", "1", "3"]]

@@ -20,7 +20,7 @@ from urllib.parse import urlparse
 from .backends.base import Backend
 from .communicator import Communicator, _seconds, close_all
 from .errors import InvalidArgumentError, RendezvousError, UnsupportedError
-from .store import FileStore, Store, StoreServer, TCPStore
+from .store import FileStore, PrefixStore, Store, StoreServer, TCPStore
 
 log = logging.getLogger("anyccl")
 
@@ -37,6 +37,7 @@ _LAUNCHER_ENV = (
 _BACKEND_ALIASES = {"gloo": "shm", "cpu": "shm"}  # torch.distributed scripts name gloo
 _PLANNED_BACKENDS = ("mpi", "nccl", "ipc")
 _servers: list[StoreServer] = []  # stores this process hosts; they live until it exits
+_generation = 0  # how many times this process called init(): every rank counts alike
 
 
 def _shm_factory(store: Store, rank: int, size: int, job_id: str, timeout_s: float) -> Backend:
@@ -155,7 +156,7 @@ def _make_store(init_method: str | None, rank: int, size: int, timeout_s: float)
                     f"init_method={init_method!r}: expected tcp://host:port")
             return _tcp_store(url.hostname, url.port, rank, timeout_s)
         elif url.scheme == "file":
-            return FileStore(url.path)
+            return FileStore(url.path, size)
         else:
             raise InvalidArgumentError(f"init_method={init_method!r}: expected env://, "
                                        f"tcp://host:port or file:///path")
@@ -232,7 +233,11 @@ def init(backend: str | None = None, *, rank: int | None = None,
     env_timeout = os.environ.get("ANYCCL_TIMEOUT")
     timeout_s = _seconds(timeout, float(env_timeout) if env_timeout else DEFAULT_TIMEOUT_S)
     name = _backend_name(backend)
-    store = _make_store(init_method, rank, world_size, timeout_s)
+    global _generation
+    _generation += 1
+    connection = _make_store(init_method, rank, world_size, timeout_s)
+    # a fresh key space per init(), so a job may close its communicator and init again
+    store = PrefixStore(f"init{_generation}", connection)
     try:
         job_id = os.environ.get("ANYCCL_JOB_ID")
         if not job_id:
@@ -244,11 +249,11 @@ def init(backend: str | None = None, *, rank: int | None = None,
                 store, rank, world_size, timeout_s)
         backend_impl = BACKENDS[name](store, rank, world_size, job_id, timeout_s)
     except BaseException:
-        store.close()
+        connection.close()
         raise
     _dump_flight_records_on_sigterm()
     return Communicator(backend_impl, store, rank=rank, size=world_size, local_rank=local_rank,
-                        timeout_s=timeout_s, job_id=job_id, debug=debug)
+                        timeout_s=timeout_s, job_id=job_id, debug=debug, owns_store=True)
 
 
 def _dump_flight_records_on_sigterm() -> None:

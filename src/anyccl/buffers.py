@@ -98,13 +98,3 @@ def as_numpy(x: Any, name: str, *, writable: bool) -> np.ndarray:
         raise InvalidArgumentError(f"{name} is read-only but receives the result; pass a writable "
                                    f"array")
     return arr
-
-
-def flat(arr: np.ndarray) -> np.ndarray:
-    """A 1-D view of a contiguous array (0-d arrays become length 1)."""
-    return arr.reshape(-1)
-
-
-def byte_view(arr: np.ndarray) -> np.ndarray:
-    """The array's memory as a 1-D uint8 view (contiguous arrays only)."""
-    return arr.reshape(-1).view(np.uint8)

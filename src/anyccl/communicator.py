@@ -65,7 +65,7 @@ class Communicator:
 
     def __init__(self, backend: Backend, store: Store, *, rank: int, size: int, local_rank: int,
                  timeout_s: float, name: str = "world", job_id: str = "local",
-                 debug: bool = False) -> None:
+                 debug: bool = False, owns_store: bool = False) -> None:
         self.rank, self.size, self.local_rank = rank, size, local_rank
         self.timeout_s = timeout_s
         self.debug = debug
@@ -73,6 +73,7 @@ class Communicator:
         self.flight_recorder = FlightRecorder(rank, name)
         self._backend = backend
         self._store = store
+        self._owns_store = owns_store  # the world communicator; sub-communicators share it
         self._name = name
         self._engine = Engine(backend, timeout_s, f"rank {rank} ({name})")
         self._seq = 0
@@ -500,7 +501,11 @@ class Communicator:
             return
         self._closed = True
         _live.discard(self)
-        self._engine.close()
+        try:
+            self._engine.close()
+        finally:
+            if self._owns_store:
+                self._store.close()
 
     def __enter__(self) -> Communicator:
         return self

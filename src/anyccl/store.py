@@ -106,6 +106,9 @@ class PrefixStore(Store):
     def delete(self, key: str) -> None:
         self.inner.delete(f"{self.prefix}/{key}")
 
+    def close(self) -> None:
+        self.inner.close()
+
 
 class StoreServer:
     """A TCP key/value server on a daemon thread; lives as long as its owner."""
@@ -279,8 +282,9 @@ class FileStore(Store):
     close removes it.
     """
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    def __init__(self, path: str | os.PathLike, world_size: int | None = None) -> None:
         self.root = Path(path)
+        self.world_size = world_size
         try:
             self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
         except OSError as exc:
@@ -324,6 +328,12 @@ class FileStore(Store):
 
     def delete(self, key: str) -> None:
         self._path(key).unlink(missing_ok=True)
+
+    def close(self) -> None:
+        """The last of `world_size` ranks to close removes the directory."""
+        if self.world_size and self.root.exists() and \
+                self.add("__closed__", 1) == self.world_size:
+            self.remove()
 
     def remove(self) -> None:
         """Delete the directory and everything in it."""

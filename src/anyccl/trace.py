@@ -79,14 +79,6 @@ class FlightRecorder:
         self.dumped_to = path
         return path
 
-    def summary(self) -> str:
-        """One line: the last op that started and has not finished, else the last op."""
-        pending = [e for e in self._entries if e["state"] in ("started", "queued")]
-        entry = pending[0] if pending else (self._entries[-1] if self._entries else None)
-        if entry is None:
-            return f"rank {self.rank}: no operation recorded"
-        return f"rank {self.rank}: {entry['op']}({entry['args']}) #{entry['seq']} {entry['state']}"
-
 
 def flight_directory(job_id: str) -> str:
     """Where ranks of job `job_id` write flight records (ANYCCL_FLIGHT_DIR overrides)."""

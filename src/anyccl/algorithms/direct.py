@@ -17,7 +17,8 @@ from .symmetric import split_bounds
 # (benchmarks/results/2026-11-22-ci2core-shm.md).
 MIN_BYTES = {"all_reduce": 2 << 20, "broadcast": 256 << 10, "all_gather": 256 << 10,
              "gather": 256 << 10, "scatter": 256 << 10}
-ALL_REDUCE_CHUNK_BYTES = 8 << 20  # per chunk: bounds the scratch; larger chunks won there
+ALL_REDUCE_CHUNK_BYTES = 8 << 20  # per chunk (one barrier each); larger chunks won there
+SCRATCH_BLOCK_BYTES = 512 << 10   # peers' data is read and reduced in blocks that stay in L2
 _SLICE_ALIGN_BYTES = 4096
 
 
@@ -108,7 +109,8 @@ def all_reduce(d: DirectAccess, x: np.ndarray, op: ReduceOp) -> None:
     align = max(1, _SLICE_ALIGN_BYTES // dtype.itemsize)
     step = max(align * n, ALL_REDUCE_CHUNK_BYTES // dtype.itemsize)
     base = [None] * n
-    tmp = d.scratch((-(-step // n) + align) * dtype.itemsize)  # largest slice of a chunk
+    block = max(align, SCRATCH_BLOCK_BYTES // dtype.itemsize)
+    tmp = d.scratch(block * dtype.itemsize)
     for start in range(0, x.size, step):
         c = min(step, x.size - start)
         bounds = split_bounds(c, n, align)
@@ -116,13 +118,14 @@ def all_reduce(d: DirectAccess, x: np.ndarray, op: ReduceOp) -> None:
             d.barrier()  # addresses published; every rank has entered
             base = [d.addresses(j)[0] if j != me else 0 for j in range(n)]
         lo, hi = bounds[me]
-        acc = x[start + lo:start + hi]
-        piece = tmp[:acc.nbytes].view(dtype)
-        for j in range(n):
-            if j != me:
-                d.read(j, base[j] + (start + lo) * dtype.itemsize, piece)
-                accumulate(acc, piece, op)
-        finish(acc, op, n)
+        for sub_lo in range(start + lo, start + hi, block):  # scratch stays in L2
+            acc = x[sub_lo:min(sub_lo + block, start + hi)]
+            piece = tmp[:acc.nbytes].view(dtype)
+            for j in range(n):
+                if j != me:
+                    d.read(j, base[j] + sub_lo * dtype.itemsize, piece)
+                    accumulate(acc, piece, op)
+            finish(acc, op, n)
         d.barrier()
         for j, (lo_j, hi_j) in enumerate(bounds):
             if j != me and hi_j > lo_j:
