@@ -17,7 +17,7 @@ from .symmetric import split_bounds
 # (benchmarks/results/2026-11-22-ci2core-shm.md).
 MIN_BYTES = {"all_reduce": 2 << 20, "broadcast": 256 << 10, "all_gather": 256 << 10,
              "gather": 256 << 10, "scatter": 256 << 10}
-ALL_REDUCE_CHUNK_BYTES = 8 << 20  # per chunk (one barrier each); larger chunks won there
+ALL_REDUCE_CHUNK_BYTES = 8 << 20  # slices are cut per chunk, so every rank works at once
 SCRATCH_BLOCK_BYTES = 512 << 10   # peers' data is read and reduced in blocks that stay in L2
 _SLICE_ALIGN_BYTES = 4096
 
@@ -100,34 +100,31 @@ def scatter(d: DirectAccess, out: np.ndarray, chunks: list[np.ndarray] | None,
 
 
 def all_reduce(d: DirectAccess, x: np.ndarray, op: ReduceOp) -> None:
-    """Per chunk: read the peers' inputs for this rank's slice and reduce it in place; barrier;
-    read the peers' reduced slices. One barrier per chunk plus one at the end suffice: a rank
-    changes a slice of chunk k only in a phase that starts after the barrier following every
-    peer's last read of that slice."""
+    """Each rank owns a slice of every chunk: it reads the peers' inputs for it block by block
+    (the scratch stays in L2), reduces into its own array, and pushes the result block straight
+    into every peer's array. Only a slice's owner reads or writes that slice in a peer's
+    array, and it writes only after its own read, so two barriers suffice: one before (every
+    rank has entered and published) and one after (every push has landed)."""
     n, me, dtype = d.size, d.rank, x.dtype
+    item = dtype.itemsize
     d.publish([_addr(x)])
-    align = max(1, _SLICE_ALIGN_BYTES // dtype.itemsize)
-    step = max(align * n, ALL_REDUCE_CHUNK_BYTES // dtype.itemsize)
-    base = [None] * n
-    block = max(align, SCRATCH_BLOCK_BYTES // dtype.itemsize)
-    tmp = d.scratch(block * dtype.itemsize)
+    align = max(1, _SLICE_ALIGN_BYTES // item)
+    step = max(align * n, ALL_REDUCE_CHUNK_BYTES // item)
+    block = max(align, SCRATCH_BLOCK_BYTES // item)
+    tmp = d.scratch(block * item)
+    d.barrier()
+    base = [d.addresses(j)[0] if j != me else 0 for j in range(n)]
     for start in range(0, x.size, step):
-        c = min(step, x.size - start)
-        bounds = split_bounds(c, n, align)
-        if start == 0:
-            d.barrier()  # addresses published; every rank has entered
-            base = [d.addresses(j)[0] if j != me else 0 for j in range(n)]
-        lo, hi = bounds[me]
-        for sub_lo in range(start + lo, start + hi, block):  # scratch stays in L2
+        lo, hi = split_bounds(min(step, x.size - start), n, align)[me]
+        for sub_lo in range(start + lo, start + hi, block):
             acc = x[sub_lo:min(sub_lo + block, start + hi)]
             piece = tmp[:acc.nbytes].view(dtype)
             for j in range(n):
                 if j != me:
-                    d.read(j, base[j] + sub_lo * dtype.itemsize, piece)
+                    d.read(j, base[j] + sub_lo * item, piece)
                     accumulate(acc, piece, op)
             finish(acc, op, n)
-        d.barrier()
-        for j, (lo_j, hi_j) in enumerate(bounds):
-            if j != me and hi_j > lo_j:
-                d.read(j, base[j] + (start + lo_j) * dtype.itemsize, x[start + lo_j:start + hi_j])
+            for j in range(n):
+                if j != me:
+                    d.write(j, base[j] + sub_lo * item, acc)
     d.barrier()
