@@ -4,7 +4,9 @@ the algorithm anyccl picks at each size, against the memory bandwidth measured i
     python benchmarks/model.py run.json          # a markdown table for the results file
 
 N is the size column of nccl-tests (the largest buffer of the op). Copies cost 2 bytes of
-traffic per byte (read + write), reductions 3 per element pair (read both, write one). A rank's
+traffic per byte (read + write), reductions 3 per element pair (read both, write one); data a
+schedule keeps in L2 on purpose (the direct all_reduce's 512 KiB scratch and the block it
+pushes) is not counted. A rank's
 time is at least its traffic divided by B, the bytes one core moves per second in a NumPy copy
 (read + written) measured in the same run; with more ranks than cores, cores are shared:
 time >= traffic x ceil(ranks / cores) / B. The model's bus bandwidth is N / time times the op's
@@ -28,8 +30,8 @@ def traffic(op: str, size: int, n: int) -> tuple[str, float]:
     if op == "all_reduce":
         if size <= ONE_SHOT_MAX_BYTES:
             return "one-shot", n + 3.0                  # stage 2, reduce n reads + 1 write
-        if direct:
-            return "direct", 7 * f                      # pull 2f, reduce 3f, pull results 2f
+        if direct:  # scratch and pushed blocks stay in L2: only these bytes touch memory
+            return "direct", 2.0                        # read peers' f + own 1/n, write same
         return "two-shot", 4 * f + 1 + 3 / n            # stage 2f, reduce 1+1/n, publish, copy
     if op == "broadcast":
         return ("direct", 2 * f) if direct else ("staged", 2.0)
