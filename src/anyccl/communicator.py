@@ -159,6 +159,13 @@ class Communicator:
         if x.size != like.size:
             raise self._fail(op, f"{name} has {x.size} elements; expected {like.size}")
 
+    def _others_disjoint(self, op: str, pieces: list[np.ndarray], name: str, x: np.ndarray,
+                         x_name: str) -> None:
+        """Only this rank's own piece may share memory with `x` (the in-place form)."""
+        for i, piece in enumerate(pieces):
+            if i != self.rank:
+                self._disjoint(op, piece, f"{name}[{i}]", x, x_name)
+
     def _disjoint(self, op: str, a: np.ndarray, a_name: str, b: np.ndarray, b_name: str) -> None:
         if a.size and b.size and np.may_share_memory(a, b):
             raise self._fail(op, f"{a_name} and {b_name} overlap in memory; the result would "
@@ -344,9 +351,7 @@ class Communicator:
         self._check_open("all_gather")
         x = self._array("all_gather", tensor, "tensor", writable=False)
         outs = self._pieces("all_gather", out, "out", x, writable=True)
-        for i, piece in enumerate(outs):
-            if i != self.rank:
-                self._disjoint("all_gather", piece, f"out[{i}]", x, "tensor")
+        self._others_disjoint("all_gather", outs, "out", x, "tensor")
         return self._collective("all_gather", _shape(x), x.nbytes * self.size,
                                 lambda: self._backend.all_gather(outs, x), async_op, like=x)
 
@@ -370,9 +375,7 @@ class Communicator:
         x = self._array("scatter", out, "out", writable=True)
         src = self._peer("scatter", src, "src")
         pieces = self._root_pieces("scatter", chunks, "chunks", x, src, "src", writable=False)
-        for i, piece in enumerate(pieces or ()):
-            if i != self.rank:
-                self._disjoint("scatter", piece, f"chunks[{i}]", x, "out")
+        self._others_disjoint("scatter", pieces or [], "chunks", x, "out")
         return self._collective("scatter", f"{_shape(x)}, src={src}", x.nbytes * self.size,
                                 lambda: self._backend.scatter(x, pieces, src), async_op, like=x,
                                 root=src)
@@ -384,9 +387,7 @@ class Communicator:
         self._check_open("reduce_scatter")
         x = self._array("reduce_scatter", out, "out", writable=True)
         inputs = self._pieces("reduce_scatter", inp, "inp", x, writable=False)
-        for i, piece in enumerate(inputs):
-            if i != self.rank:
-                self._disjoint("reduce_scatter", piece, f"inp[{i}]", x, "out")
+        self._others_disjoint("reduce_scatter", inputs, "inp", x, "out")
         rop = self._reduce_op("reduce_scatter", op, x.dtype)
         return self._collective("reduce_scatter", f"{_shape(x)}, op={rop.name}",
                                 x.nbytes * self.size,
