@@ -75,7 +75,7 @@ class Communicator:
         self._store = store
         self._owns_store = owns_store  # the world communicator; sub-communicators share it
         self._name = name
-        self._engine = Engine(backend, timeout_s, f"rank {rank} ({name})")
+        self._engine = Engine(backend, f"rank {rank} ({name})")
         self._seq = 0
         self._p2p_seq: dict[tuple[str, int], int] = {}
         self._splits = 0

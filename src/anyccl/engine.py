@@ -22,9 +22,8 @@ _IDLE_POLL_S = 0.25
 
 
 class Engine:
-    def __init__(self, backend: Backend, timeout_s: float, label: str) -> None:
+    def __init__(self, backend: Backend, label: str) -> None:
         self.backend = backend
-        self.timeout_s = timeout_s
         self._label = label
         self._drive = threading.Lock()
         self._state = threading.Condition()

@@ -107,7 +107,6 @@ class CollectiveSpec:
     takes_root: bool
     reduces: bool
     bus_factor: Callable[[int], float]  # nccl-tests PERFORMANCE.md: busbw = algbw * factor(n)
-    description: str
 
 
 def _ring(n: int) -> float:
@@ -115,22 +114,13 @@ def _ring(n: int) -> float:
 
 
 COLLECTIVES: dict[str, CollectiveSpec] = {spec.name: spec for spec in (
-    CollectiveSpec("all_reduce", False, True, lambda n: 2 * _ring(n),
-                   "every rank ends with the reduction of all ranks' arrays"),
-    CollectiveSpec("reduce", True, True, lambda n: 1.0,
-                   "the root ends with the reduction of all ranks' arrays"),
-    CollectiveSpec("broadcast", True, False, lambda n: 1.0,
-                   "every rank ends with the root's array"),
-    CollectiveSpec("all_gather", False, False, _ring,
-                   "every rank ends with every rank's array, in rank order"),
-    CollectiveSpec("gather", True, False, _ring,
-                   "the root ends with every rank's array, in rank order"),
-    CollectiveSpec("scatter", True, False, _ring,
-                   "rank i ends with piece i of the root's list"),
-    CollectiveSpec("reduce_scatter", False, True, _ring,
-                   "rank i ends with the reduction of every rank's piece i"),
-    CollectiveSpec("all_to_all", False, False, _ring,
-                   "rank i ends with piece i of every rank's list, in rank order"),
-    CollectiveSpec("barrier", False, False, lambda n: 0.0,
-                   "no rank leaves before every rank has entered"),
+    CollectiveSpec("all_reduce", False, True, lambda n: 2 * _ring(n)),
+    CollectiveSpec("reduce", True, True, lambda n: 1.0),
+    CollectiveSpec("broadcast", True, False, lambda n: 1.0),
+    CollectiveSpec("all_gather", False, False, _ring),
+    CollectiveSpec("gather", True, False, _ring),
+    CollectiveSpec("scatter", True, False, _ring),
+    CollectiveSpec("reduce_scatter", False, True, _ring),
+    CollectiveSpec("all_to_all", False, False, _ring),
+    CollectiveSpec("barrier", False, False, lambda n: 0.0),
 )}

@@ -81,7 +81,3 @@ class Doorbell:
             err = ctypes.get_errno()
             if err not in (errno.ETIMEDOUT, errno.EINTR, errno.EAGAIN):
                 raise OSError(err, f"waiting on a doorbell failed: {os.strerror(err)}")
-
-    def destroy(self) -> None:
-        if not self.polling:
-            _libc.sem_destroy(self._addr)

@@ -34,8 +34,6 @@ OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "gat
 _TYPE_NAMES = {"float32": "float", "float64": "double", "float16": "half",
                "bfloat16": "bfloat16", "int8": "int8", "uint8": "uint8", "int32": "int32",
                "uint32": "uint32", "int64": "int64", "uint64": "uint64"}
-_ROOTED = ("broadcast", "reduce", "gather", "scatter")
-_REDUCING = ("all_reduce", "reduce", "reduce_scatter")
 _IN_PLACE_ONLY = ("all_reduce", "broadcast", "reduce")  # anyccl's API is in place for these
 _OUT_OF_PLACE_ONLY = ("gather", "scatter", "sendrecv")
 _TARGET_S = 0.2  # automatic iteration counts aim at this much time per size
@@ -179,8 +177,9 @@ def measure(comm: Communicator, peer: Any, op: str, nbytes: int, s: Settings,
             in_place: bool) -> Row:
     n, itemsize = comm.size, s.dtype.itemsize
     count, size = sizes_of(op, nbytes, itemsize, n)
-    root = s.root if op in _ROOTED else -1
-    redop = s.redop.name.lower() if op in _REDUCING else "none"
+    spec = COLLECTIVES.get(op)  # sendrecv is no collective: no root, no reduction
+    root = s.root if spec and spec.takes_root else -1
+    redop = s.redop.name.lower() if spec and spec.reduces else "none"
     row = Row(peer.name, op, "in-place" if in_place else "out-of-place", size, count,
               _TYPE_NAMES.get(s.dtype.name, s.dtype.name), redop, root, None, None, None, None)
     buffers, _ = build(op, count, s.dtype, comm.rank, n, max(root, 0), in_place, s.redop)
