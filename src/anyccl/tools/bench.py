@@ -115,7 +115,7 @@ def build(op: str, count: int, dtype: np.dtype, rank: int, n: int, root: int, in
         return b, lambda b: wrong(b["buf"], expected)
     if op in ("all_gather", "gather"):
         whole = np.zeros(n * count, dtype)
-        b["inp"] = whole[rank * count:(rank + 1) * count] if in_place else np.empty(count, dtype)
+        b["inp"] = whole[rank * count:(rank + 1) * count] if in_place else np.zeros(count, dtype)
         b["inp"][:] = values(rank)
         receives = op == "all_gather" or rank == root
         if op == "all_gather":
@@ -139,10 +139,10 @@ def build(op: str, count: int, dtype: np.dtype, rank: int, n: int, root: int, in
         b["inp"] = np.concatenate([values(rank, j) for j in range(n)])
         if op == "reduce_scatter":
             b["out"] = b["inp"][rank * count:(rank + 1) * count] if in_place \
-                else np.empty(count, dtype)
+                else np.zeros(count, dtype)
             expected = _reduce([values(r, rank) for r in range(n)], redop)
         else:
-            b["out"] = b["inp"] if in_place else np.empty(n * count, dtype)
+            b["out"] = b["inp"] if in_place else np.zeros(n * count, dtype)
             expected = np.concatenate([values(j, rank) for j in range(n)])
         return b, lambda b: wrong(b["out"], expected)
     if op == "sendrecv":
