@@ -14,13 +14,9 @@ def _pools_closed_and_no_segments_left():
 
 
 def pytest_collection_modifyitems(config, items):
-    try:
-        import cupy  # noqa: F401
+    from anyccl import gpu
 
-        has_gpu = cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:
-        has_gpu = False
-    if not has_gpu:
+    if gpu.device_count() == 0:
         skip = pytest.mark.skip(reason="needs a CUDA GPU")
         for item in items:
             if "gpu" in item.keywords:

@@ -57,7 +57,8 @@ def _worker(conn, rank: int, env: dict[str, str]) -> None:
 
 
 def _usable(comm) -> bool:
-    return not comm._closed and comm._engine.failure is None
+    gpu_failed = comm._gpu is not None and comm._gpu.failure is not None
+    return not comm._closed and comm._engine.failure is None and not gpu_failed
 
 
 class RankPool:

@@ -35,7 +35,8 @@ _LAUNCHER_ENV = (
 )
 
 _BACKEND_ALIASES = {"gloo": "shm", "cpu": "shm"}  # torch.distributed scripts name gloo
-_PLANNED_BACKENDS = ("mpi", "nccl", "ipc")
+_PLANNED_BACKENDS = ("mpi", "ipc")
+GPU_BACKENDS = ("nccl",)
 _servers: list[StoreServer] = []  # stores this process hosts; they live until it exits
 _generation = 0  # how many times this process called init(): every rank counts alike
 
@@ -186,25 +187,58 @@ def _local_rank(store: Store, rank: int, size: int, timeout_s: float) -> int:
     return sum(store.get(f"host/{r}", timeout_s).decode() == host for r in range(rank))
 
 
-def _backend_name(backend: str | None) -> str:
-    name = (backend or os.environ.get("ANYCCL_BACKEND") or "shm").strip().lower()
+def _host_backend(name: str) -> str:
     name = _BACKEND_ALIASES.get(name, name)
     if name in BACKENDS:
         return name
-    available = ", ".join(BACKENDS)
+    available = ", ".join((*BACKENDS, *GPU_BACKENDS))
     if name in _PLANNED_BACKENDS:
         raise UnsupportedError(f"backend={name!r} is not part of this anyccl build yet; "
                                f"available: {available}")
     raise UnsupportedError(f"backend={name!r} is unknown; available: {available}")
 
 
+def parse_backend(backend: str | None) -> tuple[str, str | None]:
+    """(host backend, GPU backend named up front or None) from "shm", "nccl", "gloo",
+    "cpu:shm,cuda:nccl" or ANYCCL_BACKEND. Naming a GPU backend creates it at init(); otherwise
+    the first collective on GPU arrays creates the nccl backend."""
+    spec = (backend or os.environ.get("ANYCCL_BACKEND") or "shm").strip().lower()
+    host, device_backend = None, None
+    for part in spec.split(","):
+        kind, _, name = part.strip().rpartition(":")
+        if kind not in ("", "cpu", "cuda"):
+            raise UnsupportedError(f"backend={spec!r}: device {kind!r} is unknown; write e.g. "
+                                   f"'cpu:shm,cuda:nccl'")
+        if name in GPU_BACKENDS and kind != "cpu":
+            device_backend = name
+        elif kind == "cuda":
+            raise UnsupportedError(f"backend={spec!r}: {name!r} is not a GPU backend; GPU "
+                                   f"backends: {', '.join(GPU_BACKENDS)}")
+        else:
+            host = _host_backend(name)
+    return host or "shm", device_backend
+
+
+def _device_index(device_id: object) -> int:
+    index = getattr(device_id, "index", device_id)  # torch.device("cuda:1") -> 1
+    if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+        raise InvalidArgumentError(f"device_id={device_id!r} must be a CUDA device index (an int "
+                                   f"or torch.device('cuda:N'))")
+    return index
+
+
 def init(backend: str | None = None, *, rank: int | None = None,
          world_size: int | None = None, init_method: str | None = None,
          timeout: float | timedelta | None = None,
-         local_rank: int | None = None, debug: bool | None = None) -> Communicator:
+         local_rank: int | None = None, debug: bool | None = None,
+         device_id: object = None) -> Communicator:
     """Join the job and return the communicator of all its ranks.
 
-    backend:     "shm" (default; "gloo" is accepted as its alias), or ANYCCL_BACKEND.
+    backend:     "shm" (default; "gloo" is accepted as its alias) for host arrays; "nccl" or
+                 "cpu:shm,cuda:nccl" also creates the NCCL communicator for GPU arrays now
+                 (otherwise the first collective on GPU arrays creates it); or ANYCCL_BACKEND.
+    device_id:   this rank's CUDA device (int or torch.device); default local_rank % number of
+                 visible devices. Giving it creates the NCCL communicator now, as torch does.
     rank, world_size: this process's rank and the number of ranks; default from the launcher's
                  environment, else a world of one.
     init_method: "env://" (MASTER_ADDR/MASTER_PORT), "tcp://host:port" (rank 0 serves it) or
@@ -232,7 +266,8 @@ def init(backend: str | None = None, *, rank: int | None = None,
                                    f"{world_size} at least 1")
     env_timeout = os.environ.get("ANYCCL_TIMEOUT")
     timeout_s = _seconds(timeout, float(env_timeout) if env_timeout else DEFAULT_TIMEOUT_S)
-    name = _backend_name(backend)
+    name, gpu_name = parse_backend(backend)
+    device = None if device_id is None else _device_index(device_id)
     global _generation
     _generation += 1
     connection = _make_store(init_method, rank, world_size, timeout_s)
@@ -252,8 +287,16 @@ def init(backend: str | None = None, *, rank: int | None = None,
         connection.close()
         raise
     _dump_flight_records_on_sigterm()
-    return Communicator(backend_impl, store, rank=rank, size=world_size, local_rank=local_rank,
-                        timeout_s=timeout_s, job_id=job_id, debug=debug, owns_store=True)
+    comm = Communicator(backend_impl, store, rank=rank, size=world_size, local_rank=local_rank,
+                        timeout_s=timeout_s, job_id=job_id, debug=debug, owns_store=True,
+                        device=device)
+    if gpu_name is not None or device is not None:
+        try:
+            comm._gpu = comm._make_gpu_backend(comm._gpu_device("init"))
+        except BaseException:
+            comm.close()
+            raise
+    return comm
 
 
 def _dump_flight_records_on_sigterm() -> None:

@@ -1,14 +1,17 @@
-"""Views of users' arrays as NumPy arrays over the same memory, without copying.
+"""Users' arrays seen without copying: host arrays as NumPy views, GPU arrays as `GpuArray`.
 
-Accepted: NumPy arrays, PyTorch CPU tensors (bfloat16 included), and any object NumPy can view
-through the buffer protocol or ``__array_interface__``. The adapters check what a collective must
-know before a byte moves (contiguity, writability, dtype) and name the argument when they refuse.
+Host: NumPy arrays, PyTorch CPU tensors (bfloat16 included), and any object NumPy can view
+through the buffer protocol or ``__array_interface__``. GPU: PyTorch CUDA tensors, CuPy arrays,
+JAX arrays on a GPU, objects with ``__cuda_array_interface__`` and CUDA DLPack capsules'
+producers. The adapters check what a collective must know before a byte moves (contiguity,
+writability, dtype, device) and name the argument when they refuse.
 """
 
 from __future__ import annotations
 
 import sys
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Union
 
 import ml_dtypes
 import numpy as np
@@ -29,12 +32,8 @@ def _torch_module() -> Any:
     return sys.modules.get("torch")
 
 
-def _torch_to_numpy(t: Any, name: str) -> np.ndarray:
+def _check_torch_layout(t: Any, name: str) -> None:
     torch = _torch_module()
-    if t.device.type != "cpu":
-        raise UnsupportedError(
-            f"{name} is a torch tensor on {t.device}; this communicator's backend serves CPU "
-            f"arrays only (GPU arrays need the nccl or ipc backend)")
     if t.is_sparse or t.layout != torch.strided:
         raise UnsupportedError(f"{name} has layout {t.layout}; only dense (strided) tensors")
     if t.is_conj() or t.is_neg():
@@ -44,6 +43,11 @@ def _torch_to_numpy(t: Any, name: str) -> np.ndarray:
         raise InvalidArgumentError(
             f"{name} is not contiguous (shape {tuple(t.shape)}, strides {t.stride()}); "
             f"pass tensor.contiguous() and copy the result back if you need it in place")
+
+
+def _torch_to_numpy(t: Any, name: str) -> np.ndarray:
+    torch = _torch_module()
+    _check_torch_layout(t, name)
     t = t.detach()
     if t.dtype == torch.bfloat16:
         return t.view(torch.int16).numpy().view(BFLOAT16)
@@ -65,6 +69,8 @@ def as_numpy(x: Any, name: str, *, writable: bool) -> np.ndarray:
         arr = x
     elif type(x).__module__.startswith("torch") and _torch_module() is not None \
             and isinstance(x, _torch_module().Tensor):
+        if x.device.type != "cpu":
+            raise UnsupportedError(f"{name} is a torch tensor on {x.device}; expected a host array")
         arr = _torch_to_numpy(x, name)
     elif x is None:
         raise InvalidArgumentError(f"{name} is None; expected an array")
@@ -98,3 +104,195 @@ def as_numpy(x: Any, name: str, *, writable: bool) -> np.ndarray:
         raise InvalidArgumentError(f"{name} is read-only but receives the result; pass a writable "
                                    f"array")
     return arr
+
+
+# ---- GPU arrays ---------------------------------------------------------------------------------
+_KDL_CUDA = 2  # DLPack's device type of CUDA memory
+
+
+@dataclass(frozen=True)
+class GpuArray:
+    """A contiguous run of `size` elements of `dtype` at device pointer `ptr` on `device`.
+
+    `stream` is the stream the array's producer works on now (its framework's current stream), or
+    None when the framework has no stream to order after (JAX): then anyccl synchronises on the
+    host before and after the operation. `owner` keeps the user's array alive while in use.
+    """
+
+    ptr: int
+    size: int
+    dtype: np.dtype
+    device: int
+    stream: int | None
+    kind: str
+    owner: Any
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.dtype.itemsize
+
+    def reshape(self, *_: Any) -> GpuArray:
+        return self  # always flat
+
+    def __getitem__(self, s: slice) -> GpuArray:
+        start, stop, step = s.indices(self.size)
+        if step != 1:
+            raise InvalidArgumentError("GpuArray pieces must be contiguous")
+        stop = max(stop, start)
+        return GpuArray(self.ptr + start * self.dtype.itemsize, stop - start, self.dtype,
+                        self.device, self.stream, self.kind, self.owner)
+
+    def synchronize_producer(self) -> None:
+        """For arrays without a stream: wait on the host until their producer wrote them."""
+        if self.stream is None and hasattr(self.owner, "block_until_ready"):
+            self.owner.block_until_ready()
+
+
+Array = Union[np.ndarray, GpuArray]
+
+
+def _dtype_or_refuse(dtype: Any, name: str) -> np.dtype:
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        dt = None
+    if dt is None or dt not in _SUPPORTED:
+        names = ", ".join(d.name for d in SUPPORTED_DTYPES)
+        raise UnsupportedError(f"{name} has dtype {dtype}; supported: {names}")
+    return dt
+
+
+def _torch_dtype(t: Any, name: str) -> np.dtype:
+    torch = _torch_module()
+    if t.dtype == torch.bfloat16:
+        return BFLOAT16
+    try:
+        return _dtype_or_refuse(torch.empty(0, dtype=t.dtype).numpy().dtype, name)
+    except TypeError:
+        raise UnsupportedError(f"{name} has dtype {t.dtype}, which anyccl does not support") \
+            from None
+
+
+def _from_torch(t: Any, name: str) -> GpuArray:
+    torch = _torch_module()
+    _check_torch_layout(t, name)
+    device = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    stream = torch.cuda.current_stream(device).cuda_stream
+    return GpuArray(t.data_ptr(), t.numel(), _torch_dtype(t, name), device, stream, "torch", t)
+
+
+def _from_cupy(x: Any, name: str) -> GpuArray:
+    import cupy
+
+    if not x.flags.c_contiguous:
+        raise InvalidArgumentError(
+            f"{name} is not C-contiguous (shape {x.shape}, strides {x.strides}); pass "
+            f"cupy.ascontiguousarray(...) and copy the result back if you need it in place")
+    device = int(x.device.id)
+    with cupy.cuda.Device(device):
+        stream = cupy.cuda.get_current_stream().ptr
+    return GpuArray(int(x.data.ptr), int(x.size), _dtype_or_refuse(x.dtype, name), device,
+                    stream, "cupy", x)
+
+
+def _from_jax(x: Any, name: str) -> GpuArray:
+    devices = list(x.devices())
+    if len(devices) != 1:
+        raise UnsupportedError(f"{name} is a JAX array sharded over {len(devices)} devices; pass "
+                               f"one addressable shard (x.addressable_shards[i].data)")
+    device = devices[0]
+    if device.platform not in ("gpu", "cuda"):
+        raise UnsupportedError(f"{name} is a JAX array on {device.platform}; expected a GPU "
+                               f"array or a host array")
+    if x.size and not getattr(x, "is_fully_replicated", True):
+        raise UnsupportedError(f"{name} is a sharded JAX array")
+    x.block_until_ready()
+    return GpuArray(int(x.unsafe_buffer_pointer()), int(x.size), _dtype_or_refuse(x.dtype, name),
+                    int(device.local_hardware_id), None, "jax", x)
+
+
+def _from_cuda_array_interface(x: Any, name: str) -> GpuArray:
+    from . import gpu
+
+    cai = x.__cuda_array_interface__
+    dtype = _dtype_or_refuse(np.dtype(cai["typestr"]), name)
+    shape = tuple(cai["shape"])
+    size = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    strides = cai.get("strides")
+    if strides is not None and size > 1:
+        expected = tuple(int(np.prod(shape[i + 1:], dtype=np.int64)) * dtype.itemsize
+                         for i in range(len(shape)))
+        if any(st != ex for st, ex, n in zip(strides, expected, shape) if n > 1):
+            raise InvalidArgumentError(f"{name} is not C-contiguous (shape {shape}, strides "
+                                       f"{strides})")
+    ptr, readonly = cai["data"]
+    if readonly:
+        raise InvalidArgumentError(f"{name} is a read-only GPU array")
+    device = gpu.device_of_pointer(ptr) if ptr else gpu.current_device()
+    if device is None:
+        raise UnsupportedError(f"{name}'s __cuda_array_interface__ points at host memory")
+    stream = cai.get("stream")
+    return GpuArray(int(ptr), size, dtype, device, 0 if stream in (None, 1) else int(stream),
+                    "cuda array interface", x)
+
+
+def gpu_array(x: Any, name: str) -> GpuArray | None:
+    """`x` as a GpuArray if it lives on a GPU; None for anything else. Never copies."""
+    module = type(x).__module__
+    torch = _torch_module()
+    if torch is not None and module.startswith("torch") and isinstance(x, torch.Tensor):
+        return _from_torch(x, name) if x.device.type == "cuda" else None
+    if module.startswith("cupy"):
+        return _from_cupy(x, name)
+    if module.startswith("jax") or module.startswith("jaxlib"):
+        return _from_jax(x, name) if hasattr(x, "unsafe_buffer_pointer") and any(
+            d.platform != "cpu" for d in x.devices()) else None
+    if isinstance(x, np.ndarray):
+        return None
+    if hasattr(x, "__cuda_array_interface__"):
+        return _from_cuda_array_interface(x, name)
+    if hasattr(x, "__dlpack_device__"):
+        device_type, _ = x.__dlpack_device__()
+        if int(device_type) != _KDL_CUDA:
+            return None
+        for module_name in ("torch", "cupy"):
+            framework = sys.modules.get(module_name)
+            if framework is not None:
+                return gpu_array(framework.from_dlpack(x), name)
+        raise UnsupportedError(f"{name} is a CUDA DLPack array; import torch or cupy so anyccl "
+                               f"can read it")
+    return None
+
+
+def as_array(x: Any, name: str, *, writable: bool) -> Array:
+    """A GpuArray for GPU arrays, else a NumPy view (see `as_numpy`). Never copies."""
+    found = gpu_array(x, name)
+    return found if found is not None else as_numpy(x, name, writable=writable)
+
+
+def overlaps(a: Array, b: Array) -> bool:
+    """Whether two arrays share any byte."""
+    if isinstance(a, GpuArray) and isinstance(b, GpuArray):
+        return (a.device == b.device and a.nbytes > 0 and b.nbytes > 0
+                and a.ptr < b.ptr + b.nbytes and b.ptr < a.ptr + a.nbytes)
+    if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
+        return bool(a.size and b.size and np.may_share_memory(a, b))
+    return False
+
+
+def current_stream(a: GpuArray) -> Any:
+    """A function returning the stream `a`'s framework works on at the time it is called (what
+    a later ``Work.wait()`` must order); it returns None for JAX (wait on the host)."""
+    device = a.device
+    if a.kind == "torch":
+        torch = _torch_module()
+        return lambda: torch.cuda.current_stream(device).cuda_stream
+    if a.kind == "cupy":
+        import cupy
+
+        def cupy_stream() -> int:
+            with cupy.cuda.Device(device):
+                return cupy.cuda.get_current_stream().ptr
+        return cupy_stream
+    stream = a.stream
+    return lambda: stream

@@ -33,7 +33,15 @@ def build_parser() -> argparse.ArgumentParser:
     run.set_defaults(handler=_run)
     sub.add_parser("bench", add_help=False,
                    help="nccl-tests style measurements (anyccl bench --help)")
+    info = sub.add_parser("info", help="versions, backends, GPUs and their links")
+    info.set_defaults(handler=lambda ns: _info())
     return parser
+
+
+def _info() -> int:
+    from .tools.info import main as info
+
+    return info()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,23 +1,26 @@
 """The Communicator: the public operations, their argument checks, sub-groups and routing.
 
 Every argument is checked here, once, before any byte moves; a refused call raises on the
-calling rank alone and leaves the communicator usable. Backends receive flat NumPy views and
-trust them.
+calling rank alone and leaves the communicator usable. Host arrays go, as flat NumPy views, to
+the host backend (run through the `Engine`); GPU arrays go, as `GpuArray`s, to the GPU backend
+(nccl), whose operations are queued on CUDA streams. Backends trust what they receive.
 """
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from datetime import timedelta
 from typing import Any, Callable
 
 import numpy as np
 
+from . import gpu
 from .backends.base import Backend
-from .buffers import SUPPORTED_DTYPES, as_numpy
+from .buffers import SUPPORTED_DTYPES, Array, GpuArray, as_array, current_stream, overlaps
 from .engine import Engine
 from .errors import (
     AnycclError,
@@ -25,11 +28,12 @@ from .errors import (
     InvalidArgumentError,
     PeerLostError,
     TimeoutError,
+    UnsupportedError,
 )
 from .ops import COLLECTIVES, ReduceOp, check_reduce_op
 from .store import Store
 from .trace import FlightRecorder, OpRecord, flight_directory, format_bytes
-from .work import Work
+from .work import GpuWork, Work
 
 _OP_CODES = list(COLLECTIVES)
 _REDOP_CODES = list(ReduceOp)
@@ -65,7 +69,8 @@ class Communicator:
 
     def __init__(self, backend: Backend, store: Store, *, rank: int, size: int, local_rank: int,
                  timeout_s: float, name: str = "world", job_id: str = "local",
-                 debug: bool = False, owns_store: bool = False) -> None:
+                 debug: bool = False, owns_store: bool = False,
+                 device: int | None = None, gpu_backend: Any = None) -> None:
         self.rank, self.size, self.local_rank = rank, size, local_rank
         self.timeout_s = timeout_s
         self.debug = debug
@@ -80,13 +85,27 @@ class Communicator:
         self._p2p_seq: dict[tuple[str, int], int] = {}
         self._splits = 0
         self._closed = False
+        self._device = device         # this rank's GPU; chosen on first use when None
+        self._gpu = gpu_backend       # the NCCL communicator; created by the first GPU collective
+        self._batch: list[tuple] | None = None
         _live.add(self)
 
     # ---- identity ----------------------------------------------------------------------------
     @property
     def backend(self) -> str:
-        """The backend's name: "shm", ..."""
-        return self._backend.name
+        """The host backend's name ("shm", ...), then the GPU backend's once it exists:
+        "shm" or "cpu:shm,cuda:nccl"."""
+        if self._gpu is None:
+            return self._backend.name
+        return f"cpu:{self._backend.name},cuda:{self._gpu.name}"
+
+    @property
+    def device(self) -> int | None:
+        """The CUDA device this rank's GPU arrays must be on: device_id given to init(), else
+        local_rank modulo the visible GPUs; None where no GPU is visible."""
+        if self._device is None and gpu.device_count() > 0:
+            self._gpu_device("device")
+        return self._device
 
     def __repr__(self) -> str:
         return (f"<anyccl.Communicator {self._name} rank {self.rank}/{self.size} "
@@ -96,9 +115,9 @@ class Communicator:
     def _fail(self, op: str, message: str, kind: type = InvalidArgumentError) -> AnycclError:
         return kind(f"rank {self.rank}: {op}: {message}")
 
-    def _array(self, op: str, x: Any, name: str, *, writable: bool) -> np.ndarray:
+    def _array(self, op: str, x: Any, name: str, *, writable: bool) -> Array:
         try:
-            return as_numpy(x, name, writable=writable).reshape(-1)
+            return as_array(x, name, writable=writable).reshape(-1)
         except AnycclError as exc:
             raise type(exc)(f"rank {self.rank}: {op}: {exc}") from None
 
@@ -119,8 +138,8 @@ class Communicator:
             raise type(exc)(f"rank {self.rank}: {op_name}: {exc}") from None
         return reduce_op
 
-    def _pieces(self, op: str, arg: Any, name: str, like: np.ndarray, *,
-                writable: bool) -> list[np.ndarray]:
+    def _pieces(self, op: str, arg: Any, name: str, like: Array, *,
+                writable: bool) -> list[Array]:
         """`arg` as `size` flat arrays shaped like `like`: a list of them, or one array of
         size * like.size elements split evenly."""
         if isinstance(arg, (list, tuple)):
@@ -139,8 +158,8 @@ class Communicator:
             self._same(op, piece, like, f"{name}[{i}]")
         return pieces
 
-    def _root_pieces(self, op: str, arg: Any, name: str, like: np.ndarray, root: int,
-                     root_name: str, *, writable: bool) -> list[np.ndarray] | None:
+    def _root_pieces(self, op: str, arg: Any, name: str, like: Array, root: int,
+                     root_name: str, *, writable: bool) -> list[Array] | None:
         """The root's list argument of gather/scatter as pieces; None, as required, elsewhere."""
         if self.rank != root:
             if arg is not None:
@@ -152,31 +171,96 @@ class Communicator:
                                  f"{self.size} arrays like {'tensor' if op == 'gather' else 'out'}")
         return self._pieces(op, arg, name, like, writable=writable)
 
-    def _same(self, op: str, x: np.ndarray, like: np.ndarray, name: str) -> None:
+    def _same(self, op: str, x: Array, like: Array, name: str) -> None:
         if x.dtype != like.dtype:
             raise self._fail(op, f"{name} has dtype {x.dtype.name}; expected {like.dtype.name} "
                                  f"like the other arrays of this call")
         if x.size != like.size:
             raise self._fail(op, f"{name} has {x.size} elements; expected {like.size}")
 
-    def _others_disjoint(self, op: str, pieces: list[np.ndarray], name: str, x: np.ndarray,
+    def _others_disjoint(self, op: str, pieces: list[Array], name: str, x: Array,
                          x_name: str) -> None:
         """Only this rank's own piece may share memory with `x` (the in-place form)."""
         for i, piece in enumerate(pieces):
             if i != self.rank:
                 self._disjoint(op, piece, f"{name}[{i}]", x, x_name)
 
-    def _disjoint(self, op: str, a: np.ndarray, a_name: str, b: np.ndarray, b_name: str) -> None:
-        if a.size and b.size and np.may_share_memory(a, b):
+    def _disjoint(self, op: str, a: Array, a_name: str, b: Array, b_name: str) -> None:
+        if overlaps(a, b):
             raise self._fail(op, f"{a_name} and {b_name} overlap in memory; the result would "
                                  f"corrupt the input")
 
     # ---- running -----------------------------------------------------------------------------
-    def _collective(self, name: str, args: str, nbytes: int, run: Callable[[], None],
-                    async_op: bool, *, like: np.ndarray | None = None, root: int = -1,
-                    op: ReduceOp | None = None) -> Work | None:
-        """Run collective `name` in issue order. `like` (the array whose dtype and size every
-        rank must agree on), `root` and `op` are what debug mode compares across ranks."""
+    def _on_gpu(self, op: str, arrays: Sequence[tuple[str, Array]], stream: Any) -> bool:
+        """Whether this call's arrays are GPU arrays (all on this rank's device) rather than host
+        arrays; refuses a mix, and stream= with host arrays."""
+        on_gpu = [isinstance(a, GpuArray) for _, a in arrays]
+        if any(on_gpu) and not all(on_gpu):
+            g = next(n for (n, _), g in zip(arrays, on_gpu) if g)
+            h = next(n for (n, _), g in zip(arrays, on_gpu) if not g)
+            raise self._fail(op, f"{g} is a GPU array but {h} is in host memory; pass arrays of "
+                                 f"one kind")
+        if not any(on_gpu):
+            if stream is not None:
+                raise self._fail(op, "stream= applies to GPU arrays only; these are host arrays")
+            return False
+        device = self._gpu_device(op)
+        for name, a in arrays:
+            if a.device != device:
+                raise self._fail(op, f"{name} is on GPU {a.device}, but this rank's communicator "
+                                     f"uses GPU {device} (choose with anyccl.init(device_id=...))")
+        return True
+
+    def _gpu_device(self, op: str) -> int:
+        if self._device is None:
+            count = gpu.device_count()
+            if count == 0:
+                raise self._fail(op, "GPU arrays were passed but no CUDA device is visible",
+                                 UnsupportedError)
+            self._device = self.local_rank % count
+        return self._device
+
+    def _gpu_backend(self, op: str, *, collective: bool) -> Any:
+        """The NCCL communicator, created on the first GPU collective (every rank calls it)."""
+        if self._gpu is None:
+            if not collective:
+                raise self._fail(op, "GPU point-to-point needs the NCCL communicator, which the "
+                                     "first GPU collective creates; create it up front with "
+                                     "anyccl.init(backend='nccl') or init(device_id=...)")
+            self._gpu = self._make_gpu_backend(self._gpu_device(op))
+        return self._gpu
+
+    def _make_gpu_backend(self, device: int) -> Any:
+        from .backends.nccl import NcclBackend
+
+        count = gpu.device_count()
+        if not 0 <= device < count:
+            raise self._fail("init", f"device_id={device} but this process sees {count} CUDA "
+                                     f"device{'s' if count != 1 else ''} (CUDA_VISIBLE_DEVICES="
+                                     f"{gpu.visible_devices()})", UnsupportedError)
+        self._device = device
+        # NCCL's own rendezvous has no deadline and cannot be aborted: meet on the host first,
+        # so a rank that never comes makes the others time out instead of hanging
+        self.barrier()
+        return NcclBackend.create(self._store, f"{self._name}/nccl-id", self.rank, self.size,
+                                  device, f"rank {self.rank} ({self._name})", self.timeout_s,
+                                  self._backend.lost_peer)
+
+    def _collective(self, name: str, args: str, nbytes: int, call: Callable[[Any], Any],
+                    async_op: bool, *, like: Array | None = None, root: int = -1,
+                    op: ReduceOp | None = None, arrays: Sequence[tuple[str, Array]] = (),
+                    stream: Any = None) -> Work | None:
+        """Run collective `name` in issue order: `call(backend)` runs it on the host backend, or
+        returns the function that queues it on the GPU backend. `like` (the array whose dtype
+        and size every rank must agree on), `root` and `op` are what debug mode compares."""
+        on_gpu = self._on_gpu(name, arrays, stream)
+        enqueue = None
+        if on_gpu:
+            gpu_backend = self._gpu_backend(name, collective=True)
+            try:
+                enqueue = call(gpu_backend)  # refuses what NCCL cannot do, before any byte moves
+            except AnycclError as exc:
+                raise type(exc)(f"rank {self.rank}: {name}: {exc}") from None
         self._seq += 1
         record = OpRecord(name, self._seq, args, nbytes)
         backend, timeout_s = self._backend, self.timeout_s
@@ -194,18 +278,60 @@ class Communicator:
             try:
                 if signature is not None:
                     self._check_agreement(record, signature)
-                run()
+                if enqueue is None:
+                    call(backend)
             except BaseException as exc:
                 FlightRecorder.ended(entry, exc)
                 self._post_mortem(exc)
                 raise
-            FlightRecorder.ended(entry)
+            if enqueue is None:
+                FlightRecorder.ended(entry)
             backend.end(record)
 
         work = Work(record, self.rank)
+        if enqueue is not None:
+            if signature is not None:
+                self._engine.call(task, work)
+            return self._queue_on_gpu(record, [entry], enqueue, [a for _, a in arrays],
+                                      async_op, stream)
         if async_op:
             return self._engine.submit(task, work)
         self._engine.call(task, work)
+        return None
+
+    def _queue_on_gpu(self, record: OpRecord, entries: list[dict],
+                      enqueue: Callable[[int], None], arrays: list[GpuArray], async_op: bool,
+                      stream: Any, work: GpuWork | None = None) -> GpuWork | None:
+        """Queue GPU work after what the callers' streams (or `stream`) hold; a blocking call
+        makes that stream wait for it, an async one returns a GpuWork."""
+        backend = self._gpu
+        if stream is not None:
+            after = [gpu.stream_pointer(stream)]
+        else:
+            after = list(dict.fromkeys(a.stream for a in arrays if a.stream is not None))
+            for a in arrays:
+                a.synchronize_producer()  # arrays without a stream (JAX): on the host
+        host_synced = stream is None and any(a.stream is None for a in arrays)
+        deadline = time.monotonic() + self.timeout_s
+        try:
+            event = backend.run(record, after, deadline, enqueue, arrays, entries)
+        except BaseException as exc:
+            for entry in entries:
+                FlightRecorder.ended(entry, exc)
+            self._post_mortem(exc)
+            raise
+        if async_op or work is not None:
+            if work is None:
+                waits_on = (lambda: None) if host_synced else (
+                    current_stream(arrays[0]) if stream is None else (lambda: after[0]))
+                work = GpuWork(record, self.rank, backend, waits_on)
+            work._bind(event, deadline)
+            return work
+        if host_synced:
+            backend.host_wait(event, record, deadline)
+        else:
+            for s in after:
+                gpu.stream_wait(s, event)
         return None
 
     def _check_agreement(self, record: OpRecord, signature: np.ndarray) -> None:
@@ -235,12 +361,18 @@ class Communicator:
             exc.args = (f"{exc.args[0]}\n  flight record of rank {self.rank}: {path}",
                         *exc.args[1:])
 
-    def _message(self, kind: str, x: np.ndarray, peer: int, tag: int, async_op: bool) -> Work:
+    def _message(self, kind: str, x: Array, peer: int, tag: int, async_op: bool,
+                 stream: Any = None) -> Work | None:
         key = (kind, peer)
         self._p2p_seq[key] = seq = self._p2p_seq.get(key, 0) + 1
         arrow = "dst" if kind == "send" else "src"
         record = OpRecord(kind, seq, f"{arrow}={peer}, tag={tag}, {format_bytes(x.nbytes)}",
                           x.nbytes)
+        op = kind if not async_op else "i" + kind
+        if self._on_gpu(op, [("tensor", x)], stream):
+            return self._gpu_message(op, record, x, peer, async_op, stream)
+        if self._batch is not None and not async_op:
+            raise self._fail(op, f"use i{kind} inside `with comm.batch():`")
         backend, engine, timeout_s = self._backend, self._engine, self.timeout_s
         post = backend.post_send if kind == "send" else backend.post_recv
         work = Work(record, self.rank)
@@ -279,6 +411,62 @@ class Communicator:
         engine.call(blocking, work)
         return work
 
+    def _gpu_message(self, op: str, record: OpRecord, x: GpuArray, peer: int, async_op: bool,
+                     stream: Any) -> Work | None:
+        """GPU point-to-point through NCCL. NCCL has no tags: messages between two ranks match
+        in the order they were issued."""
+        backend = self._gpu_backend(op, collective=False)
+        enqueue = (backend.send if record.name == "send" else backend.recv)(x, peer)
+        entry = self.flight_recorder.queued(record)
+        if self._batch is not None:
+            if not async_op:
+                raise self._fail(op, f"use i{record.name} inside `with comm.batch():`")
+            waits_on = current_stream(x) if stream is None else (
+                lambda s=gpu.stream_pointer(stream): s)
+            work = GpuWork(record, self.rank, backend, waits_on)
+            self._batch.append((record, entry, enqueue, x, stream, work))
+            return work
+        return self._queue_on_gpu(record, [entry], enqueue, [x], async_op, stream)
+
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        """Issue the isend/irecv calls made inside the block together: for GPU arrays, as one
+        NCCL group when the block ends (so rings of sends and receives cannot deadlock); wait
+        on their Works after the block. Host messages progress together anyway.
+
+        Example::
+
+            with comm.batch():
+                comm.isend(x, (rank + 1) % size)
+                work = comm.irecv(y, (rank - 1) % size)
+            work.wait()
+        """
+        self._check_open("batch")
+        if self._batch is not None:
+            raise self._fail("batch", "comm.batch() blocks do not nest")
+        self._batch = []
+        try:
+            yield
+        except BaseException:
+            self._batch = None
+            raise
+        pending, self._batch = self._batch, None
+        if not pending:
+            return
+        streams = {s for *_, s, _ in pending if s is not None}
+        if len(streams) > 1:
+            raise self._fail("batch", "the messages of one batch name different stream= values")
+        record = OpRecord("batch", pending[0][0].seq,
+                          ", ".join(f"{r.name} {r.args}" for r, *_ in pending),
+                          sum(r.nbytes for r, *_ in pending))
+        enqueue = self._gpu.group([e for _, _, e, *_ in pending])
+        arrays = [x for _, _, _, x, _, _ in pending]
+        works = [w for *_, w in pending]
+        self._queue_on_gpu(record, [entry for _, entry, *_ in pending], enqueue, arrays, True,
+                           next(iter(streams), None), works[0])
+        for w in works[1:]:
+            w._bind(works[0]._event, works[0]._deadline)
+
     def _tag(self, op: str, tag: Any) -> int:
         if isinstance(tag, bool) or not isinstance(tag, (int, np.integer)) or not \
                 0 <= tag < 2 ** 63:
@@ -287,54 +475,62 @@ class Communicator:
 
     # ---- point to point ----------------------------------------------------------------------
     def _p2p_args(self, op: str, tensor: Any, peer: Any, peer_name: str, tag: Any,
-                  writable: bool) -> tuple[np.ndarray, int, int]:
+                  writable: bool) -> tuple[Array, int, int]:
         self._check_open(op)
         peer = self._peer(op, peer, peer_name)
         if peer == self.rank:
             raise self._fail(op, f"{peer_name}={peer} is this rank; a rank cannot message itself")
         return self._array(op, tensor, "tensor", writable=writable), peer, self._tag(op, tag)
 
-    def send(self, tensor: Any, dst: int, tag: int = 0) -> None:
-        """Send `tensor` to rank `dst`. Returns once the data is out of `tensor` (it may be
-        buffered in shared memory before `dst` receives it)."""
-        self._message("send", *self._p2p_args("send", tensor, dst, "dst", tag, False), False)
+    def send(self, tensor: Any, dst: int, tag: int = 0, *, stream: Any = None) -> None:
+        """Send `tensor` to rank `dst`. Host arrays: returns once the data is out of `tensor`
+        (it may be buffered in shared memory before `dst` receives it). GPU arrays: queued on
+        the stream like a collective; messages between two ranks match in issue order."""
+        self._message("send", *self._p2p_args("send", tensor, dst, "dst", tag, False), False,
+                      stream)
 
-    def recv(self, tensor: Any, src: int, tag: int = 0) -> int:
+    def recv(self, tensor: Any, src: int, tag: int = 0, *, stream: Any = None) -> int:
         """Receive the next message from `src` with `tag` into `tensor` (same dtype and size as
         sent) and return `src`."""
-        self._message("recv", *self._p2p_args("recv", tensor, src, "src", tag, True), False)
+        self._message("recv", *self._p2p_args("recv", tensor, src, "src", tag, True), False,
+                      stream)
         return src
 
-    def isend(self, tensor: Any, dst: int, tag: int = 0) -> Work:
+    def isend(self, tensor: Any, dst: int, tag: int = 0, *, stream: Any = None) -> Work:
         """Start sending `tensor` to `dst`; do not modify it until the Work completes."""
         return self._message("send", *self._p2p_args("isend", tensor, dst, "dst", tag, False),
-                             True)
+                             True, stream)
 
-    def irecv(self, tensor: Any, src: int, tag: int = 0) -> Work:
+    def irecv(self, tensor: Any, src: int, tag: int = 0, *, stream: Any = None) -> Work:
         """Start receiving into `tensor`; read it only after the Work completes."""
         return self._message("recv", *self._p2p_args("irecv", tensor, src, "src", tag, True),
-                             True)
+                             True, stream)
 
     # ---- collectives -------------------------------------------------------------------------
-    def broadcast(self, tensor: Any, src: int, async_op: bool = False) -> Work | None:
+    # GPU arrays: each call is queued after the work on the caller's current stream (torch's or
+    # CuPy's, or `stream=`) and returns once queued; that stream waits for the result.
+    def broadcast(self, tensor: Any, src: int, async_op: bool = False, *,
+                  stream: Any = None) -> Work | None:
         """Every rank's `tensor` becomes a copy of rank `src`'s `tensor`."""
         self._check_open("broadcast")
         x = self._array("broadcast", tensor, "tensor", writable=True)
         src = self._peer("broadcast", src, "src")
         return self._collective("broadcast", f"{_shape(x)}, src={src}", x.nbytes,
-                                lambda: self._backend.broadcast(x, src), async_op, like=x, root=src)
+                                lambda b: b.broadcast(x, src), async_op, like=x, root=src,
+                                arrays=[("tensor", x)], stream=stream)
 
     def all_reduce(self, tensor: Any, op: ReduceOp | str = ReduceOp.SUM,
-                   async_op: bool = False) -> Work | None:
+                   async_op: bool = False, *, stream: Any = None) -> Work | None:
         """Every rank's `tensor` becomes the element-wise reduction of all ranks' `tensor`."""
         self._check_open("all_reduce")
         x = self._array("all_reduce", tensor, "tensor", writable=True)
         rop = self._reduce_op("all_reduce", op, x.dtype)
         return self._collective("all_reduce", f"{_shape(x)}, op={rop.name}", x.nbytes,
-                                lambda: self._backend.all_reduce(x, rop), async_op, like=x, op=rop)
+                                lambda b: b.all_reduce(x, rop), async_op, like=x, op=rop,
+                                arrays=[("tensor", x)], stream=stream)
 
     def reduce(self, tensor: Any, dst: int, op: ReduceOp | str = ReduceOp.SUM,
-               async_op: bool = False) -> Work | None:
+               async_op: bool = False, *, stream: Any = None) -> Work | None:
         """Rank `dst`'s `tensor` becomes the reduction of all ranks' `tensor`; the other ranks'
         arrays are left as they were."""
         self._check_open("reduce")
@@ -342,10 +538,11 @@ class Communicator:
         dst = self._peer("reduce", dst, "dst")
         rop = self._reduce_op("reduce", op, x.dtype)
         return self._collective("reduce", f"{_shape(x)}, dst={dst}, op={rop.name}", x.nbytes,
-                                lambda: self._backend.reduce(x, dst, rop), async_op, like=x,
-                                root=dst, op=rop)
+                                lambda b: b.reduce(x, dst, rop), async_op, like=x, root=dst,
+                                op=rop, arrays=[("tensor", x)], stream=stream)
 
-    def all_gather(self, out: Any, tensor: Any, async_op: bool = False) -> Work | None:
+    def all_gather(self, out: Any, tensor: Any, async_op: bool = False, *,
+                   stream: Any = None) -> Work | None:
         """`out` receives every rank's `tensor` in rank order: a list of `size` arrays, or one
         array of size * tensor.size elements."""
         self._check_open("all_gather")
@@ -353,10 +550,11 @@ class Communicator:
         outs = self._pieces("all_gather", out, "out", x, writable=True)
         self._others_disjoint("all_gather", outs, "out", x, "tensor")
         return self._collective("all_gather", _shape(x), x.nbytes * self.size,
-                                lambda: self._backend.all_gather(outs, x), async_op, like=x)
+                                lambda b: b.all_gather(outs, x), async_op, like=x,
+                                arrays=[("tensor", x), *_named("out", outs)], stream=stream)
 
     def gather(self, tensor: Any, out_list: Any = None, dst: int = 0,
-               async_op: bool = False) -> Work | None:
+               async_op: bool = False, *, stream: Any = None) -> Work | None:
         """Rank `dst`'s `out_list` receives every rank's `tensor` in rank order; the other ranks
         pass out_list=None."""
         self._check_open("gather")
@@ -364,11 +562,12 @@ class Communicator:
         dst = self._peer("gather", dst, "dst")
         outs = self._root_pieces("gather", out_list, "out_list", x, dst, "dst", writable=True)
         return self._collective("gather", f"{_shape(x)}, dst={dst}", x.nbytes * self.size,
-                                lambda: self._backend.gather(x, outs, dst), async_op, like=x,
-                                root=dst)
+                                lambda b: b.gather(x, outs, dst), async_op, like=x, root=dst,
+                                arrays=[("tensor", x), *_named("out_list", outs or [])],
+                                stream=stream)
 
     def scatter(self, out: Any, chunks: Any = None, src: int = 0,
-                async_op: bool = False) -> Work | None:
+                async_op: bool = False, *, stream: Any = None) -> Work | None:
         """Rank i's `out` receives `chunks[i]` of rank `src`; the other ranks pass
         chunks=None."""
         self._check_open("scatter")
@@ -377,11 +576,12 @@ class Communicator:
         pieces = self._root_pieces("scatter", chunks, "chunks", x, src, "src", writable=False)
         self._others_disjoint("scatter", pieces or [], "chunks", x, "out")
         return self._collective("scatter", f"{_shape(x)}, src={src}", x.nbytes * self.size,
-                                lambda: self._backend.scatter(x, pieces, src), async_op, like=x,
-                                root=src)
+                                lambda b: b.scatter(x, pieces, src), async_op, like=x, root=src,
+                                arrays=[("out", x), *_named("chunks", pieces or [])],
+                                stream=stream)
 
     def reduce_scatter(self, out: Any, inp: Any, op: ReduceOp | str = ReduceOp.SUM,
-                       async_op: bool = False) -> Work | None:
+                       async_op: bool = False, *, stream: Any = None) -> Work | None:
         """Rank i's `out` becomes the reduction of every rank's piece i of `inp` (a list of
         `size` arrays like `out`, or one array of size * out.size elements)."""
         self._check_open("reduce_scatter")
@@ -390,11 +590,12 @@ class Communicator:
         self._others_disjoint("reduce_scatter", inputs, "inp", x, "out")
         rop = self._reduce_op("reduce_scatter", op, x.dtype)
         return self._collective("reduce_scatter", f"{_shape(x)}, op={rop.name}",
-                                x.nbytes * self.size,
-                                lambda: self._backend.reduce_scatter(x, inputs, rop), async_op,
-                                like=x, op=rop)
+                                x.nbytes * self.size, lambda b: b.reduce_scatter(x, inputs, rop),
+                                async_op, like=x, op=rop,
+                                arrays=[("out", x), *_named("inp", inputs)], stream=stream)
 
-    def all_to_all(self, out: Any, inp: Any, async_op: bool = False) -> Work | None:
+    def all_to_all(self, out: Any, inp: Any, async_op: bool = False, *,
+                   stream: Any = None) -> Work | None:
         """Rank i's out[j] receives rank j's inp[i]. Both are lists of `size` arrays of one
         size, or single arrays split evenly into `size` pieces. out may be inp (in place)."""
         self._check_open("all_to_all")
@@ -415,13 +616,15 @@ class Communicator:
                 if i != j:
                     self._disjoint("all_to_all", o, f"out[{i}]", piece, f"inp[{j}]")
         return self._collective("all_to_all", _shape(first), first.nbytes * self.size,
-                                lambda: self._backend.all_to_all(outs, inputs), async_op,
-                                like=first)
+                                lambda b: b.all_to_all(outs, inputs), async_op, like=first,
+                                arrays=[*_named("inp", inputs), *_named("out", outs)],
+                                stream=stream)
 
     def barrier(self, async_op: bool = False) -> Work | None:
-        """Return once every rank of the communicator has called barrier."""
+        """Return once every rank of the communicator has called barrier (host arrays' work
+        included; GPU work queued on streams is not waited for)."""
         self._check_open("barrier")
-        return self._collective("barrier", "", 0, self._backend.barrier, async_op)
+        return self._collective("barrier", "", 0, lambda b: b.barrier(), async_op)
 
     # ---- objects (pickle: trusted peers only) ------------------------------------------------
     def broadcast_object(self, obj: Any, src: int) -> Any:
@@ -464,15 +667,20 @@ class Communicator:
             raise self._fail("split", f"key={key!r} must be an int or None")
         choices = self.all_gather_object((color, self.rank if key is None else key))
         self._splits += 1
-        if color is None:
-            return None
+        name = f"{self._name}.{self._splits}.{color}"
         members = sorted((k, r) for r, (c, k) in enumerate(choices) if c == color)
         ranks = [r for _, r in members]
-        name = f"{self._name}.{self._splits}.{color}"
+        # an existing NCCL communicator splits too (collective over all of its ranks)
+        gpu_child = None if self._gpu is None else self._gpu.split(
+            color, choices[self.rank][1],
+            f"rank {ranks.index(self.rank)} ({name})" if color is not None else "")
+        if color is None:
+            return None
         backend = self._backend.subgroup(ranks, name, self.timeout_s)
         return Communicator(backend, self._store, rank=ranks.index(self.rank), size=len(ranks),
                             local_rank=self.local_rank, timeout_s=self.timeout_s, name=name,
-                            job_id=self.job_id, debug=self.debug)
+                            job_id=self.job_id, debug=self.debug, device=self._device,
+                            gpu_backend=gpu_child)
 
     def new_group(self, ranks: Sequence[int]) -> Communicator | None:
         """Collective over all ranks: a communicator of `ranks` (in ascending order, as
@@ -503,10 +711,14 @@ class Communicator:
         self._closed = True
         _live.discard(self)
         try:
-            self._engine.close()
+            if self._gpu is not None:
+                self._gpu.close()
         finally:
-            if self._owns_store:
-                self._store.close()
+            try:
+                self._engine.close()
+            finally:
+                if self._owns_store:
+                    self._store.close()
 
     def __enter__(self) -> Communicator:
         return self
@@ -515,8 +727,12 @@ class Communicator:
         self.close()
 
 
-def _shape(x: np.ndarray) -> str:
+def _shape(x: Array) -> str:
     return f"{x.dtype.name} x {x.size}"
+
+
+def _named(name: str, pieces: Sequence[Array]) -> list[tuple[str, Array]]:
+    return [(f"{name}[{i}]", p) for i, p in enumerate(pieces)]
 
 
 def close_all() -> None:

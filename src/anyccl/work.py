@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any, Callable
 
 from .errors import TimeoutError
 from .trace import OpRecord
@@ -51,3 +52,76 @@ class Work:
     def __repr__(self) -> str:
         state = ("failed" if self._error else "completed") if self._done.is_set() else "pending"
         return f"<anyccl.Work rank {self.rank}: {self.record} {state}>"
+
+
+class GpuWork(Work):
+    """Completion of an operation queued on a GPU stream (the nccl backend).
+
+    ``wait()`` makes the caller's current stream wait for the operation without blocking the host
+    (for JAX arrays, which have no stream to order after, it blocks the host instead);
+    ``wait(timeout)`` blocks the host until the operation finished on the GPU, raising
+    anyccl.TimeoutError if `timeout` seconds pass first; ``is_completed()`` asks the GPU.
+    """
+
+    __slots__ = ("_backend", "_event", "_deadline", "_current_stream")
+
+    def __init__(self, record: OpRecord, rank: int, backend: Any,
+                 current_stream: Callable[[], int | None]) -> None:
+        super().__init__(record, rank)
+        self._backend = backend
+        self._event: int | None = None
+        self._deadline = 0.0
+        self._current_stream = current_stream
+
+    def _bind(self, event: int, deadline: float) -> None:
+        self._event, self._deadline = event, deadline
+
+    def _bound(self) -> int:
+        if self._event is None:
+            from .errors import InvalidArgumentError
+
+            raise InvalidArgumentError(f"rank {self.rank}: {self.record} is part of a "
+                                       f"`with comm.batch():` block; wait on it after the block")
+        return self._event
+
+    def wait(self, timeout: float | None = None) -> bool:
+        from . import gpu
+
+        event = self._bound()
+        if timeout is not None:
+            deadline = time.monotonic() + timeout
+            pause = 2e-6
+            while not gpu.event_done(event):
+                self._backend.raise_if_failed()
+                if time.monotonic() >= deadline:
+                    waited = time.monotonic() - self.record.issued_at
+                    raise TimeoutError(
+                        f"rank {self.rank}: {self.record} is not complete on the GPU after "
+                        f"wait(timeout={timeout:g}) ({waited:.3g} s since it was issued)")
+                time.sleep(pause)
+                pause = min(2 * pause, 1e-3)
+            self._backend.raise_if_failed()
+            return True
+        self._backend.raise_if_failed()
+        stream = self._current_stream()
+        if stream is None:
+            self._backend.host_wait(event, self.record, self._deadline)
+        else:
+            gpu.stream_wait(stream, event)
+        return True
+
+    def is_completed(self) -> bool:
+        if self._event is None:
+            return False
+        if self._backend.failure is not None:
+            return True
+        from . import gpu
+
+        return gpu.event_done(self._event)
+
+    def exception(self) -> BaseException | None:
+        return self._backend.failure if self.is_completed() else None
+
+    def __repr__(self) -> str:
+        state = "completed" if self.is_completed() else "queued"
+        return f"<anyccl.GpuWork rank {self.rank}: {self.record} {state}>"

@@ -100,6 +100,11 @@ class Backend(ABC):
     def subgroup(self, ranks: list[int], name: str, timeout_s: float) -> Backend:
         """A backend over `ranks` (this rank among them); collective over those ranks."""
 
+    def lost_peer(self) -> tuple[int, str] | None:
+        """If this transport can tell that a peer process left: its rank and what happened
+        (called from other threads, e.g. the GPU backend's watchdog). None when all seem alive."""
+        return None
+
     @abstractmethod
     def close(self) -> None:
         """Release every resource; peers still waiting on this rank learn that it left."""

@@ -378,6 +378,14 @@ class SharedMemoryBackend(Backend):
                 raise PeerLostError(f"rank {self.rank}: rank {j} (pid {self._pids[j]}) died while "
                                     f"this rank was in {self._record}", j)
 
+    def lost_peer(self) -> tuple[int, str] | None:
+        if self._closed:
+            return None
+        for j in range(self.size):
+            if j != self.rank and not process_alive(self._pids[j]):
+                return j, f"rank {j} (pid {self._pids[j]}) died"
+        return None
+
     def wait_for_activity(self, timeout_s: float) -> None:
         self._bell.sleep(timeout_s)
 

@@ -12,6 +12,7 @@ over all ranks, that differ from what NumPy computes.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -67,9 +68,17 @@ class Row:
 
 
 # ---- inputs, buffers and expected results -------------------------------------------------
-def _values(rank: int, count: int, dtype: np.dtype, salt: int = 0) -> np.ndarray:
+@functools.lru_cache(maxsize=16)
+def _cached_values(rank: int, count: int, dtype: np.dtype, salt: int) -> np.ndarray:
     v = (np.arange(count, dtype=np.int64) * 3 + rank * 7 + salt) % 5
-    return (v if dtype.kind == "u" else v - 2).astype(dtype)
+    values = (v if dtype.kind == "u" else v - 2).astype(dtype)
+    values.flags.writeable = False
+    return values
+
+
+def _values(rank: int, count: int, dtype: np.dtype, salt: int = 0) -> np.ndarray:
+    """Rank `rank`'s inputs: a fresh writable copy (the large ones are computed once)."""
+    return _cached_values(rank, count, dtype, salt).copy()
 
 
 def _reduce(arrays: list[np.ndarray], op: ReduceOp) -> np.ndarray:
@@ -96,6 +105,7 @@ def build(op: str, count: int, dtype: np.dtype, rank: int, n: int, root: int, in
     """Buffers for one run of `op`, and a function counting the wrong elements after it."""
     b: dict[str, Any] = {"kind": "in" if in_place else "out"}
     values = lambda r, salt=0: _values(r, count, dtype, salt)  # noqa: E731
+    fixed = lambda r, salt=0: _cached_values(r, count, dtype, salt)  # noqa: E731 (read-only)
 
     def wrong(actual: np.ndarray, expected: np.ndarray) -> int:
         if dtype.kind == "f" or dtype == BFLOAT16:
@@ -108,15 +118,15 @@ def build(op: str, count: int, dtype: np.dtype, rank: int, n: int, root: int, in
     if op in ("all_reduce", "reduce", "broadcast"):
         b["buf"] = values(rank)
         if op == "broadcast":
-            return b, lambda b: wrong(b["buf"], values(root))
-        expected = _reduce([values(r) for r in range(n)], redop)
+            return b, lambda b: wrong(b["buf"], fixed(root))
+        expected = _reduce([fixed(r) for r in range(n)], redop)
         if op == "reduce" and rank != root:
             return b, lambda b: 0  # non-root contents are unspecified (nccl-tests checks root)
         return b, lambda b: wrong(b["buf"], expected)
     if op in ("all_gather", "gather"):
         whole = np.zeros(n * count, dtype)
         b["inp"] = whole[rank * count:(rank + 1) * count] if in_place else np.zeros(count, dtype)
-        b["inp"][:] = values(rank)
+        b["inp"][:] = fixed(rank)
         receives = op == "all_gather" or rank == root
         if op == "all_gather":
             b["out"] = whole
@@ -125,30 +135,100 @@ def build(op: str, count: int, dtype: np.dtype, rank: int, n: int, root: int, in
             b["outs"] = [whole[j * count:(j + 1) * count] for j in range(n)]
         else:
             b["outs"] = None
-        expected = np.concatenate([values(r) for r in range(n)])
+        expected = np.concatenate([fixed(r) for r in range(n)])
         return b, (lambda b: wrong(whole, expected)) if receives else (lambda b: 0)
     if op == "scatter":
         b["out"] = np.zeros(count, dtype)
         if rank == root:
-            b["chunks_whole"] = np.concatenate([values(root, j) for j in range(n)])
+            b["chunks_whole"] = np.concatenate([fixed(root, j) for j in range(n)])
             b["chunks"] = [b["chunks_whole"][j * count:(j + 1) * count] for j in range(n)]
         else:
             b["chunks"] = None
-        return b, lambda b: wrong(b["out"], values(root, rank))
+        return b, lambda b: wrong(b["out"], fixed(root, rank))
     if op in ("reduce_scatter", "all_to_all"):
-        b["inp"] = np.concatenate([values(rank, j) for j in range(n)])
+        b["inp"] = np.concatenate([fixed(rank, j) for j in range(n)])
         if op == "reduce_scatter":
             b["out"] = b["inp"][rank * count:(rank + 1) * count] if in_place \
                 else np.zeros(count, dtype)
-            expected = _reduce([values(r, rank) for r in range(n)], redop)
+            expected = _reduce([fixed(r, rank) for r in range(n)], redop)
         else:
             b["out"] = b["inp"] if in_place else np.zeros(n * count, dtype)
-            expected = np.concatenate([values(j, rank) for j in range(n)])
+            expected = np.concatenate([fixed(j, rank) for j in range(n)])
         return b, lambda b: wrong(b["out"], expected)
     if op == "sendrecv":
         b["inp"], b["out"] = values(rank), np.zeros(count, dtype)
-        return b, lambda b: wrong(b["out"], values((rank - 1) % n))
+        return b, lambda b: wrong(b["out"], fixed((rank - 1) % n))
     raise ValueError(op)
+
+
+# ---- where the buffers live -------------------------------------------------------------------
+class HostPlacement:
+    """Buffers stay the NumPy arrays `build` made."""
+
+    device = "cpu"
+
+    def describe(self) -> str:
+        return "cpu"
+
+    def place(self, b: dict[str, Any]) -> dict[str, Any]:
+        return b
+
+    def fetch(self, placed: dict[str, Any], b: dict[str, Any]) -> None:
+        pass
+
+    def sync(self) -> None:
+        pass
+
+
+class CudaPlacement:
+    """Buffers copied to GPU `device` as torch tensors, keeping which ones share memory (an
+    in-place input stays a piece of the output); `fetch` copies them back for the checks."""
+
+    def __init__(self, device: int) -> None:
+        import torch
+
+        self.torch, self.index = torch, device
+        self.device = f"cuda:{device}"
+
+    def describe(self) -> str:
+        props = self.torch.cuda.get_device_properties(self.index)
+        return f"{self.index} [{props.name}]"
+
+    def _root(self, a: np.ndarray) -> np.ndarray:
+        return a if a.base is None or not isinstance(a.base, np.ndarray) else a.base
+
+    def place(self, b: dict[str, Any]) -> dict[str, Any]:
+        torch, roots = self.torch, {}
+
+        def move(a: Any) -> Any:
+            if isinstance(a, list):
+                return [move(x) for x in a]
+            if not isinstance(a, np.ndarray):
+                return a
+            root = self._root(a)
+            if id(root) not in roots:
+                host = torch.from_numpy(np.ascontiguousarray(root).view(np.uint8))
+                roots[id(root)] = (root, host.to(self.device))
+            offset = a.ctypes.data - root.ctypes.data
+            raw = roots[id(root)][1][offset:offset + a.nbytes]
+            return raw.view(_torch_dtype(torch, a.dtype))
+        placed = {k: move(v) for k, v in b.items()}
+        placed["_roots"] = roots
+        return placed
+
+    def fetch(self, placed: dict[str, Any], b: dict[str, Any]) -> None:
+        self.sync()
+        for root, device_copy in placed["_roots"].values():
+            root.view(np.uint8)[...] = device_copy.cpu().numpy().reshape(root.view(np.uint8).shape)
+
+    def sync(self) -> None:
+        self.torch.cuda.synchronize(self.index)
+
+
+def _torch_dtype(torch: Any, dtype: np.dtype) -> Any:
+    if dtype == BFLOAT16:
+        return torch.bfloat16
+    return torch.from_numpy(np.zeros(0, dtype)).dtype
 
 
 # ---- measuring ----------------------------------------------------------------------------
@@ -174,7 +254,7 @@ def sweep_sizes(s: Settings) -> list[int]:
 
 
 def measure(comm: Communicator, peer: Any, op: str, nbytes: int, s: Settings,
-            in_place: bool) -> Row:
+            in_place: bool, where: Any = None) -> Row:
     n, itemsize = comm.size, s.dtype.itemsize
     count, size = sizes_of(op, nbytes, itemsize, n)
     spec = COLLECTIVES.get(op)  # sendrecv is no collective: no root, no reduction
@@ -182,28 +262,35 @@ def measure(comm: Communicator, peer: Any, op: str, nbytes: int, s: Settings,
     redop = s.redop.name.lower() if spec and spec.reduces else "none"
     row = Row(peer.name, op, "in-place" if in_place else "out-of-place", size, count,
               _TYPE_NAMES.get(s.dtype.name, s.dtype.name), redop, root, None, None, None, None)
+    where = where or HostPlacement()
     buffers, _ = build(op, count, s.dtype, comm.rank, n, max(root, 0), in_place, s.redop)
-    run = peer.runner(op, buffers, s.redop, max(root, 0))
+    run = peer.runner(op, where.place(buffers), s.redop, max(root, 0))
     if run is None:
         return row
     for _ in range(s.warmup):
         run()
+    where.sync()
     iters = s.iters
     if iters is None:  # every rank must run the same number: agree on the slowest warm-up
         t0 = time.perf_counter()
         run()
+        where.sync()
         probe = np.array([time.perf_counter() - t0])
         comm.all_reduce(probe, ReduceOp.MAX)
         iters = int(min(2000, max(5, _TARGET_S / max(float(probe[0]), 1e-7))))
     peer.barrier()
+    where.sync()
     t0 = time.perf_counter()
     for _ in range(iters):
         run()
+    where.sync()
     elapsed = np.array([(time.perf_counter() - t0) / iters])
     comm.all_reduce(elapsed, ReduceOp.MAX)
     buffers, count_wrong = build(op, count, s.dtype, comm.rank, n, max(root, 0), in_place,
                                  s.redop)
-    peer.runner(op, buffers, s.redop, max(root, 0))()
+    placed = where.place(buffers)
+    peer.runner(op, placed, s.redop, max(root, 0))()
+    where.fetch(placed, buffers)
     wrong = np.array([count_wrong(buffers)], np.int64)
     comm.all_reduce(wrong)
     seconds = float(elapsed[0])
@@ -375,9 +462,6 @@ def _in_a_job() -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     ns = parse_args(argv)
-    if ns.device == "cuda":
-        raise SystemExit("anyccl bench: --device cuda needs the nccl or ipc backend, which this "
-                         "build does not have yet")
     settings = _settings(ns)
     compare = [c.strip() for c in ns.compare.split(",") if c.strip()]
     for c in compare:
@@ -404,6 +488,32 @@ def _launch(ns: argparse.Namespace, argv: list[str], compare: list[str]) -> int:
     return run(ns.nprocs, "anyccl.tools.bench", rest, module=True, backend=ns.backend)
 
 
+def _communicator(ns: argparse.Namespace) -> tuple[Communicator, Any]:
+    """The communicator and where the buffers live: --device cuda creates the NCCL
+    communicator up front on this rank's GPU (local rank modulo the visible GPUs)."""
+    import anyccl
+
+    if ns.device == "cpu":
+        return anyccl.init(ns.backend), HostPlacement()
+    from .. import gpu
+
+    count = gpu.device_count()
+    if count == 0:
+        raise SystemExit("anyccl bench: --device cuda, but no CUDA device is visible")
+    comm = anyccl.init(ns.backend or "nccl", device_id=_local_rank() % count)
+    import torch
+
+    torch.cuda.set_device(comm.device)
+    return comm, CudaPlacement(comm.device)
+
+
+def _local_rank() -> int:
+    for var in ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID"):
+        if os.environ.get(var):
+            return int(os.environ[var])
+    return 0
+
+
 def _without_nprocs(argv: list[str]) -> list[str]:
     out, skip = [], False
     for a in argv:
@@ -417,27 +527,25 @@ def _without_nprocs(argv: list[str]) -> list[str]:
 
 
 def _bench(ns: argparse.Namespace, s: Settings, compare: list[str]) -> int:
-    import anyccl
-
-    comm = anyccl.init(ns.backend)
+    comm, where = _communicator(ns)
     out = sys.stdout
-    peers: list[Any] = [AnycclPeer(comm)] + [PEERS[c](comm) for c in compare]
+    peers: list[Any] = [AnycclPeer(comm)] + [PEERS[c](comm, where.device) for c in compare]
     sizes = sweep_sizes(s)
     lead = comm.rank == 0
     membw = memory_bandwidth_gbs() if lead else 0.0
     comm.barrier()
-    hosts = comm.all_gather_object((os.getpid(), socket.gethostname()))
+    hosts = comm.all_gather_object((os.getpid(), socket.gethostname(), where.describe()))
     if lead:
         print(f"# anyccl bench: {','.join(s.ops)} on {comm.size} ranks, backend {comm.backend} "
-              f"(cpu), {s.dtype.name}, redop {s.redop.name.lower()}, root {s.root}, sizes "
-              f"{s.min_bytes} B .. {s.max_bytes} B x{s.factor:g}, warmup {s.warmup}, iters "
-              f"{s.iters or 'auto'}", file=out)
-        print(f"# libraries: {', '.join(_versions(compare))}", file=out)
+              f"({where.device}), {s.dtype.name}, redop {s.redop.name.lower()}, root "
+              f"{s.root}, sizes {s.min_bytes} B .. {s.max_bytes} B x{s.factor:g}, warmup "
+              f"{s.warmup}, iters {s.iters or 'auto'}", file=out)
+        print(f"# libraries: {', '.join(_versions(compare, where.device))}", file=out)
         print(f"# memory: one core copying 256 MiB with NumPy moves {membw:.1f} GB/s "
               f"(read + written)", file=out)
         print("#", file=out)
-        for r, (pid, host) in enumerate(hosts):
-            print(f"#  Rank {r:2d} Pid {pid:7d} on {host}", file=out)
+        for r, (pid, host, device) in enumerate(hosts):
+            print(f"#  Rank {r:2d} Pid {pid:7d} on {host} device {device}", file=out)
         out.flush()
     progress = Progress(len(peers) * len(s.ops) * len(sizes),
                         lead and sys.stderr.isatty())
@@ -454,7 +562,7 @@ def _bench(ns: argparse.Namespace, s: Settings, compare: list[str]) -> int:
                 variants = [True] if op in _IN_PLACE_ONLY else \
                     [False] if op in _OUT_OF_PLACE_ONLY else [False, True]
                 for in_place in variants:
-                    peer_rows.append(measure(comm, peer, op, nbytes, s, in_place))
+                    peer_rows.append(measure(comm, peer, op, nbytes, s, in_place, where))
                 progress.step(f"{peer.name} {op} {nbytes} B")
             rows += peer_rows
             if lead:
@@ -468,7 +576,8 @@ def _bench(ns: argparse.Namespace, s: Settings, compare: list[str]) -> int:
     if lead:
         if ns.json:
             meta = {"ranks": comm.size, "backend": comm.backend, "memory_copy_gbs": membw,
-                    "libraries": _versions(compare), "host": socket.gethostname()}
+                    "libraries": _versions(compare, where.device), "device": where.device,
+                    "host": socket.gethostname()}
             with open(ns.json, "w") as f:
                 json.dump({"meta": meta, "rows": [asdict(r) for r in rows]}, f, indent=1)
         if ns.plot:
@@ -479,14 +588,19 @@ def _bench(ns: argparse.Namespace, s: Settings, compare: list[str]) -> int:
     return 1 if wrong else 0
 
 
-def _versions(compare: list[str]) -> list[str]:
+def _versions(compare: list[str], device: str = "cpu") -> list[str]:
     import anyccl
 
     found = [f"anyccl {anyccl.__version__}", f"numpy {np.__version__}"]
+    if device != "cpu":
+        from .info import _nccl_version
+
+        found.append(str(_nccl_version()))
     if "torch" in compare:
         import torch
 
-        found.append(f"torch {torch.__version__} (gloo)")
+        nccl = ".".join(map(str, torch.cuda.nccl.version())) if device != "cpu" else ""
+        found.append(f"torch {torch.__version__} " + (f"(nccl {nccl})" if nccl else "(gloo)"))
     if "mpi" in compare:
         import mpi4py
         from mpi4py import MPI

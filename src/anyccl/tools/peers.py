@@ -17,7 +17,7 @@ Runner = Callable[[], None]
 class AnycclPeer:
     name = "anyccl"
 
-    def __init__(self, comm: Communicator) -> None:
+    def __init__(self, comm: Communicator, device: str = "cpu") -> None:
         self.comm = comm
 
     def barrier(self) -> None:
@@ -50,11 +50,11 @@ def _ring(irecv: Callable, send: Callable, rank: int, size: int, inp: Any, out: 
 
 
 class TorchPeer:
-    """torch.distributed with gloo (CPU)."""
+    """torch.distributed: gloo for host buffers, NCCL for GPU buffers (torch tensors already)."""
 
     name = "torch"
 
-    def __init__(self, comm: Communicator) -> None:
+    def __init__(self, comm: Communicator, device: str = "cpu") -> None:
         import warnings
 
         import torch
@@ -70,8 +70,12 @@ class TorchPeer:
                 s.bind(("127.0.0.1", 0))
                 address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
         address = comm.broadcast_object(address, 0)
-        dist.init_process_group("gloo", init_method=address, rank=comm.rank,
-                                world_size=comm.size)
+        if device == "cpu":
+            dist.init_process_group("gloo", init_method=address, rank=comm.rank,
+                                    world_size=comm.size)
+        else:
+            dist.init_process_group("nccl", init_method=address, rank=comm.rank,
+                                    world_size=comm.size, device_id=torch.device(device))
         self.rank, self.size = comm.rank, comm.size
 
     def barrier(self) -> None:
@@ -80,6 +84,8 @@ class TorchPeer:
     def _t(self, a: Any) -> Any:
         if isinstance(a, list):
             return [self._t(x) for x in a]
+        if isinstance(a, self.torch.Tensor):
+            return a
         if a.dtype.name == "bfloat16":
             return self.torch.from_numpy(a.view(np.int16)).view(self.torch.bfloat16)
         return self.torch.from_numpy(a)
@@ -91,7 +97,7 @@ class TorchPeer:
                ReduceOp.BAND: d.ReduceOp.BAND, ReduceOp.BOR: d.ReduceOp.BOR,
                ReduceOp.BXOR: d.ReduceOp.BXOR}
         top = ops.get(redop)
-        t = {k: self._t(v) for k, v in b.items() if v is not None and k not in ("kind",)}
+        t = {k: self._t(v) for k, v in b.items() if v is not None and k not in ("kind", "_roots")}
         rank = self.rank
         if top is None and op in ("all_reduce", "reduce", "reduce_scatter"):
             return None
@@ -119,7 +125,9 @@ class MPIPeer:
 
     name = "mpi"
 
-    def __init__(self, comm: Communicator) -> None:
+    def __init__(self, comm: Communicator, device: str = "cpu") -> None:
+        if device != "cpu":
+            raise RuntimeError("--compare mpi measures host buffers; drop it with --device cuda")
         from mpi4py import MPI
 
         self.MPI, self.c = MPI, MPI.COMM_WORLD

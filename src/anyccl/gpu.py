@@ -1,0 +1,176 @@
+"""The few CUDA runtime calls anyccl needs: devices, streams, events, pointer attributes.
+
+Through `cuda.bindings` (NVIDIA's official Python bindings, installed with ``anyccl[gpu]``),
+imported on first use so that CPU-only installs never load CUDA. Every call's status is checked;
+a failure raises `CudaError` naming the call.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from typing import Any
+
+from .errors import AnycclError, InvalidArgumentError, UnsupportedError
+
+
+class CudaError(AnycclError, RuntimeError):
+    """A CUDA runtime call failed."""
+
+
+@functools.cache
+def _rt() -> Any:
+    try:
+        from cuda.bindings import runtime
+    except ImportError:
+        raise UnsupportedError(
+            "GPU arrays need NVIDIA's cuda-bindings package: pip install 'anyccl[gpu]'") from None
+    return runtime
+
+
+def _check(result: Any, call: str) -> Any:
+    """cuda.bindings returns (status, *values): raise on a bad status, return the values."""
+    rt = _rt()
+    if isinstance(result, tuple):
+        status, values = result[0], result[1:]
+    else:
+        status, values = result, ()
+    if status != rt.cudaError_t.cudaSuccess:
+        _, text = rt.cudaGetErrorString(status)
+        raise CudaError(f"{call} failed: {status.name}: {text.decode() if text else ''}")
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else values
+
+
+def device_count() -> int:
+    """How many CUDA devices this process sees (0 when there is no driver or no bindings)."""
+    try:
+        rt = _rt()
+    except UnsupportedError:
+        return 0
+    status, count = rt.cudaGetDeviceCount()
+    return int(count) if status == rt.cudaError_t.cudaSuccess else 0
+
+
+def set_device(device: int) -> None:
+    _check(_rt().cudaSetDevice(device), f"cudaSetDevice({device})")
+
+
+def current_device() -> int:
+    return int(_check(_rt().cudaGetDevice(), "cudaGetDevice"))
+
+
+def device_properties(device: int) -> Any:
+    """cudaDeviceProp of `device` (name, totalGlobalMem, pciBusID, major, minor, ...)."""
+    return _check(_rt().cudaGetDeviceProperties(device), "cudaGetDeviceProperties")
+
+
+def device_name(device: int) -> str:
+    name = device_properties(device).name
+    return (name.decode(errors="replace") if isinstance(name, bytes) else str(name)).rstrip("\0")
+
+
+def device_of_pointer(ptr: int) -> int | None:
+    """The device that owns `ptr`, or None for host memory."""
+    rt = _rt()
+    attrs = _check(rt.cudaPointerGetAttributes(ptr), "cudaPointerGetAttributes")
+    if attrs.type in (rt.cudaMemoryType.cudaMemoryTypeDevice,
+                      rt.cudaMemoryType.cudaMemoryTypeManaged):
+        return int(attrs.device)
+    return None
+
+
+def can_access_peer(a: int, b: int) -> bool:
+    return bool(_check(_rt().cudaDeviceCanAccessPeer(a, b), "cudaDeviceCanAccessPeer"))
+
+
+def new_stream(device: int) -> int:
+    """A non-blocking stream on `device` (it does not synchronise with the legacy stream)."""
+    rt = _rt()
+    set_device(device)
+    stream = _check(rt.cudaStreamCreateWithFlags(rt.cudaStreamNonBlocking),
+                    "cudaStreamCreateWithFlags")
+    return int(stream)
+
+
+def destroy_stream(stream: int) -> None:
+    _check(_rt().cudaStreamDestroy(stream), "cudaStreamDestroy")
+
+
+def new_event(device: int) -> int:
+    rt = _rt()
+    set_device(device)
+    return int(_check(rt.cudaEventCreateWithFlags(rt.cudaEventDisableTiming),
+                      "cudaEventCreateWithFlags"))
+
+
+def destroy_event(event: int) -> None:
+    _check(_rt().cudaEventDestroy(event), "cudaEventDestroy")
+
+
+def record(event: int, stream: int) -> None:
+    _check(_rt().cudaEventRecord(event, stream), "cudaEventRecord")
+
+
+def stream_wait(stream: int, event: int) -> None:
+    """Work queued on `stream` from now on waits for `event` (no host block)."""
+    _check(_rt().cudaStreamWaitEvent(stream, event, 0), "cudaStreamWaitEvent")
+
+
+def event_done(event: int) -> bool:
+    rt = _rt()
+    status = rt.cudaEventQuery(event)[0]
+    if status == rt.cudaError_t.cudaErrorNotReady:
+        return False
+    _check((status,), "cudaEventQuery")
+    return True
+
+
+def synchronize_stream(stream: int) -> None:
+    _check(_rt().cudaStreamSynchronize(stream), "cudaStreamSynchronize")
+
+
+def stream_pointer(stream: Any, name: str = "stream") -> int:
+    """The CUDA stream handle of a PyTorch, CuPy, cuda.core or Numba stream, or of an int."""
+    if isinstance(stream, bool):
+        raise InvalidArgumentError(f"{name}={stream!r} is not a CUDA stream")
+    if isinstance(stream, int):
+        return stream
+    if hasattr(stream, "__cuda_stream__"):  # cuda.core protocol: (version, handle)
+        return int(stream.__cuda_stream__()[1])
+    for attribute in ("cuda_stream", "ptr", "handle"):
+        value = getattr(stream, attribute, None)
+        if value is not None:
+            try:
+                return int(value)
+            except (TypeError, ValueError):
+                continue
+    raise InvalidArgumentError(
+        f"{name}={stream!r} is not a CUDA stream; pass a torch.cuda.Stream, a cupy Stream, a "
+        f"cuda.core Stream or its integer handle")
+
+
+def visible_devices() -> str:
+    return os.environ.get("CUDA_VISIBLE_DEVICES", "(all)")
+
+
+def imported(module: str) -> Any:
+    """A framework module only if the user already imported it: anyccl never imports one."""
+    return sys.modules.get(module)
+
+
+def malloc_async(nbytes: int, stream: int) -> int:
+    """Stream-ordered device memory (freed with `free_async` on the same stream)."""
+    return int(_check(_rt().cudaMallocAsync(max(nbytes, 1), stream), "cudaMallocAsync"))
+
+
+def free_async(ptr: int, stream: int) -> None:
+    _check(_rt().cudaFreeAsync(ptr, stream), "cudaFreeAsync")
+
+
+def copy_async(dst: int, src: int, nbytes: int, stream: int) -> None:
+    rt = _rt()
+    _check(rt.cudaMemcpyAsync(dst, src, nbytes, rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice,
+                              stream), "cudaMemcpyAsync")

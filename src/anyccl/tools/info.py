@@ -1,0 +1,159 @@
+"""`anyccl info`: what this machine offers anyccl: versions, backends, GPUs and their links.
+
+Everything is probed, nothing assumed: a backend is listed as available only if its library
+imports, GPUs only if the CUDA runtime sees them, links only if NVML reports them.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+from typing import Any
+
+
+def _try(fn: Any, default: Any = None) -> Any:
+    try:
+        return fn()
+    except Exception:  # noqa: BLE001 - info reports what it can
+        return default
+
+
+def backends() -> list[tuple[str, str, str]]:
+    """(name, devices it serves, status) for every backend anyccl knows."""
+    from ..backends import cross_memory
+
+    rows = [("shm", "cpu", "available (shared memory; cross-memory attach "
+                           f"{'usable' if _try(cross_memory.available, False) else 'not usable'})")]
+    nccl = _try(_nccl_version)
+    rows.append(("nccl", "cuda", f"available ({nccl})" if nccl else
+                 "not usable: pip install 'anyccl[gpu]' (nccl4py and the NCCL runtime)"))
+    rows.append(("mpi", "cpu, cuda (host-staged)", "planned (issue 6)"))
+    rows.append(("ipc", "cuda (one node)", "planned (issue 7)"))
+    return rows
+
+
+def _nccl_version() -> str | None:
+    """"nccl4py X, NCCL Y" when both the bindings and the NCCL runtime load; else None."""
+    import nccl.core
+
+    found = nccl.core.get_version()
+    if found.libnccl is None:
+        return None
+    return f"nccl4py {found.nccl4py}, NCCL {found.libnccl.version}"
+
+
+def gpus() -> list[dict[str, Any]]:
+    from .. import gpu
+
+    found = []
+    for d in range(gpu.device_count()):
+        props = _try(lambda d=d: gpu.device_properties(d))
+        found.append({
+            "index": d,
+            "name": gpu.device_name(d),
+            "memory_gib": round(props.totalGlobalMem / 2**30, 1) if props else None,
+            "pci": (f"{props.pciDomainID:04x}:{props.pciBusID:02x}:{props.pciDeviceID:02x}"
+                    if props else "?"),
+            "capability": f"{props.major}.{props.minor}" if props else "?",
+        })
+    return found
+
+
+def links(devices: list[dict[str, Any]]) -> dict[tuple[int, int], str]:
+    """(i, j) -> "NV18" (NVLinks between the pair, from NVML), "P2P" (peer access without
+    NVLink: PCIe) or "-" (no peer access)."""
+    from .. import gpu
+
+    nvlinks = _try(lambda: _nvlink_counts(devices), {}) or _try(_nvidia_smi_topology, {})
+    table = {}
+    for a in devices:
+        for b in devices:
+            i, j = a["index"], b["index"]
+            if i == j:
+                continue
+            n = nvlinks.get((i, j), 0)
+            peer = _try(lambda i=i, j=j: gpu.can_access_peer(i, j), False)
+            table[(i, j)] = f"NV{n}" if n else ("P2P" if peer else "-")
+    return table
+
+
+def _nvlink_counts(devices: list[dict[str, Any]]) -> dict[tuple[int, int], int]:
+    import pynvml
+
+    pynvml.nvmlInit()
+    try:
+        by_bus = {}
+        handles = {}
+        for d in devices:
+            h = pynvml.nvmlDeviceGetHandleByPciBusId(f"{d['pci']}.0")
+            handles[d["index"]] = h
+            by_bus[_bus(pynvml.nvmlDeviceGetPciInfo(h).busId)] = d["index"]
+        counts: dict[tuple[int, int], int] = {}
+        for i, h in handles.items():
+            for link in range(pynvml.NVML_NVLINK_MAX_LINKS):
+                if _try(lambda h=h, link=link: pynvml.nvmlDeviceGetNvLinkState(h, link)) != 1:
+                    continue
+                remote = _try(lambda h=h, link=link:
+                              pynvml.nvmlDeviceGetNvLinkRemotePciInfo_v2(h, link).busId)
+                j = by_bus.get(_bus(remote)) if remote is not None else None
+                if j is not None:
+                    counts[(i, j)] = counts.get((i, j), 0) + 1
+        return counts
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def _nvidia_smi_topology() -> dict[tuple[int, int], int]:
+    """NVLink counts from `nvidia-smi topo -m` ("NV18" cells), where NVML gave none."""
+    import re
+    import subprocess
+
+    text = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True,
+                          timeout=20).stdout
+    text = re.sub(r"\x1b\[[0-9;]*m", "", text)
+    counts = {}
+    for line in text.splitlines():
+        row = re.match(r"GPU(\d+)\s+(.*)", line)
+        if not row:
+            continue
+        for j, cell in enumerate(row.group(2).split()):
+            link = re.fullmatch(r"NV(\d+)", cell)
+            if link:
+                counts[(int(row.group(1)), j)] = int(link.group(1))
+    return counts
+
+
+def _bus(bus_id: Any) -> str:
+    text = bus_id.decode() if isinstance(bus_id, bytes) else str(bus_id)
+    return text.lower().split(":", 1)[-1]  # drop the domain's width differences
+
+
+def main(argv: list[str] | None = None) -> int:
+    import numpy as np
+
+    import anyccl
+
+    print(f"anyccl {anyccl.__version__} on Python {platform.python_version()} "
+          f"({sys.executable}), NumPy {np.__version__}, {platform.system()} "
+          f"{platform.machine()}, {os.cpu_count()} CPUs")
+    print("\nbackends:")
+    for name, serves, status in backends():
+        print(f"  {name:<5} {serves:<26} {status}")
+    devices = _try(gpus, [])
+    print(f"\nGPUs: {len(devices)} visible (CUDA_VISIBLE_DEVICES="
+          f"{os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')})")
+    for d in devices:
+        print(f"  GPU {d['index']}: {d['name']}, {d['memory_gib']} GiB, compute capability "
+              f"{d['capability']}, PCI {d['pci']}")
+    if len(devices) > 1:
+        table = links(devices)
+        print("\nlinks (NVn: n NVLinks; P2P: peer access over PCIe; -: none):")
+        print("        " + "".join(f"GPU{j:<5}" for j in range(len(devices))))
+        for i in range(len(devices)):
+            cells = "".join(f"{'X' if i == j else table[(i, j)]:<8}"
+                            for j in range(len(devices)))
+            print(f"  GPU{i:<3} {cells}")
+    print("\nrouting: host arrays (NumPy, torch CPU) -> shm; GPU arrays (torch, CuPy, JAX, "
+          "DLPack) -> " + ("nccl" if _try(_nccl_version) else "nccl once installed"))
+    return 0

@@ -1,0 +1,375 @@
+"""GPU arrays on the nccl backend: every collective x every dtype on 1 and 2 GPUs against NumPy,
+stream ordering, async Works, CuPy / JAX / DLPack arrays, host and GPU arrays on one
+communicator, batched point-to-point, sub-groups, and timeouts and dead peers that abort NCCL
+instead of hanging. Needs CUDA GPUs and nccl4py; skipped without a GPU."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from harness import run_ranks, spawn_processes
+from reference import (
+    COUNTS,
+    DTYPES,
+    FAMILY_DTYPES,
+    assert_matches,
+    make_input,
+    reduce_reference,
+    valid_ops,
+)
+
+from anyccl import ReduceOp, gpu
+from anyccl.ops import dtype_kind
+
+pytestmark = pytest.mark.gpu
+
+# JAX must not take most of the GPU's memory for itself; NCCL multicast stays off (shared hosts)
+GPU_ENV = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", "NCCL_NVLS_ENABLE": "0",
+           "ANYCCL_TIMEOUT": "60"}
+
+
+def world_sizes():
+    return [pytest.param(n, marks=pytest.mark.skipif(gpu.device_count() < n,
+                                                     reason=f"needs {n} GPUs")) for n in (1, 2)]
+
+
+def two_gpus():
+    return pytest.mark.skipif(gpu.device_count() < 2, reason="needs 2 GPUs")
+
+
+# ---- arrays on the GPU, and back ---------------------------------------------------------------
+def to_gpu(a: np.ndarray, device: int):
+    """A GPU copy of `a`: torch for bfloat16 (CuPy has none), CuPy for everything else."""
+    if a.dtype.name == "bfloat16":
+        import torch
+
+        return torch.from_numpy(a.view(np.int16).copy()).view(torch.bfloat16).to(f"cuda:{device}")
+    import cupy
+
+    with cupy.cuda.Device(device):
+        return cupy.asarray(a)
+
+
+def to_host(x) -> np.ndarray:
+    if type(x).__module__.startswith("torch"):
+        import ml_dtypes
+        import torch
+
+        if x.dtype == torch.bfloat16:
+            return x.view(torch.int16).cpu().numpy().view(ml_dtypes.bfloat16)
+        return x.cpu().numpy()
+    import cupy
+
+    return cupy.asnumpy(x)
+
+
+def nccl_reduces(dtype: np.dtype, op: ReduceOp) -> bool:
+    """What the nccl backend promises to reduce (else it must refuse with UnsupportedError)."""
+    kind = dtype_kind(dtype)
+    if kind == "b":
+        return op in (ReduceOp.SUM, ReduceOp.MAX, ReduceOp.BOR, ReduceOp.PROD, ReduceOp.MIN,
+                      ReduceOp.BAND)
+    if kind == "c":
+        return op in (ReduceOp.SUM, ReduceOp.AVG)
+    if dtype in (np.int16, np.uint16):
+        return False
+    return op in (ReduceOp.SUM, ReduceOp.PROD, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.AVG)
+
+
+def cases():
+    for count in COUNTS:
+        for dtype in (DTYPES if count <= 1000 else FAMILY_DTYPES):
+            yield np.dtype(dtype), count
+
+
+# ---- every op x every dtype ---------------------------------------------------------------------
+def check_every_collective(comm):
+    import anyccl
+
+    d, n, r = comm.device, comm.size, comm.rank
+    checked = refused = 0
+    for dtype, count in cases():
+        inputs = [make_input(q, count, dtype) for q in range(n)]
+        for op in valid_ops(dtype):
+            what = f"{dtype} x {count} {op.name}"
+            x = to_gpu(inputs[r], d)
+            if not nccl_reduces(dtype, op):
+                with pytest.raises(anyccl.UnsupportedError, match="nccl"):
+                    comm.all_reduce(x, op=op)
+                refused += 1
+                continue
+            comm.all_reduce(x, op=op)
+            assert_matches(to_host(x), reduce_reference(inputs, op), f"all_reduce {what}")
+            for root in range(n):
+                x = to_gpu(inputs[r], d)
+                comm.reduce(x, root, op=op)
+                expected = reduce_reference(inputs, op) if r == root else inputs[r]
+                assert_matches(to_host(x), expected, f"reduce root {root} {what}")
+            pieces = [make_input(q, count * n, dtype, salt=1) for q in range(n)]
+            out = to_gpu(np.zeros(count, dtype), d)
+            comm.reduce_scatter(out, to_gpu(pieces[r], d), op=op)
+            expected = reduce_reference([p[r * count:(r + 1) * count] for p in pieces], op)
+            assert_matches(to_host(out), expected, f"reduce_scatter {what}")
+            checked += 3
+        for root in range(n):
+            x = to_gpu(inputs[r] if r == root else np.zeros(count, dtype), d)
+            comm.broadcast(x, root)
+            assert_matches(to_host(x), inputs[root], f"broadcast {dtype} x {count}")
+        out = to_gpu(np.zeros(count * n, dtype), d)
+        comm.all_gather(out, to_gpu(inputs[r], d))
+        assert_matches(to_host(out), np.concatenate(inputs), f"all_gather {dtype} x {count}")
+        outs = [to_gpu(np.zeros(count, dtype), d) for _ in range(n)] if r == 0 else None
+        comm.gather(to_gpu(inputs[r], d), outs, 0)
+        if r == 0:
+            for q in range(n):
+                assert_matches(to_host(outs[q]), inputs[q], f"gather {dtype} x {count}")
+        chunks = [to_gpu(make_input(q, count, dtype, salt=2), d) for q in range(n)]
+        out = to_gpu(np.zeros(count, dtype), d)
+        comm.scatter(out, chunks if r == n - 1 else None, n - 1)
+        assert_matches(to_host(out), make_input(r, count, dtype, salt=2),
+                       f"scatter {dtype} x {count}")
+        send = [make_input(q * n + p, count, dtype, salt=3) for q in range(n) for p in range(n)]
+        out = to_gpu(np.zeros(count * n, dtype), d)
+        comm.all_to_all(out, to_gpu(np.concatenate(send[r * n:(r + 1) * n]), d))
+        expected = np.concatenate([send[q * n + r] for q in range(n)])
+        assert_matches(to_host(out), expected, f"all_to_all {dtype} x {count}")
+        inplace = to_gpu(np.concatenate(send[r * n:(r + 1) * n]), d)
+        comm.all_to_all(inplace, inplace)
+        assert_matches(to_host(inplace), expected, f"all_to_all in place {dtype} x {count}")
+        checked += 6
+    return checked, refused
+
+
+@pytest.mark.parametrize("world", world_sizes())
+def test_every_collective_and_dtype_matches_numpy_or_is_refused_by_name(world):
+    results = run_ranks(check_every_collective, world, env=GPU_ENV, deadline_s=150)
+    checked, refused = results[0]
+    assert checked > 500 and refused > 0
+
+
+# ---- streams and Works ------------------------------------------------------------------------
+def check_stream_order(comm):
+    import torch
+
+    side = torch.cuda.Stream(comm.device)
+    n = 1 << 20
+    with torch.cuda.stream(side):
+        x = torch.empty(n, device=f"cuda:{comm.device}")
+        torch.cuda._sleep(200_000_000)            # ~0.1 s of GPU time before x is written
+        x.fill_(comm.rank + 1.0)
+        comm.all_reduce(x)                        # queued after the fill; returns at once
+        queued_while_busy = not side.query()
+        y = x * 2                                 # runs after the all_reduce on this stream
+    side.synchronize()
+    total = comm.size * (comm.size + 1) / 2
+    assert queued_while_busy, "all_reduce blocked the host instead of queueing"
+    assert torch.all(y == 2 * total), y[:4]
+
+    # async: wait() orders the current stream; wait(timeout) and is_completed() follow the GPU
+    x = torch.full((n,), comm.rank + 1.0, device=f"cuda:{comm.device}")
+    work = comm.all_reduce(x, async_op=True)
+    work.wait()
+    z = x.clone()
+    assert work.wait(timeout=30) and work.is_completed() and work.exception() is None
+    assert torch.all(z == total)
+
+    # stream= names the stream explicitly
+    other = torch.cuda.Stream(comm.device)
+    x = torch.full((n,), 1.0, device=f"cuda:{comm.device}")
+    torch.cuda.current_stream(comm.device).synchronize()
+    comm.all_reduce(x, stream=other)
+    other.synchronize()
+    assert torch.all(x == comm.size)
+    return True
+
+
+@pytest.mark.parametrize("world", world_sizes())
+def test_calls_queue_after_the_callers_stream_and_works_follow_cuda_events(world):
+    assert all(run_ranks(check_stream_order, world, env=GPU_ENV, deadline_s=90))
+
+
+def check_array_kinds(comm):
+    import cupy
+    import jax
+    import jax.numpy as jnp
+    import torch
+
+    d, total = comm.device, comm.size * (comm.size + 1) / 2
+    with cupy.cuda.Device(d):
+        c = cupy.full(1000, comm.rank + 1, cupy.float32)
+        comm.all_reduce(c)
+        assert float(c[0]) == total and float(c[-1]) == total
+
+    j = jax.device_put(jnp.full(1000, comm.rank + 1, jnp.float32), jax.devices("gpu")[d])
+    comm.all_reduce(j)                             # written in place; visible on return
+    assert float(j[0]) == total and float(j.sum()) == 1000 * total
+
+    class OnlyDLPack:
+        def __init__(self, t):
+            self.t = t
+
+        def __dlpack__(self, **kwargs):
+            return self.t.__dlpack__(**kwargs)
+
+        def __dlpack_device__(self):
+            return self.t.__dlpack_device__()
+
+    t = torch.full((1000,), comm.rank + 1.0, device=f"cuda:{d}")
+    comm.all_reduce(OnlyDLPack(t))
+    assert torch.all(t == total)
+
+    # one communicator, host and GPU arrays: host ones go to shm, GPU ones to nccl
+    h = np.full(10, comm.rank + 1.0)
+    comm.all_reduce(h)
+    assert np.all(h == total)
+    assert comm.backend == "cpu:shm,cuda:nccl"
+    return True
+
+
+@pytest.mark.parametrize("world", world_sizes())
+def test_cupy_jax_and_dlpack_arrays_and_host_arrays_on_one_communicator(world):
+    assert all(run_ranks(check_array_kinds, world, env=GPU_ENV, deadline_s=90))
+
+
+def check_refusals(comm):
+    import torch
+
+    import anyccl
+
+    t = torch.ones(8, device=f"cuda:{comm.device}")
+    with pytest.raises(anyccl.InvalidArgumentError,
+                       match=r"tensor is a GPU array but out\[0\] is in host memory"):
+        comm.all_gather(np.zeros(8 * comm.size, np.float32), t)
+    with pytest.raises(anyccl.InvalidArgumentError, match="stream= applies to GPU arrays"):
+        comm.all_reduce(np.ones(3), stream=0)
+    with pytest.raises(anyccl.UnsupportedError, match="nccl backend cannot reduce int32.*BXOR"):
+        comm.all_reduce(torch.ones(8, dtype=torch.int32, device=t.device), op="bxor")
+    with pytest.raises(anyccl.InvalidArgumentError, match="not contiguous"):
+        comm.all_reduce(torch.ones(8, 8, device=t.device).t())
+    if gpu.device_count() > 1:
+        elsewhere = torch.ones(8, device=f"cuda:{(comm.device + 1) % gpu.device_count()}")
+        with pytest.raises(anyccl.InvalidArgumentError, match="this rank's communicator uses GPU"):
+            comm.all_reduce(elsewhere)
+    comm.all_reduce(t)                              # still usable
+    assert torch.all(t == comm.size)
+    return True
+
+
+@pytest.mark.parametrize("world", world_sizes())
+def test_bad_gpu_calls_are_refused_by_name_and_leave_the_communicator_usable(world):
+    assert all(run_ranks(check_refusals, world, env=GPU_ENV, deadline_s=90))
+
+
+# ---- point to point, groups ---------------------------------------------------------------------
+def check_point_to_point(comm):
+    import torch
+
+    dev = f"cuda:{comm.device}"
+    comm.barrier()
+    comm.all_reduce(torch.zeros(1, device=dev))     # creates the NCCL communicator, if not yet
+    right, left = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
+    mine = torch.arange(1 << 20, dtype=torch.float32, device=dev) + comm.rank
+    got = torch.empty_like(mine)
+    with comm.batch():                             # a ring: would deadlock unbatched
+        comm.isend(mine, right)
+        work = comm.irecv(got, left)
+    work.wait()
+    assert torch.equal(got, torch.arange(1 << 20, dtype=torch.float32, device=dev) + left)
+
+    # ping-pong of fp16 GPU0 -> GPU1 -> GPU0, exact
+    x = torch.randn(4096, device=dev).half() if comm.rank == 0 else \
+        torch.empty(4096, dtype=torch.float16, device=dev)
+    if comm.rank == 0:
+        original = x.clone()
+        comm.send(x, 1, tag=7)
+        back = torch.empty_like(x)
+        comm.recv(back, 1, tag=8)
+        assert (back.float() - original.float()).abs().max().item() == 0
+    else:
+        comm.recv(x, 0, tag=7)
+        comm.send(x, 0, tag=8)
+    torch.cuda.synchronize(comm.device)
+
+    singles = comm.split(color=comm.rank)           # NCCL communicators split too
+    y = torch.full((16,), 5.0, device=dev)
+    singles.all_reduce(y)
+    assert torch.all(y == 5.0) and singles.size == 1
+    pair = comm.new_group([0, 1])
+    z = torch.ones(16, device=dev)
+    pair.all_reduce(z)
+    assert torch.all(z == 2.0)
+    singles.close()
+    pair.close()
+    return True
+
+
+@two_gpus()
+def test_batched_ring_ping_pong_and_split_on_two_gpus():
+    assert all(run_ranks(check_point_to_point, 2, env=GPU_ENV, deadline_s=90))
+
+
+# ---- fail fast ----------------------------------------------------------------------------------
+def check_timeout(comm):
+    import time
+
+    import torch
+
+    import anyccl
+
+    x = torch.ones(1 << 16, device=f"cuda:{comm.device}")
+    comm.all_reduce(x)                              # both ranks: the NCCL communicator exists
+    torch.cuda.synchronize(comm.device)
+    if comm.rank == 1:
+        time.sleep(8)                               # never joins the next all_reduce
+        return "idle"
+    work = comm.all_reduce(x, async_op=True)
+    with pytest.raises(anyccl.TimeoutError, match="not complete on the GPU"):
+        work.wait(timeout=0.5)
+    started = time.monotonic()
+    torch.cuda.synchronize(comm.device)             # returns: the watchdog aborts NCCL at 3 s
+    waited = time.monotonic() - started
+    with pytest.raises(anyccl.TimeoutError, match=r"all_reduce\(.*#\d+.*aborted"):
+        comm.all_reduce(x)
+    return waited
+
+
+@two_gpus()
+def test_an_op_past_its_deadline_aborts_nccl_and_the_next_call_names_it():
+    waited = run_ranks(check_timeout, 2, env={**GPU_ENV, "ANYCCL_TIMEOUT": "3"},
+                       deadline_s=60)[0]
+    assert waited < 6
+
+
+DEAD_PEER = r"""
+import os, time, torch, anyccl
+comm = anyccl.init(device_id=int(os.environ["RANK"]))
+x = torch.ones(1 << 16, device=f"cuda:{comm.device}")
+comm.all_reduce(x); torch.cuda.synchronize()
+if comm.rank == 1:
+    os._exit(3)
+started = time.monotonic()
+try:
+    for _ in range(1000):
+        comm.all_reduce(x)
+        torch.cuda.synchronize()
+except anyccl.PeerLostError as exc:
+    print(f"LOST {exc.lost_rank} {time.monotonic() - started:.2f}", flush=True)
+    print(exc, flush=True)
+"""
+
+
+@two_gpus()
+def test_a_dead_peer_aborts_nccl_and_raises_peer_lost_within_seconds():
+    from test_reliability import _job_env
+
+    server, envs = _job_env(2)
+    try:
+        survivor, victim = spawn_processes(DEAD_PEER, [{**GPU_ENV, **e} for e in envs],
+                                           timeout_s=60)
+    finally:
+        server.close()
+    assert victim.returncode == 3
+    lines = survivor.stdout.splitlines()
+    assert lines and lines[0].startswith("LOST 1"), survivor.stdout + survivor.stderr
+    assert float(lines[0].split()[2]) < 10
+    assert "rank 1 (pid" in survivor.stdout and "died" in survivor.stdout
