@@ -149,20 +149,24 @@ def test_every_collective_and_dtype_matches_numpy_or_is_refused_by_name(world):
 
 # ---- streams and Works ------------------------------------------------------------------------
 def check_stream_order(comm):
+    import time
+
     import torch
 
     side = torch.cuda.Stream(comm.device)
     n = 1 << 20
     with torch.cuda.stream(side):
         x = torch.empty(n, device=f"cuda:{comm.device}")
-        torch.cuda._sleep(200_000_000)            # ~0.1 s of GPU time before x is written
+        torch.cuda._sleep(2_000_000_000)          # ~1 s of GPU time before x is written
         x.fill_(comm.rank + 1.0)
+        started = time.perf_counter()
         comm.all_reduce(x)                        # queued after the fill; returns at once
+        took = time.perf_counter() - started
         queued_while_busy = not side.query()
         y = x * 2                                 # runs after the all_reduce on this stream
     side.synchronize()
     total = comm.size * (comm.size + 1) / 2
-    assert queued_while_busy, "all_reduce blocked the host instead of queueing"
+    assert queued_while_busy and took < 0.2, f"all_reduce blocked the host for {took:.3f} s"
     assert torch.all(y == 2 * total), y[:4]
 
     # async: wait() orders the current stream; wait(timeout) and is_completed() follow the GPU

@@ -288,12 +288,12 @@ class Communicator:
                 FlightRecorder.ended(entry)
             backend.end(record)
 
-        work = Work(record, self.rank)
         if enqueue is not None:
             if signature is not None:
-                self._engine.call(task, work)
+                self._engine.call(task, Work(record, self.rank))
             return self._queue_on_gpu(record, [entry], enqueue, [a for _, a in arrays],
                                       async_op, stream)
+        work = Work(record, self.rank)
         if async_op:
             return self._engine.submit(task, work)
         self._engine.call(task, work)
@@ -307,11 +307,14 @@ class Communicator:
         backend = self._gpu
         if stream is not None:
             after = [gpu.stream_pointer(stream)]
+            host_synced = False
+        elif len(arrays) == 1 and arrays[0].stream is not None:  # the common case, quickly
+            after, host_synced = [arrays[0].stream], False
         else:
             after = list(dict.fromkeys(a.stream for a in arrays if a.stream is not None))
             for a in arrays:
                 a.synchronize_producer()  # arrays without a stream (JAX): on the host
-        host_synced = stream is None and any(a.stream is None for a in arrays)
+            host_synced = any(a.stream is None for a in arrays)
         deadline = time.monotonic() + self.timeout_s
         try:
             event = backend.run(record, after, deadline, enqueue, arrays, entries)
@@ -727,8 +730,11 @@ class Communicator:
         self.close()
 
 
+_DTYPE_NAMES = {d: d.name for d in SUPPORTED_DTYPES}
+
+
 def _shape(x: Array) -> str:
-    return f"{x.dtype.name} x {x.size}"
+    return f"{_DTYPE_NAMES.get(x.dtype) or x.dtype.name} x {x.size}"
 
 
 def _named(name: str, pieces: Sequence[Array]) -> list[tuple[str, Array]]:

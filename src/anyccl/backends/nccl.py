@@ -40,7 +40,8 @@ from ..store import Store
 from ..trace import FlightRecorder, OpRecord
 
 _EVENT_RING = 1024          # events recycled in order; reuse only ever waits for a later point
-_WATCH_POLL_S = 0.005       # how often the watchdog looks at queued events
+_WATCH_POLL_S = 0.01        # how often the watchdog looks at queued events (never per op:
+                            # waking a thread per call would cost the caller the GIL)
 _HEALTH_POLL_S = 0.1        # how often it asks NCCL and the host transport about peers
 
 
@@ -75,9 +76,14 @@ def data_view(x: GpuArray) -> tuple[int, int]:
     return (x.size, code) if code is not None else (x.nbytes, _UINT8)
 
 
-def reduction_view(x: GpuArray, op: ReduceOp) -> tuple[int, int, int]:
-    """(count, NCCL dtype, NCCL op) that reduces `x` with `op`; UnsupportedError if NCCL can't."""
+def reduction_view(x: GpuArray, op: ReduceOp, size: int) -> tuple[int, int, int]:
+    """(count, NCCL dtype, NCCL op) that reduces `x` with `op` over `size` ranks;
+    UnsupportedError if NCCL can't."""
     kind = dtype_kind(x.dtype)
+    if op is ReduceOp.AVG and size == 1:
+        # the mean of one value is the value; NCCL 2.28's one-rank reduce_scatter with ncclAvg
+        # left the last elements of odd counts unwritten (seen on H200, float32 x 1048579)
+        op = ReduceOp.SUM
     if kind == "b" and op in _BOOL_OPS:
         return x.size, _UINT8, _BOOL_OPS[op]
     if kind == "c" and op in (ReduceOp.SUM, ReduceOp.AVG):  # component-wise: as real pairs
@@ -120,8 +126,8 @@ class NcclBackend:
         self._events = [gpu.new_event(device) for _ in range(_EVENT_RING)]
         self._next_event = 0
         self._lock = threading.Lock()            # NCCL calls on this communicator vs abort
-        self._state = threading.Condition()
-        self._queued: deque[_Queued] = deque()
+        self._wake = threading.Event()           # set when work arrives in an empty queue
+        self._queued: deque[_Queued] = deque()   # appended here, popped by the watchdog
         self._watchdog: threading.Thread | None = None
         self._closing = False
         self.failure: BaseException | None = None
@@ -195,11 +201,11 @@ class NcclBackend:
 
     # enqueue functions: each takes the stream and issues NCCL calls on it
     def all_reduce(self, x: GpuArray, op: ReduceOp) -> Callable[[int], None]:
-        count, dtype, nop = reduction_view(x, op)
+        count, dtype, nop = reduction_view(x, op, self.size)
         return lambda s: self._b.all_reduce(x.ptr, x.ptr, count, dtype, nop, self._comm, s)
 
     def reduce(self, x: GpuArray, root: int, op: ReduceOp) -> Callable[[int], None]:
-        count, dtype, nop = reduction_view(x, op)
+        count, dtype, nop = reduction_view(x, op, self.size)
         return lambda s: self._b.reduce(x.ptr, x.ptr, count, dtype, nop, root, self._comm, s)
 
     def broadcast(self, x: GpuArray, root: int) -> Callable[[int], None]:
@@ -214,7 +220,7 @@ class NcclBackend:
 
     def reduce_scatter(self, out: GpuArray, inputs: list[GpuArray],
                        op: ReduceOp) -> Callable[[int], None]:
-        count, dtype, nop = reduction_view(out, op)
+        count, dtype, nop = reduction_view(out, op, self.size)
         if _consecutive(inputs):
             return lambda s: self._b.reduce_scatter(inputs[0].ptr, out.ptr, count, dtype, nop,
                                                     self._comm, s)
@@ -316,29 +322,29 @@ class NcclBackend:
 
     # ---- the watchdog ------------------------------------------------------------------------
     def _watch(self, item: _Queued) -> None:
-        with self._state:
-            self._queued.append(item)
-            if self._watchdog is None:
-                self._watchdog = threading.Thread(target=self._watchdog_loop, daemon=True,
-                                                  name=f"anyccl-nccl-watchdog-{self._label}")
-                self._watchdog.start()
-            self._state.notify_all()
+        was_empty = not self._queued
+        self._queued.append(item)
+        if self._watchdog is None:
+            self._watchdog = threading.Thread(target=self._watchdog_loop, daemon=True,
+                                              name=f"anyccl-nccl-watchdog-{self._label}")
+            self._watchdog.start()
+        if was_empty:
+            self._wake.set()
 
     def _watchdog_loop(self) -> None:
         last_health = 0.0
-        while True:
-            with self._state:
-                while not self._queued and not self._closing:
-                    self._state.wait()
-                if self._closing:
-                    return
-                head = self._queued[0]
-            if gpu.event_done(head.event):
-                with self._state:
-                    self._queued.popleft()
-                for entry in head.entries:
-                    FlightRecorder.ended(entry)
+        while not self._closing:
+            if not self._queued:
+                self._wake.wait()
+                self._wake.clear()
                 continue
+            time.sleep(_WATCH_POLL_S)
+            while self._queued and gpu.event_done(self._queued[0].event):
+                for entry in self._queued.popleft().entries:
+                    FlightRecorder.ended(entry)
+            if not self._queued:
+                continue
+            head = self._queued[0]
             now = time.monotonic()
             problem: BaseException | None = None
             if now >= head.deadline:
@@ -352,7 +358,6 @@ class NcclBackend:
             if problem is not None:
                 self._abort(problem)
                 return
-            time.sleep(_WATCH_POLL_S)
 
     def _health(self, record: OpRecord) -> BaseException | None:
         lost = self._lost_peer()
@@ -374,9 +379,8 @@ class NcclBackend:
         finally:
             if got:
                 self._lock.release()
-        with self._state:
-            failed = list(self._queued)
-            self._queued.clear()
+        failed = list(self._queued)
+        self._queued.clear()
         for item in failed:
             for entry in item.entries:
                 FlightRecorder.ended(entry, problem)
@@ -387,9 +391,8 @@ class NcclBackend:
         deadline = time.monotonic() + 10.0
         while self.failure is None and self._queued and time.monotonic() < deadline:
             time.sleep(0.001)
-        with self._state:
-            self._closing = True
-            self._state.notify_all()
+        self._closing = True
+        self._wake.set()
         if self._watchdog is not None:
             self._watchdog.join(timeout=1.0)
         with self._lock:
