@@ -110,16 +110,48 @@ def destroy_event(event: int) -> None:
     _check(_rt().cudaEventDestroy(event), "cudaEventDestroy")
 
 
+# The three calls made on every GPU operation go through the driver API by default: the
+# bindings' runtime layer may cost more per call (ANYCCL_CUDA_API=runtime selects it, to compare).
+_DRIVER = os.environ.get("ANYCCL_CUDA_API", "driver") == "driver"
+
+
+@functools.cache
+def _drv() -> Any:
+    from cuda.bindings import driver
+
+    return driver
+
+
+def _check_driver(status: Any, call: str) -> None:
+    driver = _drv()
+    if status != driver.CUresult.CUDA_SUCCESS:
+        _, text = driver.cuGetErrorString(status)
+        raise CudaError(f"{call} failed: {status.name}: {text.decode() if text else ''}")
+
+
 def record(event: int, stream: int) -> None:
-    _check(_rt().cudaEventRecord(event, stream), "cudaEventRecord")
+    if _DRIVER:
+        _check_driver(_drv().cuEventRecord(event, stream)[0], "cuEventRecord")
+    else:
+        _check(_rt().cudaEventRecord(event, stream), "cudaEventRecord")
 
 
 def stream_wait(stream: int, event: int) -> None:
     """Work queued on `stream` from now on waits for `event` (no host block)."""
-    _check(_rt().cudaStreamWaitEvent(stream, event, 0), "cudaStreamWaitEvent")
+    if _DRIVER:
+        _check_driver(_drv().cuStreamWaitEvent(stream, event, 0)[0], "cuStreamWaitEvent")
+    else:
+        _check(_rt().cudaStreamWaitEvent(stream, event, 0), "cudaStreamWaitEvent")
 
 
 def event_done(event: int) -> bool:
+    if _DRIVER:
+        driver = _drv()
+        status = driver.cuEventQuery(event)[0]
+        if status == driver.CUresult.CUDA_ERROR_NOT_READY:
+            return False
+        _check_driver(status, "cuEventQuery")
+        return True
     rt = _rt()
     status = rt.cudaEventQuery(event)[0]
     if status == rt.cudaError_t.cudaErrorNotReady:
