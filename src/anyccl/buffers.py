@@ -162,15 +162,24 @@ def _dtype_or_refuse(dtype: Any, name: str) -> np.dtype:
     return dt
 
 
+_TORCH_DTYPES: dict[Any, np.dtype] = {}  # torch dtype -> NumPy dtype, filled on first use
+
+
 def _torch_dtype(t: Any, name: str) -> np.dtype:
+    found = _TORCH_DTYPES.get(t.dtype)
+    if found is not None:
+        return found
     torch = _torch_module()
     if t.dtype == torch.bfloat16:
-        return BFLOAT16
-    try:
-        return _dtype_or_refuse(torch.empty(0, dtype=t.dtype).numpy().dtype, name)
-    except TypeError:
-        raise UnsupportedError(f"{name} has dtype {t.dtype}, which anyccl does not support") \
-            from None
+        found = BFLOAT16
+    else:
+        try:
+            found = _dtype_or_refuse(torch.empty(0, dtype=t.dtype).numpy().dtype, name)
+        except TypeError:
+            raise UnsupportedError(f"{name} has dtype {t.dtype}, which anyccl does not "
+                                   f"support") from None
+    _TORCH_DTYPES[t.dtype] = found
+    return found
 
 
 def _from_torch(t: Any, name: str) -> GpuArray:

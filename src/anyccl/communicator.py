@@ -316,8 +316,11 @@ class Communicator:
                 a.synchronize_producer()  # arrays without a stream (JAX): on the host
             host_synced = any(a.stream is None for a in arrays)
         deadline = time.monotonic() + self.timeout_s
+        # a blocking call on one stream runs right on it; the rest on the backend's stream
+        on = after[0] if (not async_op and work is None and not host_synced
+                          and len(after) == 1) else None
         try:
-            event = backend.run(record, after, deadline, enqueue, arrays, entries)
+            event = backend.run(record, after, deadline, enqueue, arrays, entries, on)
         except BaseException as exc:
             for entry in entries:
                 FlightRecorder.ended(entry, exc)
@@ -332,7 +335,7 @@ class Communicator:
             return work
         if host_synced:
             backend.host_wait(event, record, deadline)
-        else:
+        elif on is None:
             for s in after:
                 gpu.stream_wait(s, event)
         return None

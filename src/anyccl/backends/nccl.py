@@ -125,6 +125,8 @@ class NcclBackend:
         self._start = gpu.new_event(device)
         self._events = [gpu.new_event(device) for _ in range(_EVENT_RING)]
         self._next_event = 0
+        self._last_stream: int | None = None     # where this communicator's last op was queued
+        self._last_event = 0
         self._lock = threading.Lock()            # NCCL calls on this communicator vs abort
         self._wake = threading.Event()           # set when work arrives in an empty queue
         self._queued: deque[_Queued] = deque()   # appended here, popped by the watchdog
@@ -159,21 +161,32 @@ class NcclBackend:
 
     # ---- running operations ------------------------------------------------------------------
     def run(self, record: OpRecord, after: Sequence[int], deadline: float,
-            enqueue: Callable[[int], None], keep: Any, entries: list[dict]) -> int:
-        """Queue `enqueue(stream)` (NCCL calls) on this backend's stream after the work queued
-        so far on each stream of `after`; return the event that marks its end."""
+            enqueue: Callable[[int], None], keep: Any, entries: list[dict],
+            on: int | None = None) -> int:
+        """Queue `enqueue(stream)` (NCCL calls) and return the event that marks its end.
+
+        on=None: on this backend's stream, after the work queued so far on each stream of
+        `after` (async operations, which may overlap the caller's later work). on=stream: right
+        on the caller's stream (blocking calls: already ordered both ways, no extra sync).
+        Either way it also follows the previous operation of this communicator, wherever that
+        was queued: NCCL needs one communicator's operations to run in issue order."""
         self.raise_if_failed()
         with self._lock:
-            for stream in after:
-                gpu.record(self._start, stream)
-                gpu.stream_wait(self.stream, self._start)
+            stream = self.stream if on is None else on
+            if on is None:
+                for user_stream in after:
+                    gpu.record(self._start, user_stream)
+                    gpu.stream_wait(stream, self._start)
+            if self._last_stream is not None and self._last_stream != stream:
+                gpu.stream_wait(stream, self._last_event)
             try:
-                enqueue(self.stream)
+                enqueue(stream)
             except self._b.NCCLError as exc:
                 raise self._error(record, exc) from None
             event = self._events[self._next_event]
             self._next_event = (self._next_event + 1) % _EVENT_RING
-            gpu.record(event, self.stream)
+            gpu.record(event, stream)
+            self._last_stream, self._last_event = stream, event
         for entry in entries:
             FlightRecorder.started(entry)
         self._watch(_Queued(record, event, deadline, keep, entries))
