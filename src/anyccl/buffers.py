@@ -34,7 +34,7 @@ def _torch_module() -> Any:
 
 def _check_torch_layout(t: Any, name: str) -> None:
     torch = _torch_module()
-    if t.is_sparse or t.layout != torch.strided:
+    if t.layout != torch.strided:
         raise UnsupportedError(f"{name} has layout {t.layout}; only dense (strided) tensors")
     if t.is_conj() or t.is_neg():
         raise InvalidArgumentError(
@@ -185,8 +185,10 @@ def _torch_dtype(t: Any, name: str) -> np.dtype:
 def _from_torch(t: Any, name: str) -> GpuArray:
     torch = _torch_module()
     _check_torch_layout(t, name)
-    device = t.device.index if t.device.index is not None else torch.cuda.current_device()
-    stream = torch.cuda.current_stream(device).cuda_stream
+    device = t.get_device()  # an int, without building a torch.device
+    raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # the cheap lookup
+    stream = raw_stream(device) if raw_stream is not None else \
+        torch.cuda.current_stream(device).cuda_stream
     return GpuArray(t.data_ptr(), t.numel(), _torch_dtype(t, name), device, stream, "torch", t)
 
 

@@ -40,6 +40,7 @@ _REDOP_CODES = list(ReduceOp)
 _DTYPE_CODES = {d: i for i, d in enumerate(SUPPORTED_DTYPES)}
 
 _live: weakref.WeakSet[Communicator] = weakref.WeakSet()
+_VALID_OPS: dict[tuple[Any, np.dtype], ReduceOp] = {}  # (op as given, dtype) -> checked op
 
 
 def _seconds(timeout: float | timedelta | None, default: float) -> float:
@@ -132,10 +133,19 @@ class Communicator:
 
     def _reduce_op(self, op_name: str, op: Any, dtype: np.dtype) -> ReduceOp:
         try:
+            return _VALID_OPS[(op, dtype)]  # every call of a training loop asks the same
+        except (KeyError, TypeError):
+            pass
+        try:
             reduce_op = ReduceOp.parse(op)
             check_reduce_op(reduce_op, dtype)
         except AnycclError as exc:
             raise type(exc)(f"rank {self.rank}: {op_name}: {exc}") from None
+        if len(_VALID_OPS) < 1024:
+            try:
+                _VALID_OPS[(op, dtype)] = reduce_op
+            except TypeError:  # an unhashable op spelling: just not cached
+                pass
         return reduce_op
 
     def _pieces(self, op: str, arg: Any, name: str, like: Array, *,
