@@ -14,7 +14,15 @@ def _pools_closed_and_no_segments_left():
 
 
 def pytest_collection_modifyitems(config, items):
+    from harness import suite_backend
+
     from anyccl import gpu
+
+    if suite_backend() != "shm":
+        skip = pytest.mark.skip(reason=f"tests the shm transport itself, not {suite_backend()}")
+        for item in items:
+            if "shm_only" in item.keywords:
+                item.add_marker(skip)
 
     if gpu.device_count() == 0:
         skip = pytest.mark.skip(reason="needs a CUDA GPU")

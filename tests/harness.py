@@ -38,7 +38,11 @@ def _worker(conn, rank: int, env: dict[str, str]) -> None:
     os.environ["RANK"] = os.environ["LOCAL_RANK"] = str(rank)
     import anyccl
 
-    comm = anyccl.init()
+    serve(conn, anyccl.init())
+
+
+def serve(conn, comm) -> None:
+    """Run the functions that arrive on `conn` on `comm` until None arrives."""
     while True:
         message = conn.recv()
         if message is None:
@@ -128,7 +132,66 @@ class RankPool:
         self.kill()
 
 
+class MpiRankPool(RankPool):
+    """The same pool, its ranks started by `mpiexec` on the mpi backend (ANYCCL_TEST_BACKEND=mpi
+    runs the whole suite this way). Ranks connect back to this process over an authenticated
+    local socket."""
+
+    def __init__(self, world_size: int, env: dict[str, str] | None = None) -> None:
+        from multiprocessing.connection import Listener
+
+        self.world_size = world_size
+        authkey = secrets.token_bytes(32)
+        self.server = None
+        listener = Listener(("127.0.0.1", 0), authkey=authkey)
+        full_env = {**os.environ, "ANYCCL_TIMEOUT": "30", **(env or {}),
+                    "ANYCCL_BACKEND": "mpi", "ANYCCL_TEST_AUTHKEY": authkey.hex()}
+        host, port = listener.address
+        self.mpiexec = subprocess.Popen(
+            ["mpiexec", "-n", str(world_size), sys.executable,
+             os.path.join(os.path.dirname(__file__), "mpi_worker.py"), host, str(port)],
+            env=full_env, start_new_session=True)
+        conns: dict[int, Any] = {}
+        listener._listener._socket.settimeout(60)
+        try:
+            while len(conns) < world_size:
+                conn = listener.accept()
+                conns[conn.recv()] = conn
+        finally:
+            listener.close()
+        self.conns = [conns[r] for r in range(world_size)]
+        self.procs = []
+        self.healthy = True
+
+    def kill(self) -> None:
+        self.healthy = False
+        if self.mpiexec.poll() is None:
+            try:
+                os.killpg(self.mpiexec.pid, 9)
+            except ProcessLookupError:
+                pass
+        self.mpiexec.wait(timeout=10)
+
+    def close(self) -> None:
+        if self.healthy:
+            for conn in self.conns:
+                try:
+                    conn.send(None)
+                except OSError:
+                    pass
+            try:
+                self.mpiexec.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                pass
+        self.kill()
+
+
 _pools: dict[tuple, RankPool] = {}
+
+
+def suite_backend() -> str:
+    """The backend the suite runs on: shm, or mpi (ANYCCL_TEST_BACKEND=mpi, under mpiexec)."""
+    return os.environ.get("ANYCCL_TEST_BACKEND", "shm")
 
 
 def pool_for(world_size: int, env: dict[str, str] | None = None) -> RankPool:
@@ -137,7 +200,8 @@ def pool_for(world_size: int, env: dict[str, str] | None = None) -> RankPool:
     if pool is None or not pool.healthy:
         if pool is not None:
             pool.kill()
-        pool = _pools[key] = RankPool(world_size, env)
+        kind = MpiRankPool if suite_backend() == "mpi" else RankPool
+        pool = _pools[key] = kind(world_size, env)
     return pool
 
 

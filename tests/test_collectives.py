@@ -149,6 +149,7 @@ def check_path(comm):
     return comm._backend.direct
 
 
+@pytest.mark.shm_only
 def test_cross_memory_attach_is_agreed_by_every_rank_and_can_be_turned_off():
     assert len(set(run_ranks(check_path, 3))) == 1
     assert run_ranks(check_path, 2, env={"ANYCCL_SHM_CMA": "0"}) == [False, False]

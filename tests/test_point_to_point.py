@@ -6,7 +6,7 @@ import re
 
 import numpy as np
 import pytest
-from harness import run_ranks, run_ranks_outcomes
+from harness import run_ranks, run_ranks_outcomes, suite_backend
 from reference import DTYPES, make_input
 
 import anyccl
@@ -177,5 +177,6 @@ def test_a_recv_with_no_matching_send_fails_with_a_timeout_that_names_it():
     message, waited = outcomes[1]
     assert re.match(r"rank 1: recv\(src=0, tag=0, 12 B\) #\d+ timed out after 1 s", message), \
         message
-    assert "rank 0 is in nothing (idle after" in message, message
+    if suite_backend() == "shm":  # shm shows each peer's state; MPI cannot see it
+        assert "rank 0 is in nothing (idle after" in message, message
     assert 0.9 < waited < 5

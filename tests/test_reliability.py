@@ -118,6 +118,7 @@ def check_timeout_writes_flight_record(comm):
     return "idle"
 
 
+@pytest.mark.shm_only
 def test_a_timeout_names_the_peers_and_writes_a_flight_record(tmp_path):
     env = {"ANYCCL_TIMEOUT": "1", "ANYCCL_FLIGHT_DIR": str(tmp_path)}
     error = run_ranks_outcomes(check_timeout_writes_flight_record, 2, env=env)[1]

@@ -35,7 +35,7 @@ _LAUNCHER_ENV = (
 )
 
 _BACKEND_ALIASES = {"gloo": "shm", "cpu": "shm"}  # torch.distributed scripts name gloo
-_PLANNED_BACKENDS = ("mpi", "ipc")
+_PLANNED_BACKENDS = ("ipc",)
 GPU_BACKENDS = ("nccl",)
 _servers: list[StoreServer] = []  # stores this process hosts; they live until it exits
 _generation = 0  # how many times this process called init(): every rank counts alike
@@ -48,7 +48,24 @@ def _shm_factory(store: Store, rank: int, size: int, job_id: str, timeout_s: flo
                                timeout_s=timeout_s)
 
 
-BACKENDS: dict[str, Callable[[Store, int, int, str, float], Backend]] = {"shm": _shm_factory}
+def _mpi_factory(store: Store, rank: int, size: int, job_id: str, timeout_s: float) -> Backend:
+    from .backends.mpi import MpiBackend
+
+    backend = MpiBackend.world(timeout_s)
+    if (backend.rank, backend.size) != (rank, size):
+        backend.close()
+        raise RendezvousError(f"backend='mpi': this process is rank {backend.rank} of "
+                              f"{backend.size} in MPI_COMM_WORLD but rank {rank} of {size} for "
+                              f"anyccl; start the job with mpiexec -n {size}")
+    return backend
+
+
+BACKENDS: dict[str, Callable[[Store, int, int, str, float], Backend]] = {
+    "shm": _shm_factory, "mpi": _mpi_factory}
+
+
+def _launched_by_mpiexec() -> bool:
+    return bool(_env_int("OMPI_COMM_WORLD_SIZE") or _env_int("PMI_SIZE"))
 
 
 def _env_int(name: str) -> int | None:
@@ -202,7 +219,8 @@ def parse_backend(backend: str | None) -> tuple[str, str | None]:
     """(host backend, GPU backend named up front or None) from "shm", "nccl", "gloo",
     "cpu:shm,cuda:nccl" or ANYCCL_BACKEND. Naming a GPU backend creates it at init(); otherwise
     the first collective on GPU arrays creates the nccl backend."""
-    spec = (backend or os.environ.get("ANYCCL_BACKEND") or "shm").strip().lower()
+    default = "mpi" if _launched_by_mpiexec() and _has_mpi4py() else "shm"
+    spec = (backend or os.environ.get("ANYCCL_BACKEND") or default).strip().lower()
     host, device_backend = None, None
     for part in spec.split(","):
         kind, _, name = part.strip().rpartition(":")
@@ -217,6 +235,12 @@ def parse_backend(backend: str | None) -> tuple[str, str | None]:
         else:
             host = _host_backend(name)
     return host or "shm", device_backend
+
+
+def _has_mpi4py() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("mpi4py") is not None
 
 
 def _device_index(device_id: object) -> int:

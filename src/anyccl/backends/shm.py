@@ -368,14 +368,14 @@ class SharedMemoryBackend(Backend):
                             f"for {waiting_for}" + (f"; {peers}" if peers else ""))
 
     def _check_peers(self) -> None:
+        # a death first: a peer that closed may only have reacted to that death
+        lost = self.lost_peer()
+        if lost is not None:
+            raise PeerLostError(f"rank {self.rank}: {lost[1]} while this rank was in "
+                                f"{self._record}", lost[0])
         for j in range(self.size):
-            if j == self.rank:
-                continue
-            if self._ctl[j][_W_CLOSED]:
+            if j != self.rank and self._ctl[j][_W_CLOSED]:
                 raise PeerLostError(f"rank {self.rank}: rank {j} closed its communicator while "
-                                    f"this rank was in {self._record}", j)
-            if not process_alive(self._pids[j]):
-                raise PeerLostError(f"rank {self.rank}: rank {j} (pid {self._pids[j]}) died while "
                                     f"this rank was in {self._record}", j)
 
     def lost_peer(self) -> tuple[int, str] | None:

@@ -466,7 +466,7 @@ def main(argv: list[str] | None = None) -> int:
     compare = [c.strip() for c in ns.compare.split(",") if c.strip()]
     for c in compare:
         if c not in PEERS:
-            raise SystemExit(f"anyccl bench: --compare {c}: expected torch and/or mpi")
+            raise SystemExit(f"anyccl bench: --compare {c}: expected torch, mpi and/or shm")
     if ns.nprocs and not _in_a_job():
         return _launch(ns, argv if argv is not None else sys.argv[1:], compare)
     return _bench(ns, settings, compare)
@@ -474,11 +474,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def _launch(ns: argparse.Namespace, argv: list[str], compare: list[str]) -> int:
     rest = _without_nprocs(argv)
-    if "mpi" in compare:
+    if "mpi" in compare or (ns.backend or "").startswith("mpi"):
         mpiexec = shutil.which("mpiexec")
         if mpiexec is None:
-            raise SystemExit("anyccl bench: --compare mpi needs mpiexec on PATH "
-                             "(pip install mpich mpi4py)")
+            raise SystemExit("anyccl bench: --compare mpi and --backend mpi need mpiexec on "
+                             "PATH (pip install mpich mpi4py)")
         import subprocess
 
         return subprocess.call([mpiexec, "-n", str(ns.nprocs), sys.executable, "-m",

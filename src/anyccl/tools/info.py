@@ -28,9 +28,19 @@ def backends() -> list[tuple[str, str, str]]:
     nccl = _try(_nccl_version)
     rows.append(("nccl", "cuda", f"available ({nccl})" if nccl else
                  "not usable: pip install 'anyccl[gpu]' (nccl4py and the NCCL runtime)"))
-    rows.append(("mpi", "cpu, cuda (host-staged)", "planned (issue 6)"))
+    mpi = _try(_mpi_version)
+    rows.append(("mpi", "cpu (many nodes)", f"available ({mpi})" if mpi else
+                 "not usable: pip install 'anyccl[mpi]' (mpi4py and MPICH)"))
     rows.append(("ipc", "cuda (one node)", "planned (issue 7)"))
     return rows
+
+
+def _mpi_version() -> str:
+    import mpi4py
+
+    from ..backends.mpi import library_version
+
+    return f"mpi4py {mpi4py.__version__} on {library_version()}"
 
 
 def _nccl_version() -> str | None:
@@ -154,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
             cells = "".join(f"{'X' if i == j else table[(i, j)]:<8}"
                             for j in range(len(devices)))
             print(f"  GPU{i:<3} {cells}")
-    print("\nrouting: host arrays (NumPy, torch CPU) -> shm; GPU arrays (torch, CuPy, JAX, "
-          "DLPack) -> " + ("nccl" if _try(_nccl_version) else "nccl once installed"))
+    print("\nrouting: host arrays (NumPy, torch CPU) -> shm (mpi when started by mpiexec); GPU "
+          "arrays (torch, CuPy, JAX, DLPack) -> "
+          + ("nccl" if _try(_nccl_version) else "nccl once installed"))
     return 0

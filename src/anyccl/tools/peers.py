@@ -180,4 +180,19 @@ class MPIPeer:
         pass
 
 
-PEERS = {"torch": TorchPeer, "mpi": MPIPeer}
+class ShmPeer(AnycclPeer):
+    """anyccl itself on its shm backend, beside a main communicator on another backend
+    (`anyccl bench --backend mpi --compare shm` puts both transports in one run)."""
+
+    name = "anyccl-shm"
+
+    def __init__(self, comm: Communicator, device: str = "cpu") -> None:
+        import anyccl
+
+        super().__init__(anyccl.init(backend="shm"), device)
+
+    def close(self) -> None:
+        self.comm.close()
+
+
+PEERS = {"torch": TorchPeer, "mpi": MPIPeer, "shm": ShmPeer}

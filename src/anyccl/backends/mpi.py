@@ -1,0 +1,401 @@
+"""The `mpi` backend: host arrays over any MPI, through mpi4py (``pip install 'anyccl[mpi]'``).
+
+Every operation is a non-blocking MPI call (Iallreduce, Ibcast, Isend, ...) completed by polling
+its request, so the communicator's deadlines hold here too: an operation that does not finish in
+time raises anyccl.TimeoutError naming the op (MPI itself would wait for ever).
+
+Types: buffers travel as bytes where no reduction is involved, so every dtype moves. Reductions
+use MPI's own types and operations where they mean the same as anyccl's (floats, integers,
+complex sums and products; bool as logical and/or/xor), and otherwise (float16, bfloat16,
+bitwise ops on bool, ...) a user-defined MPI operation running anyccl's NumPy kernels on a
+contiguous type of the element's size. AVG is a SUM followed by one division.
+
+Point-to-point: anyccl tags are carried in MPI tags as tag * 16 + dtype code, so a receive
+only matches a message of its own dtype; a message with the right tag but another dtype or
+size is reported (and discarded) instead of being reinterpreted.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+from ..buffers import SUPPORTED_DTYPES
+from ..errors import InvalidArgumentError, TimeoutError, UnsupportedError
+from ..ops import ReduceOp, accumulate, dtype_kind, finish
+from ..trace import OpRecord, format_bytes
+from .base import Backend, Completion
+
+_DTYPE_CODE = {d: i for i, d in enumerate(SUPPORTED_DTYPES)}
+_CODES = 16  # > len(SUPPORTED_DTYPES): the low 4 bits of an MPI tag name the dtype
+_SPIN_S = 0.02  # how long a wait spins on MPI_Test before it tests every 100 us
+
+
+def _mpi() -> Any:
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        raise UnsupportedError("the mpi backend needs mpi4py and an MPI library: "
+                               "pip install 'anyccl[mpi]'") from None
+    return MPI
+
+
+def library_version() -> str:
+    """The MPI library in use, e.g. 'MPICH Version: 5.0.2'."""
+    return _mpi().Get_library_version().strip().splitlines()[0]
+
+
+class _Pending:
+    __slots__ = ("request", "on_done", "record", "deadline", "check", "keep")
+
+    def __init__(self, request: Any, on_done: Completion, record: OpRecord, deadline: float,
+                 check: Callable[[Any], BaseException | None] | None, keep: Any) -> None:
+        self.request, self.on_done, self.record = request, on_done, record
+        self.deadline, self.check, self.keep = deadline, check, keep
+
+
+class MpiBackend(Backend):
+    """One MPI communicator (a duplicate of the one given, so anyccl's traffic never meets the
+    program's own MPI messages)."""
+
+    name = "mpi"
+
+    def __init__(self, comm: Any, timeout_s: float) -> None:
+        self.MPI = _mpi()
+        self._comm = comm.Dup()
+        self.rank, self.size = self._comm.Get_rank(), self._comm.Get_size()
+        self._timeout_s = timeout_s
+        self._record: OpRecord | None = None
+        self._deadline = float("inf")
+        self._pending: list[_Pending] = []
+        self._late_error: BaseException | None = None  # of a buffered send, for the next call
+        self._ops: dict[tuple[ReduceOp, np.dtype], tuple[Any, Any]] = {}
+        self._types: list[Any] = []
+        self._tag_limit = (int(self._comm.Get_attr(self.MPI.TAG_UB)) + 1) // _CODES
+        self._closed = False
+
+    @classmethod
+    def world(cls, timeout_s: float) -> MpiBackend:
+        return cls(_mpi().COMM_WORLD, timeout_s)
+
+    def subgroup(self, ranks: list[int], name: str, timeout_s: float) -> Backend:
+        # collective over this communicator's ranks only when every rank calls it: the
+        # communicator's split() calls subgroup on members only, so build the group directly
+        group = self._comm.Get_group().Incl(ranks)
+        child = self._comm.Create_group(group, tag=len(name) % 32768)
+        group.Free()
+        backend = MpiBackend(child, timeout_s)
+        child.Free()
+        return backend
+
+    # ---- waiting -----------------------------------------------------------------------------
+    def begin(self, record: OpRecord, deadline: float) -> None:
+        self._record, self._deadline = record, deadline
+        if self._late_error is not None:
+            error, self._late_error = self._late_error, None
+            raise error
+
+    def end(self, record: OpRecord) -> None:
+        self._record = None
+
+    def _complete(self, request: Any, what: str) -> None:
+        """Poll `request` until done: MPI progresses only inside its calls, so spin on Test as
+        MPI's blocking calls do, then, after _SPIN_S, test every 100 us; TimeoutError at the
+        current operation's deadline."""
+        started = time.monotonic()
+        while not request.Test():
+            now = time.monotonic()
+            if now >= self._deadline:
+                waited = now - self._record.issued_at if self._record else self._timeout_s
+                raise TimeoutError(f"rank {self.rank}: {self._record} timed out after "
+                                   f"{waited:.3g} s waiting for {what} (mpi backend)")
+            if now - started > _SPIN_S:
+                time.sleep(1e-4)
+
+    # ---- types and reductions ----------------------------------------------------------------
+    @staticmethod
+    def _bytes(x: np.ndarray) -> list[Any]:
+        from mpi4py import MPI
+
+        return [x.reshape(-1).view(np.uint8), MPI.BYTE]
+
+    def _reduction(self, op: ReduceOp, dtype: np.dtype) -> tuple[Any, Any]:
+        """(MPI datatype, MPI op) computing anyccl's `op` on `dtype` (AVG as SUM)."""
+        key = (op, dtype)
+        if key in self._ops:
+            return self._ops[key]
+        MPI = self.MPI
+        kind = dtype_kind(dtype)
+        base = ReduceOp.SUM if op is ReduceOp.AVG else op
+        builtin = None
+        if kind == "b":
+            builtin = {ReduceOp.SUM: MPI.LOR, ReduceOp.MAX: MPI.LOR, ReduceOp.BOR: MPI.LOR,
+                       ReduceOp.PROD: MPI.LAND, ReduceOp.MIN: MPI.LAND, ReduceOp.BAND: MPI.LAND,
+                       ReduceOp.BXOR: MPI.LXOR}[base]
+            mpi_type = MPI.C_BOOL
+        else:
+            mpi_type = _native_type(MPI, dtype)
+            if mpi_type is not None and not (kind == "c" and base not in (ReduceOp.SUM,
+                                                                          ReduceOp.PROD)):
+                builtin = {ReduceOp.SUM: MPI.SUM, ReduceOp.PROD: MPI.PROD,
+                           ReduceOp.MIN: MPI.MIN, ReduceOp.MAX: MPI.MAX,
+                           ReduceOp.BAND: MPI.BAND, ReduceOp.BOR: MPI.BOR,
+                           ReduceOp.BXOR: MPI.BXOR}[base]
+        if builtin is None:  # anyccl's own kernel on elements of dtype.itemsize bytes
+            mpi_type = MPI.BYTE.Create_contiguous(dtype.itemsize).Commit()
+            self._types.append(mpi_type)
+
+            def kernel(inbuf: Any, inoutbuf: Any, _datatype: Any) -> None:
+                mine = np.frombuffer(inbuf, dtype)
+                theirs = np.frombuffer(inoutbuf, dtype)
+                accumulate(theirs, mine, base)
+
+            builtin = MPI.Op.Create(kernel, commute=True)
+            self._types.append(builtin)
+        self._ops[key] = (mpi_type, builtin)
+        return mpi_type, builtin
+
+    def _reduced(self, x: np.ndarray, op: ReduceOp, count: int | None = None) -> list[Any]:
+        """The MPI buffer of `x` for reducing with `op`: `count` elements (default all)."""
+        mpi_type, _ = self._reduction(op, x.dtype)
+        view = x.view(np.uint8) if x.dtype.kind == "V" else x
+        return [view, x.size if count is None else count, mpi_type]
+
+    # ---- collectives -------------------------------------------------------------------------
+    def all_reduce(self, x: np.ndarray, op: ReduceOp) -> None:
+        _, mpi_op = self._reduction(op, x.dtype)
+        self._complete(self._comm.Iallreduce(self.MPI.IN_PLACE, self._reduced(x, op), mpi_op),
+                       "the other ranks' all_reduce")
+        finish(x, op, self.size)
+
+    def reduce(self, x: np.ndarray, root: int, op: ReduceOp) -> None:
+        _, mpi_op = self._reduction(op, x.dtype)
+        if self.rank == root:
+            request = self._comm.Ireduce(self.MPI.IN_PLACE, self._reduced(x, op), mpi_op, root)
+        else:
+            request = self._comm.Ireduce(self._reduced(x, op), None, mpi_op, root)
+        self._complete(request, "the other ranks' reduce")
+        if self.rank == root:
+            finish(x, op, self.size)
+
+    def broadcast(self, x: np.ndarray, root: int) -> None:
+        self._complete(self._comm.Ibcast(self._bytes(x), root), f"rank {root}'s broadcast")
+
+    def all_gather(self, outs: list[np.ndarray], x: np.ndarray) -> None:
+        whole, scatter_back = _joined(outs)
+        if x.size and np.may_share_memory(outs[self.rank], x):
+            if scatter_back is not None:
+                whole[self.rank * x.size:(self.rank + 1) * x.size] = x
+            request = self._comm.Iallgather(self.MPI.IN_PLACE, self._bytes(whole))
+        else:
+            request = self._comm.Iallgather(self._bytes(x), self._bytes(whole))
+        self._complete(request, "the other ranks' all_gather")
+        if scatter_back is not None:
+            scatter_back()
+
+    def gather(self, x: np.ndarray, outs: list[np.ndarray] | None, root: int) -> None:
+        if self.rank != root:
+            self._complete(self._comm.Igather(self._bytes(x), None, root), "gather at the root")
+            return
+        assert outs is not None
+        whole, scatter_back = _joined(outs)
+        self._complete(self._comm.Igather(self._bytes(np.ascontiguousarray(x)),
+                                          self._bytes(whole), root), "the other ranks' gather")
+        if scatter_back is not None:
+            scatter_back()
+
+    def scatter(self, out: np.ndarray, chunks: list[np.ndarray] | None, root: int) -> None:
+        if self.rank != root:
+            self._complete(self._comm.Iscatter(None, self._bytes(out), root),
+                           f"rank {root}'s scatter")
+            return
+        assert chunks is not None
+        whole = np.concatenate([c.reshape(-1).view(np.uint8) for c in chunks])
+        self._complete(self._comm.Iscatter([whole, self.MPI.BYTE], self._bytes(out), root),
+                       "the other ranks' scatter")
+
+    def reduce_scatter(self, out: np.ndarray, inputs: list[np.ndarray], op: ReduceOp) -> None:
+        whole = np.concatenate(inputs)  # a copy: MPI buffers must not overlap (in place)
+        _, mpi_op = self._reduction(op, out.dtype)
+        self._complete(self._comm.Ireduce_scatter_block(self._reduced(whole, op, out.size),
+                                                        self._reduced(out, op), mpi_op),
+                       "the other ranks' reduce_scatter")
+        finish(out, op, self.size)
+
+    def all_to_all(self, outs: list[np.ndarray], inputs: list[np.ndarray]) -> None:
+        send = np.concatenate([i.reshape(-1).view(np.uint8) for i in inputs])  # a copy
+        whole, scatter_back = _joined(outs)
+        self._complete(self._comm.Ialltoall([send, self.MPI.BYTE], self._bytes(whole)),
+                       "the other ranks' all_to_all")
+        if scatter_back is not None:
+            scatter_back()
+
+    def barrier(self) -> None:
+        self._complete(self._comm.Ibarrier(), "the other ranks to reach the barrier")
+
+    # ---- point to point ----------------------------------------------------------------------
+    def _mpi_tag(self, tag: int, dtype: np.dtype, record: OpRecord) -> int:
+        if tag >= self._tag_limit:
+            raise UnsupportedError(f"rank {self.rank}: {record}: tag={tag} is beyond what this "
+                                   f"MPI can carry on the mpi backend (tags < {self._tag_limit})")
+        return tag * _CODES + _DTYPE_CODE[dtype]
+
+    def post_send(self, x: np.ndarray, dst: int, tag: int, record: OpRecord, deadline: float,
+                  on_done: Completion) -> None:
+        # Buffered, as the shm backend's ring is: the message leaves from a copy, so the send
+        # completes now and a large message cannot wait on a receive the peer posts later (MPI's
+        # rendezvous would make "send 0, send 1 / recv 1, recv 0" deadlock). A failure of the
+        # copy's delivery is raised by this communicator's next call.
+        copy = x.reshape(-1).view(np.uint8).copy()
+        request = self._comm.Isend([copy, self.MPI.BYTE], dst,
+                                   self._mpi_tag(tag, x.dtype, record))
+        self._pending.append(_Pending(request, self._late, record, deadline, None, copy))
+        on_done(None)
+
+    def _late(self, error: BaseException | None) -> None:
+        if error is not None and self._late_error is None:
+            self._late_error = error
+
+    def post_recv(self, x: np.ndarray, src: int, tag: int, record: OpRecord, deadline: float,
+                  on_done: Completion) -> None:
+        mpi_tag = self._mpi_tag(tag, x.dtype, record)
+        self._check_mismatch(x, src, tag, mpi_tag, record)
+        request = self._comm.Irecv(self._bytes(x), src, mpi_tag)
+
+        def check(st: Any) -> BaseException | None:
+            got = st.Get_count(self.MPI.BYTE)
+            if got != x.nbytes:
+                return self._size_mismatch(x, src, tag, got, record)
+            return None
+
+        self._pending.append(_Pending(request, on_done, record, deadline, check, x))
+
+    def _size_mismatch(self, x: np.ndarray, src: int, tag: int, got: int | None,
+                       record: OpRecord) -> InvalidArgumentError:
+        theirs = (f"{x.dtype.name} x {got // x.dtype.itemsize} ({format_bytes(got)})"
+                  if got is not None else f"more than {format_bytes(x.nbytes)}")
+        return InvalidArgumentError(
+            f"rank {self.rank}: {record}: rank {src} sent {theirs} with tag {tag}, but the "
+            f"receiving array is {x.dtype.name} x {x.size} ({format_bytes(x.nbytes)})")
+
+    def _check_mismatch(self, x: np.ndarray, src: int, tag: int, mpi_tag: int,
+                        record: OpRecord) -> None:
+        """The next message from `src` carries this tag but another dtype: report and discard
+        it rather than let the receive wait for ever or reinterpret bytes."""
+        status = self.MPI.Status()
+        if not self._comm.Iprobe(src, self.MPI.ANY_TAG, status):
+            return
+        other = status.Get_tag()
+        if other == mpi_tag or other // _CODES != tag:
+            return
+        nbytes = status.Get_count(self.MPI.BYTE)
+        self._comm.Recv([np.empty(nbytes, np.uint8), self.MPI.BYTE], src, other)
+        theirs = SUPPORTED_DTYPES[other % _CODES]
+        raise InvalidArgumentError(
+            f"rank {self.rank}: {record}: rank {src} sent {theirs.name} x "
+            f"{nbytes // theirs.itemsize} ({format_bytes(nbytes)}) with tag {tag}, but the "
+            f"receiving array is {x.dtype.name} x {x.size}; the message was discarded")
+
+    def has_pending(self) -> bool:
+        return bool(self._pending)
+
+    def progress(self) -> None:
+        if not self._pending:
+            return
+        now = time.monotonic()
+        still = []
+        for p in self._pending:
+            status = self.MPI.Status()
+            try:
+                done = p.request.Test(status)
+            except self.MPI.Exception as exc:  # a message longer than the receiving array
+                if exc.Get_error_class() != self.MPI.ERR_TRUNCATE or p.check is None:
+                    raise
+                p.on_done(self._size_mismatch(p.keep, status.Get_source(),
+                                              status.Get_tag() // _CODES, None, p.record))
+                continue
+            if done:
+                p.on_done(p.check(status) if p.check is not None else None)
+            elif now >= p.deadline:
+                p.on_done(TimeoutError(f"rank {self.rank}: {p.record} timed out after "
+                                       f"{now - p.record.issued_at:.3g} s waiting for its peer "
+                                       f"(mpi backend)"))
+            else:
+                still.append(p)
+        self._pending = still
+
+    def fail_pending(self, error: BaseException) -> None:
+        pending, self._pending = self._pending, []
+        for p in pending:
+            p.on_done(error)
+
+    def wait_for_activity(self, timeout_s: float) -> None:
+        time.sleep(min(timeout_s, 1e-4))
+
+    def wake(self) -> None:
+        pass
+
+    def wait_for_messages(self, finished: Callable[[], bool], record: OpRecord,
+                          deadline: float) -> None:
+        started = time.monotonic()
+        while True:
+            self.progress()
+            if finished():
+                return
+            now = time.monotonic()
+            if now >= deadline:
+                raise TimeoutError(f"rank {self.rank}: {record} timed out after "
+                                   f"{now - record.issued_at:.3g} s waiting for its peer "
+                                   f"(mpi backend)")
+            if now - started > _SPIN_S:
+                time.sleep(1e-4)
+
+    # ---- lifetime ----------------------------------------------------------------------------
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for obj in self._types:
+            try:
+                obj.Free()
+            except Exception:  # noqa: BLE001 - MPI may already be finalised at exit
+                pass
+        try:
+            if not self.MPI.Is_finalized():
+                self._comm.Free()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def _native_type(MPI: Any, dtype: np.dtype) -> Any:
+    """MPI's predefined datatype for `dtype`, or None (float16, bfloat16: no standard type)."""
+    names = {"int8": "INT8_T", "int16": "INT16_T", "int32": "INT32_T", "int64": "INT64_T",
+             "uint8": "UINT8_T", "uint16": "UINT16_T", "uint32": "UINT32_T",
+             "uint64": "UINT64_T", "float32": "FLOAT", "float64": "DOUBLE",
+             "complex64": "C_FLOAT_COMPLEX", "complex128": "C_DOUBLE_COMPLEX"}
+    name = names.get(dtype.name)
+    return getattr(MPI, name) if name is not None else None
+
+
+def _joined(outs: list[np.ndarray]) -> tuple[np.ndarray, Callable[[], None] | None]:
+    """One contiguous array over `outs`: their own memory when they lie back to back (the
+    communicator's pieces of one array), else a scratch array and the function that copies it
+    back into them."""
+    flat = [o.reshape(-1) for o in outs]
+    if len(flat) == 1:
+        return flat[0], None
+    address = [o.__array_interface__["data"][0] for o in flat]
+    if all(address[i + 1] == address[i] + flat[i].nbytes for i in range(len(flat) - 1)):
+        total = sum(o.size for o in flat)
+        return np.lib.stride_tricks.as_strided(flat[0], shape=(total,),
+                                               strides=(flat[0].itemsize,)), None
+    scratch = np.empty(sum(o.size for o in flat), flat[0].dtype)
+
+    def scatter_back() -> None:
+        at = 0
+        for o in flat:
+            o[...] = scratch[at:at + o.size]
+            at += o.size
+    return scratch, scatter_back
