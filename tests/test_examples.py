@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 
 EXAMPLES = Path(__file__).parent.parent / "examples"
+pytestmark = pytest.mark.shm_only  # `anyccl run` starts shm jobs; the mpi run is tested below
 
 
 @pytest.mark.parametrize("n", (1, 2, 4))
@@ -23,3 +25,34 @@ def test_hello_collectives_runs_every_operation(n, flavour):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "all operations checked: OK" in proc.stdout
     assert f"{n} ranks, backend shm" in proc.stdout
+
+
+def _run_example(n: int, name: str, *args: str, timeout: float = 180):
+    return subprocess.run([sys.executable, "-m", "anyccl", "run", "-n", str(n),
+                           str(EXAMPLES / name), *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("n", (2, 4))
+@pytest.mark.parametrize("example, args, success", [
+    ("ping_pong.py", ["--rounds", "3", "--elements", "100000"], "max error 0.0: OK"),
+    ("async_send_recv.py", [], "failed as it should"),
+    ("gradient_average.py", ["--size", "300000", "--repeat", "2"], "max relative error"),
+    ("train_mlp.py", ["--epochs", "20"], "weights identical on every rank: True"),
+])
+def test_seed_examples_check_themselves_on_cpu(n, example, args, success):
+    if example == "train_mlp.py":
+        pytest.importorskip("sklearn")
+    proc = _run_example(n, example, *args)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert success in proc.stdout
+
+
+@pytest.mark.skipif(shutil.which("mpiexec") is None, reason="no mpiexec on PATH")
+def test_gradient_average_runs_under_mpiexec_on_the_mpi_backend():
+    pytest.importorskip("mpi4py")
+    proc = subprocess.run(["mpiexec", "-n", "2", sys.executable,
+                           str(EXAMPLES / "gradient_average.py"), "--size", "200000"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("(mpi, cpu)") == 2 and proc.stdout.count(": OK") == 2

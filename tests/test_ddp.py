@@ -1,0 +1,96 @@
+"""anyccl.ddp.GradientAverager: buckets of gradients averaged asynchronously, in the same order
+on every rank whatever order gradients become ready in; PyTorch's hook mode during backward."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from harness import run_ranks
+
+import anyccl
+from anyccl.ddp import GradientAverager
+
+SHAPES = [(3, 4), (7,), (2, 2, 2), (100,), (1,), (33, 3)]
+
+
+def local_grads(rank: int, dtype=np.float32) -> list[np.ndarray]:
+    return [(rank + 0.001 * np.arange(int(np.prod(s)))).astype(dtype).reshape(s) for s in SHAPES]
+
+
+def check_numpy_buckets(comm, order_seed):
+    grads = local_grads(comm.rank)
+    avg = GradientAverager(comm, grads, bucket_mb=400 / 2**20)  # ~400 B: several buckets
+    for step in range(3):
+        for g, fresh in zip(grads, local_grads(comm.rank)):
+            g[...] = fresh * (step + 1)
+        order = np.random.default_rng(order_seed + comm.rank + step).permutation(len(grads))
+        for i in order:                                  # every rank: its own order
+            avg.ready(int(i))
+        out = avg.wait()
+        assert all(o is g for o, g in zip(out, grads))  # NumPy: averaged in place
+        for g, s in zip(grads, SHAPES):
+            n = int(np.prod(s))
+            expected = ((comm.size - 1) / 2 + 0.001 * np.arange(n)) * (step + 1)
+            np.testing.assert_allclose(g.reshape(-1), expected, rtol=1e-5)
+    return len(avg.buckets)
+
+
+@pytest.mark.parametrize("world", (1, 2, 4))
+def test_buckets_average_in_place_whatever_order_gradients_become_ready(world):
+    buckets = run_ranks(check_numpy_buckets, world, 7)
+    assert buckets[0] >= 3 and len(set(buckets)) == 1
+
+
+def check_torch_hooks(comm):
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)                                 # the same initial weights everywhere
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    avg = GradientAverager.for_module(comm, model, bucket_mb=0.0005)
+
+    def data(r):
+        g = torch.Generator().manual_seed(100 + r)
+        return torch.randn(5, 8, generator=g), torch.randint(0, 3, (5,), generator=g)
+
+    # reference: the mean over ranks of each rank's gradient, computed here for every rank
+    reference = [torch.zeros_like(p) for p in model.parameters()]
+    with avg.no_sync():                                  # backward without reductions
+        for r in range(comm.size):
+            model.zero_grad(set_to_none=False)
+            x, y = data(r)
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            for ref, p in zip(reference, model.parameters()):
+                ref += p.grad / comm.size
+    model.zero_grad(set_to_none=False)
+    x, y = data(comm.rank)
+    torch.nn.functional.cross_entropy(model(x), y).backward()   # buckets start in backward
+    avg.wait()
+    for ref, p in zip(reference, model.parameters()):
+        torch.testing.assert_close(p.grad, ref, rtol=1e-5, atol=1e-6)
+    return len(avg.buckets)
+
+
+@pytest.mark.parametrize("world", (2, 3))
+def test_torch_hook_mode_averages_during_backward(world):
+    pytest.importorskip("torch")
+    assert min(run_ranks(check_torch_hooks, world)) >= 2
+
+
+def check_refusals(comm):
+    with pytest.raises(anyccl.InvalidArgumentError, match="empty"):
+        GradientAverager(comm, [])
+    with pytest.raises(anyccl.InvalidArgumentError, match="one dtype"):
+        GradientAverager(comm, [np.zeros(2, np.float32), np.zeros(2, np.float64)])
+    with pytest.raises(anyccl.InvalidArgumentError, match="floating dtype"):
+        GradientAverager(comm, [np.zeros(2, np.int32)])
+    avg = GradientAverager(comm, [np.ones(3, np.float32)])
+    avg.ready(0)
+    with pytest.raises(anyccl.InvalidArgumentError, match="twice"):
+        avg.ready(0)
+    avg.wait()
+    with pytest.raises(anyccl.InvalidArgumentError, match="not marked ready"):
+        avg.wait()
+    return True
+
+
+def test_bad_use_is_refused_by_name():
+    assert all(run_ranks(check_refusals, 2))
