@@ -56,3 +56,28 @@ def test_gradient_average_runs_under_mpiexec_on_the_mpi_backend():
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("(mpi, cpu)") == 2 and proc.stdout.count(": OK") == 2
+
+
+@pytest.mark.parametrize("n", (2, 4))
+def test_collectives_tour_and_classifier_check_themselves(n, tmp_path):
+    pytest.importorskip("matplotlib")
+    proc = _run_example(n, "collectives_tour.py", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert len(list(tmp_path.glob("*-rank*.png"))) == 8 * n
+    pytest.importorskip("sklearn")
+    proc = _run_example(n, "single_layer_classifier.py")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "one process:" in proc.stdout and ": OK" in proc.stdout
+
+
+def test_anyccl_viz_draws_what_the_collective_did(tmp_path):
+    pytest.importorskip("matplotlib")
+    proc = subprocess.run([sys.executable, "-m", "anyccl", "viz", "all_to_all", "-n", "3",
+                           "--out", str(tmp_path), "--gif"],
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "all_to_all.png").stat().st_size > 1000
+    assert (tmp_path / "all_to_all.gif").stat().st_size > 1000
+    bad = subprocess.run([sys.executable, "-m", "anyccl", "viz", "all_sorts"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "not a collective" in bad.stderr

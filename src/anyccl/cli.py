@@ -33,6 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.set_defaults(handler=_run)
     sub.add_parser("bench", add_help=False,
                    help="nccl-tests style measurements (anyccl bench --help)")
+    sub.add_parser("viz", add_help=False,
+                   help="pictures of what a collective does (anyccl viz --help)")
     info = sub.add_parser("info", help="versions, backends, GPUs and their links")
     info.set_defaults(handler=lambda ns: _info())
     return parser
@@ -50,6 +52,10 @@ def main(argv: list[str] | None = None) -> int:
         from .tools.bench import main as bench
 
         return bench(argv[1:])
+    if argv[:1] == ["viz"]:
+        from .tools.viz import main as viz
+
+        return viz(argv[1:])
     ns = build_parser().parse_args(argv)
     return ns.handler(ns)
 

@@ -1,0 +1,197 @@
+"""`anyccl viz`: pictures of what a collective does, made by running it.
+
+    anyccl viz all_reduce -n 4 [--op max] [--root 0] [--out DIR] [--gif]
+
+Every rank starts with a small image of its own (a disk or a square, placed and shaded by rank);
+the collective runs on those arrays through anyccl, on N real ranks; rank 0 gathers what each
+rank held before and after and draws one row per rank, before on the left, after on the right,
+with the arrays a rank sends or receives in pieces drawn side by side. `--gif` also writes an
+animation that alternates the two states. Nothing is drawn from a script of what should happen.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+import numpy as np
+
+from ..ops import COLLECTIVES, ReduceOp
+
+SIDE = 16  # pixels per image side
+OPS = tuple(name for name in COLLECTIVES if name != "barrier")
+
+
+def image(rank: int, salt: int = 0) -> np.ndarray:
+    """Rank `rank`'s picture: a disk (even ranks) or a square (odd), placed and valued by rank."""
+    yy, xx = np.mgrid[0:SIDE, 0:SIDE]
+    cx, cy = 4 + (3 * rank + salt) % 8, 4 + (5 * rank + 2 * salt) % 8
+    if (rank + salt) % 2 == 0:
+        shape = (xx - cx) ** 2 + (yy - cy) ** 2 <= 12
+    else:
+        shape = (abs(xx - cx) <= 3) & (abs(yy - cy) <= 3)
+    return (shape * float(rank + 1 + salt)).astype(np.float32)
+
+
+def run_collective(comm: Any, op: str, redop: ReduceOp = ReduceOp.SUM,
+                   root: int = 0) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Run `op` on this rank's images; return (before, after) as lists of images (one, or one
+    per rank for the arrays that hold a piece per rank)."""
+    r, n = comm.rank, comm.size
+    if op in ("all_reduce", "reduce", "broadcast"):
+        x = image(r)
+        before = [x.copy()]
+        if op == "all_reduce":
+            comm.all_reduce(x, redop)
+        elif op == "reduce":
+            comm.reduce(x, root, redop)
+        else:
+            comm.broadcast(x, root)
+        return before, [x]
+    if op in ("all_gather", "gather"):
+        x = image(r)
+        outs = [np.zeros((SIDE, SIDE), np.float32) for _ in range(n)]
+        if op == "all_gather":
+            comm.all_gather(outs, x)
+            return [x.copy()], outs
+        comm.gather(x, outs if r == root else None, root)
+        return [x.copy()], outs if r == root else [np.zeros_like(x)]
+    if op == "scatter":
+        chunks = [image(j, salt=1) for j in range(n)] if r == root else None
+        out = np.zeros((SIDE, SIDE), np.float32)
+        before = [c.copy() for c in chunks] if chunks else [np.zeros_like(out)]
+        comm.scatter(out, chunks, root)
+        return before, [out]
+    if op == "reduce_scatter":
+        pieces = [image(r, salt=j) for j in range(n)]
+        out = np.zeros((SIDE, SIDE), np.float32)
+        comm.reduce_scatter(out, pieces, redop)
+        return pieces, [out]
+    if op == "all_to_all":
+        pieces = [image(r, salt=j) for j in range(n)]
+        outs = [np.zeros((SIDE, SIDE), np.float32) for _ in range(n)]
+        comm.all_to_all(outs, [p.copy() for p in pieces])
+        return pieces, outs
+    raise ValueError(f"unknown collective {op!r}; expected one of {', '.join(OPS)}")
+
+
+def describe(op: str, redop: ReduceOp, root: int) -> str:
+    how = redop.name.lower()
+    return {
+        "all_reduce": f"every rank gets the element-wise {how} of all images",
+        "reduce": f"rank {root} gets the {how} of all images; the others keep theirs",
+        "broadcast": f"every rank gets rank {root}'s image",
+        "all_gather": "every rank gets every rank's image, in rank order",
+        "gather": f"rank {root} gets every rank's image, in rank order",
+        "scatter": f"rank {root}'s i-th image goes to rank i",
+        "reduce_scatter": f"rank i gets the {how} of every rank's i-th image",
+        "all_to_all": "rank i's j-th image goes to rank j, as its i-th",
+    }[op]
+
+
+def draw(states: list[tuple[list[np.ndarray], list[np.ndarray]]], op: str, title: str,
+         path: str, gif: bool = False) -> list[str]:
+    """One row per rank: before | after. Writes `path` (PNG) and, with gif, path.gif."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = len(states)
+    vmax = max(float(np.max(np.abs(img))) for before, after in states
+               for img in (*before, *after)) or 1.0
+
+    def strip(images: list[np.ndarray]) -> np.ndarray:
+        gap = np.full((SIDE, 1), np.nan, np.float32)
+        parts = []
+        for img in images:
+            parts += [img, gap]
+        return np.concatenate(parts[:-1], axis=1)
+
+    width = max(len(b) + len(a) for b, a in states)
+    fig, axes = plt.subplots(n, 2, figsize=(2 + 1.1 * width, 1.3 * n + 0.9), squeeze=False)
+    for r, (before, after) in enumerate(states):
+        for c, (images, label) in enumerate(((before, "before"), (after, "after"))):
+            ax = axes[r][c]
+            ax.imshow(strip(images), vmin=0, vmax=vmax, cmap="viridis")
+            ax.set_xticks([])
+            ax.set_yticks([])
+            if r == 0:
+                ax.set_title(label)
+            if c == 0:
+                ax.set_ylabel(f"rank {r}")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    written = [path]
+    if gif:
+        from matplotlib.animation import FuncAnimation, PillowWriter
+
+        fig2, axes2 = plt.subplots(n, 1, figsize=(1 + 1.1 * width, 1.3 * n + 0.9),
+                                   squeeze=False)
+        shown = [axes2[r][0].imshow(strip(states[r][0]), vmin=0, vmax=vmax, cmap="viridis")
+                 for r in range(n)]
+        for r in range(n):
+            axes2[r][0].set_xticks([])
+            axes2[r][0].set_yticks([])
+            axes2[r][0].set_ylabel(f"rank {r}")
+
+        def frame(k: int) -> list[Any]:
+            for r in range(n):
+                shown[r].set_data(strip(states[r][k % 2]))
+            fig2.suptitle(f"{op}: {'before' if k % 2 == 0 else 'after'}", fontsize=10)
+            return shown
+
+        gif_path = os.path.splitext(path)[0] + ".gif"
+        FuncAnimation(fig2, frame, frames=4, interval=900).save(gif_path,
+                                                                writer=PillowWriter(fps=1))
+        plt.close(fig2)
+        written.append(gif_path)
+    plt.close(fig)
+    return written
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="anyccl viz", description=__doc__.split("\n\n")[0])
+    p.add_argument("collective", help="|".join(OPS) + "|all")
+    p.add_argument("-n", "--nprocs", type=int, default=4, help="ranks (default 4)")
+    p.add_argument("--op", default="sum", help="reduce op for reducing collectives")
+    p.add_argument("--root", type=int, default=0)
+    p.add_argument("--out", default=".", help="folder for the pictures (default .)")
+    p.add_argument("--gif", action="store_true", help="also write an animated GIF")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    ns = parse_args(argv)
+    ops = list(OPS) if ns.collective == "all" else [ns.collective]
+    for op in ops:
+        if op not in OPS:
+            raise SystemExit(f"anyccl viz: {op!r} is not a collective; expected one of "
+                             f"{', '.join(OPS)} or all")
+    redop = ReduceOp.parse(ns.op)
+    if not 0 <= ns.root < ns.nprocs:
+        raise SystemExit(f"anyccl viz: --root {ns.root} must be below -n {ns.nprocs}")
+    if not os.environ.get("ANYCCL_STORE") and not os.environ.get("RANK"):
+        from ..launch import run
+
+        return run(ns.nprocs, "anyccl.tools.viz", argv, module=True)
+    import anyccl
+
+    comm = anyccl.init()
+    os.makedirs(ns.out, exist_ok=True)
+    for op in ops:
+        states = comm.all_gather_object(run_collective(comm, op, redop, ns.root))
+        if comm.rank == 0:
+            title = f"{op} on {comm.size} ranks: {describe(op, redop, ns.root)}"
+            for path in draw(states, op, title, os.path.join(ns.out, f"{op}.png"), ns.gif):
+                print(f"wrote {path}", flush=True)
+    comm.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,41 @@
+"""`anyccl viz` pictures come from running the collective: the states it draws are the arrays
+each rank held before and after, equal to what every rank's images must give."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from harness import run_ranks
+
+from anyccl import ReduceOp
+from anyccl.tools.viz import OPS, image, run_collective
+
+
+def states(comm, op, redop_name):
+    return run_collective(comm, op, ReduceOp.parse(redop_name), root=comm.size - 1)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_viz_states_are_the_collectives_real_results(op):
+    n = 3
+    got = run_ranks(states, n, op, "max")
+    everyone = [image(j) for j in range(n)]
+    root = n - 1
+    for r, (before, after) in enumerate(got):
+        if op == "all_reduce":
+            assert np.array_equal(after[0], np.maximum.reduce(everyone))
+        elif op == "reduce":
+            want = np.maximum.reduce(everyone) if r == root else everyone[r]
+            assert np.array_equal(after[0], want)
+        elif op == "broadcast":
+            assert np.array_equal(after[0], everyone[root])
+        elif op == "all_gather" or (op == "gather" and r == root):
+            assert all(np.array_equal(a, e) for a, e in zip(after, everyone))
+        elif op == "scatter":
+            assert np.array_equal(after[0], image(r, salt=1))
+        elif op == "reduce_scatter":
+            assert np.array_equal(after[0], np.maximum.reduce([image(j, salt=r)
+                                                               for j in range(n)]))
+        elif op == "all_to_all":
+            assert all(np.array_equal(after[j], image(j, salt=r)) for j in range(n))
+        assert before  # what was drawn on the left is what the rank started with
