@@ -376,3 +376,36 @@ def test_a_dead_peer_aborts_nccl_and_raises_peer_lost_within_seconds():
     assert lines and lines[0].startswith("LOST 1"), survivor.stdout + survivor.stderr
     assert float(lines[0].split()[2]) < 10
     assert "rank 1 (pid" in survivor.stdout and "died" in survivor.stdout
+
+
+# ---- gradient averaging on GPU arrays -----------------------------------------------------------
+def check_gradient_averager_on_gpu_arrays(comm):
+    import cupy
+    import jax
+    import jax.numpy as jnp
+    import torch
+
+    from anyccl.ddp import GradientAverager
+
+    d, mean = comm.device, (comm.size - 1) / 2
+    shapes = [(5, 3), (1000,), (7,)]
+    expected = [mean + 0.001 * np.arange(int(np.prod(s))).reshape(s) for s in shapes]
+    mine = [comm.rank + 0.001 * np.arange(int(np.prod(s))).reshape(s) for s in shapes]
+    torch_grads = [torch.tensor(m, dtype=torch.float32, device=f"cuda:{d}") for m in mine]
+    with cupy.cuda.Device(d):
+        cupy_grads = [cupy.asarray(m, dtype=cupy.float32) for m in mine]
+    jax_grads = [jax.device_put(jnp.asarray(m, jnp.float32), jax.devices("gpu")[d])
+                 for m in mine]
+    for grads in (torch_grads, cupy_grads, jax_grads):
+        out = GradientAverager(comm, grads, bucket_mb=0.002).average()
+        for o, e in zip(out, expected):
+            got = o.cpu().numpy() if hasattr(o, "cpu") and not hasattr(o, "devices") else \
+                np.asarray(cupy.asnumpy(o) if type(o).__module__.startswith("cupy") else o)
+            np.testing.assert_allclose(got, e, rtol=1e-5)
+    return True
+
+
+@pytest.mark.parametrize("world", world_sizes())
+def test_gradient_averager_on_torch_cupy_and_jax_gpu_arrays(world):
+    assert all(run_ranks(check_gradient_averager_on_gpu_arrays, world, env=GPU_ENV,
+                         deadline_s=90))
