@@ -249,6 +249,11 @@ class Communicator:
                                      f"device{'s' if count != 1 else ''} (CUDA_VISIBLE_DEVICES="
                                      f"{gpu.visible_devices()})", UnsupportedError)
         self._device = device
+        if self._backend.name == "mpi":  # GPU arrays on mpi: staged through pinned memory
+            from .backends.staging import StagedGpuBackend
+
+            gpu.set_device(device)
+            return StagedGpuBackend(self._backend, device, f"rank {self.rank} ({self._name})")
         # NCCL's own rendezvous has no deadline and cannot be aborted: meet on the host first,
         # so a rank that never comes makes the others time out instead of hanging
         self.barrier()
