@@ -500,18 +500,11 @@ def _communicator(ns: argparse.Namespace) -> tuple[Communicator, Any]:
     count = gpu.device_count()
     if count == 0:
         raise SystemExit("anyccl bench: --device cuda, but no CUDA device is visible")
-    comm = anyccl.init(ns.backend or "nccl", device_id=_local_rank() % count)
+    comm = anyccl.init(ns.backend or "nccl")  # its GPU: local rank modulo the visible GPUs
     import torch
 
     torch.cuda.set_device(comm.device)
     return comm, CudaPlacement(comm.device)
-
-
-def _local_rank() -> int:
-    for var in ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID"):
-        if os.environ.get(var):
-            return int(os.environ[var])
-    return 0
 
 
 def _without_nprocs(argv: list[str]) -> list[str]:
