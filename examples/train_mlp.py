@@ -1,7 +1,8 @@
 """Data-parallel training of a small MLP on scikit-learn's digits (shipped with the package: no
-download), NumPy only, over N ranks with anyccl.ddp.GradientAverager.
+download), in NumPy or PyTorch, over N ranks with anyccl.ddp.GradientAverager.
 
     anyccl run -n 4 examples/train_mlp.py [--epochs 60] [--backend shm|mpi]
+    anyccl run -n 4 examples/train_mlp.py --torch    # torch autograd; reductions start in backward
 
 Each rank trains on its own equal slice of the training set; the averaged gradient of the
 slices is the full-batch gradient, so every rank ends with weights bit-identical to the other
@@ -23,6 +24,7 @@ parser.add_argument("--epochs", type=int, default=60)
 parser.add_argument("--lr", type=float, default=0.5)
 parser.add_argument("--hidden", type=int, default=32)
 parser.add_argument("--backend", default=None)
+parser.add_argument("--torch", action="store_true", help="PyTorch model and autograd (CPU)")
 args = parser.parse_args()
 
 comm = anyccl.init(args.backend)
@@ -63,21 +65,52 @@ def accuracy(w, x, y):
     return float(np.mean(forward(w, x)[1].argmax(1) == y))
 
 
-weights = init_weights()
-mine = train[comm.rank::comm.size]
-grads = [np.zeros_like(w) for w in weights]
-averager = GradientAverager(comm, grads, bucket_mb=0.01)
-for epoch in range(args.epochs):
-    loss, local = gradients(weights, x_all[mine], y_all[mine])
-    for g, lg in zip(grads, local):
-        g[...] = lg
-    averager.average()                               # every rank: the full-batch gradient
-    for w, g in zip(weights, grads):
-        w -= args.lr * g
+def progress(epoch, loss):
     if comm.rank == 0 and (epoch % 10 == 9 or epoch == args.epochs - 1):
         done = (epoch + 1) * 30 // args.epochs
         print(f"[{'#' * done}{'.' * (30 - done)}] epoch {epoch + 1:3d}/{args.epochs}  "
               f"loss (rank 0's slice) {loss:.4f}", flush=True)
+
+
+def train_numpy(mine):
+    weights = init_weights()
+    grads = [np.zeros_like(w) for w in weights]
+    averager = GradientAverager(comm, grads, bucket_mb=0.01)
+    for epoch in range(args.epochs):
+        loss, local = gradients(weights, x_all[mine], y_all[mine])
+        for g, lg in zip(grads, local):
+            g[...] = lg
+        averager.average()                           # every rank: the full-batch gradient
+        for w, g in zip(weights, grads):
+            w -= args.lr * g
+        progress(epoch, loss)
+    return weights
+
+
+def train_torch(mine):
+    import torch
+
+    model = torch.nn.ParameterList([torch.nn.Parameter(torch.from_numpy(w))
+                                    for w in init_weights()])
+    averager = GradientAverager.for_module(comm, model, bucket_mb=0.01)
+    x = torch.from_numpy(x_all[mine])
+    y = torch.from_numpy(y_all[mine])
+    for epoch in range(args.epochs):
+        w = list(model)
+        logits = torch.tanh(x @ w[0] + w[1]) @ w[2] + w[3]
+        loss = torch.nn.functional.cross_entropy(logits, y)
+        loss.backward()                              # buckets start during backward
+        averager.wait()                              # .grad: the full-batch gradient
+        with torch.no_grad():
+            for p in model:
+                p -= args.lr * p.grad
+                p.grad.zero_()
+        progress(epoch, float(loss))
+    return [p.detach().numpy() for p in model]
+
+
+mine = train[comm.rank::comm.size]
+weights = train_torch(mine) if args.torch else train_numpy(mine)
 
 # every rank holds the same bytes
 fingerprints = comm.all_gather_object(b"".join(w.tobytes() for w in weights))
@@ -92,8 +125,9 @@ if comm.rank == 0:
     gap = max(float(np.max(np.abs(a - b))) for a, b in zip(weights, single))
     ok &= gap < 1e-9
     acc = accuracy(weights, x_all[test], y_all[test])
-    print(f"{comm.size} ranks ({comm.backend}): test accuracy {acc:.3f}; weights identical on "
-          f"every rank: {identical}; largest "
+    flavour = "torch" if args.torch else "numpy"
+    print(f"{comm.size} ranks ({comm.backend}, {flavour}): test accuracy {acc:.3f}; weights "
+          f"identical on every rank: {identical}; largest "
           f"difference from single-process full-batch training: {gap:.2e}: "
           f"{'OK' if ok else 'WRONG'}", flush=True)
 ok = comm.all_gather_object(ok)[0]
