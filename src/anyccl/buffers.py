@@ -277,6 +277,8 @@ def gpu_array(x: Any, name: str) -> GpuArray | None:
 
 def as_array(x: Any, name: str, *, writable: bool) -> Array:
     """A GpuArray for GPU arrays, else a NumPy view (see `as_numpy`). Never copies."""
+    if type(x) is np.ndarray:  # the common host case: nothing to probe
+        return as_numpy(x, name, writable=writable)
     found = gpu_array(x, name)
     return found if found is not None else as_numpy(x, name, writable=writable)
 

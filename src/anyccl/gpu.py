@@ -160,6 +160,24 @@ def event_done(event: int) -> bool:
     return True
 
 
+def wait_event(event: int, deadline: float, check: Any = None,
+               max_pause: float = 1e-3) -> bool:
+    """Block the host until `event` completed (True) or the monotonic `deadline` passed (False),
+    sleeping between queries from 2 us up to `max_pause`; `check()`, if given, runs before each
+    sleep (to raise an error some other thread recorded)."""
+    import time
+
+    pause = 2e-6
+    while not event_done(event):
+        if check is not None:
+            check()
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(pause)
+        pause = min(2 * pause, max_pause)
+    return True
+
+
 def synchronize_stream(stream: int) -> None:
     _check(_rt().cudaStreamSynchronize(stream), "cudaStreamSynchronize")
 

@@ -89,17 +89,12 @@ class GpuWork(Work):
 
         event = self._bound()
         if timeout is not None:
-            deadline = time.monotonic() + timeout
-            pause = 2e-6
-            while not gpu.event_done(event):
-                self._backend.raise_if_failed()
-                if time.monotonic() >= deadline:
-                    waited = time.monotonic() - self.record.issued_at
-                    raise TimeoutError(
-                        f"rank {self.rank}: {self.record} is not complete on the GPU after "
-                        f"wait(timeout={timeout:g}) ({waited:.3g} s since it was issued)")
-                time.sleep(pause)
-                pause = min(2 * pause, 1e-3)
+            if not gpu.wait_event(event, time.monotonic() + timeout,
+                                  self._backend.raise_if_failed):
+                waited = time.monotonic() - self.record.issued_at
+                raise TimeoutError(
+                    f"rank {self.rank}: {self.record} is not complete on the GPU after "
+                    f"wait(timeout={timeout:g}) ({waited:.3g} s since it was issued)")
             self._backend.raise_if_failed()
             return True
         self._backend.raise_if_failed()

@@ -311,15 +311,9 @@ class NcclBackend:
     def host_wait(self, event: int, record: OpRecord, deadline: float) -> None:
         """Block the host until `event` completed; TimeoutError at `deadline`, or the
         watchdog's error if it broke the communicator meanwhile."""
-        pause = 2e-6
-        while not gpu.event_done(event):
-            self.raise_if_failed()
-            now = time.monotonic()
-            if now >= deadline:
-                raise TimeoutError(f"rank {self.rank}: {record} is not complete on GPU "
-                                   f"{self.device} after {now - record.issued_at:.3g} s")
-            time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
+        if not gpu.wait_event(event, deadline, self.raise_if_failed):
+            raise TimeoutError(f"rank {self.rank}: {record} is not complete on GPU "
+                               f"{self.device} after {time.monotonic() - record.issued_at:.3g} s")
         self.raise_if_failed()
 
     def raise_if_failed(self) -> None:

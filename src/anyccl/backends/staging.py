@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import time
 from collections.abc import Sequence
 from typing import Any, Callable
 
@@ -24,7 +23,7 @@ import numpy as np
 
 from .. import gpu
 from ..buffers import GpuArray
-from ..errors import UnsupportedError
+from ..errors import TimeoutError, UnsupportedError
 from ..ops import ReduceOp
 from ..trace import FlightRecorder, OpRecord
 from .mpi import MpiBackend
@@ -93,13 +92,9 @@ class StagedGpuBackend:
             raise self.failure
 
     def host_wait(self, event: int, record: OpRecord, deadline: float) -> None:
-        while not gpu.event_done(event):
-            if time.monotonic() >= deadline:
-                from ..errors import TimeoutError
-
-                raise TimeoutError(f"rank {self.rank}: {record} is not complete on GPU "
-                                   f"{self.device}")
-            time.sleep(1e-5)
+        if not gpu.wait_event(event, deadline):
+            raise TimeoutError(f"rank {self.rank}: {record} is not complete on GPU "
+                               f"{self.device}")
 
     def _no_messages(self) -> UnsupportedError:
         return UnsupportedError("GPU point-to-point on the mpi backend is not built yet; use "
@@ -159,13 +154,9 @@ class StagedGpuBackend:
 
     def _wait(self, event: int) -> None:
         """The host waits for `event`, within the operation's deadline."""
-        while not gpu.event_done(event):
-            if time.monotonic() >= self._deadline:
-                from ..errors import TimeoutError
-
-                raise TimeoutError(f"rank {self.rank}: {self._record} timed out copying "
-                                   f"between GPU {self.device} and the host")
-            time.sleep(2e-6)
+        if not gpu.wait_event(event, self._deadline, max_pause=2e-6):  # on the pipeline's path
+            raise TimeoutError(f"rank {self.rank}: {self._record} timed out copying "
+                               f"between GPU {self.device} and the host")
 
     # ---- pipelined: all_reduce, broadcast -----------------------------------------------------
     def _pipelined(self, x: GpuArray, host_op: Callable[[np.ndarray], None]) -> Callable:
