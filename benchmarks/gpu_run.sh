@@ -1,33 +1,60 @@
 #!/usr/bin/env bash
-# One call on the device machine: install the carried wheels, describe the machine, run the GPU
-# tests and the nccl bench against torch.distributed. Usage (from the repository root):
-#   bash benchmarks/gpu_run.sh [tests|bench|all] [pytest -k expression]
-# Writes logs to $OUT (or ./gpu-out). NVLink multicast stays off (shared machines).
+# One call on the device machine: install the carried wheels, describe the machine, then run the
+# named steps in order. Usage (from the repository root):
+#   bash benchmarks/gpu_run.sh STEP [STEP ...]
+# Steps: tests (GPU tests, nccl), staging (GPU tests on mpi, host-staged), ipc (GPU tests of the
+# ipc backend), overhead (host time per call), mpibench (staged vs naive all_reduce), ddp
+# (overlap step times), examples (every example on the GPUs), small (8 B - 8 MiB all_reduce vs
+# torch), large (16 MiB - 1 GiB, four ops, vs torch), ipcbench (ipc vs nccl vs torch).
+# Logs go to $OUT (or ./gpu-out). NVLink multicast stays off (shared machines).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_btl_vader_single_copy_mechanism=none
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
-mode=${1:-all}; filter=${2:-}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=$PWD/src:/tmp/site
 anyccl() { python3 -m anyccl "$@"; }
 { nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv
   nvidia-smi topo -m; anyccl info; python3 -c 'import torch; print("torch", torch.__version__, "nccl", torch.cuda.nccl.version())'
-} 2>&1 | tee "$OUT/info.txt"
+} > "$OUT/info.txt" 2>&1
 n=$(python3 -c 'import torch; print(torch.cuda.device_count())')
-timeout 60 python3 -m anyccl run -n "$n" benchmarks/gpu_smoke.py 2>&1 | tee "$OUT/smoke.txt"
-if [[ $mode == tests || $mode == all ]]; then
-    timeout "${TESTS_TIMEOUT:-230}" python3 -m pytest -v -rA --tb=short -m gpu tests/test_gpu.py \
-        ${filter:+-k "$filter"} -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.txt"
-    pkill -9 -f multiprocessing.spawn || true   # ranks of a pool a timeout left behind
-fi
-if [[ $mode == bench || $mode == all ]]; then
-    timeout 90 python3 -m anyccl bench -n "$n" --device cuda --op all_reduce --min 8 --max 8M \
+step() { echo "=== $1 ($(date +%T))"; }
+for what in "$@"; do
+  case $what in
+  tests) step tests
+    timeout "${TESTS_TIMEOUT:-200}" python3 -m pytest -q -rfE --tb=short -m gpu tests/test_gpu.py \
+        -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.txt" | tail -15 ;;
+  staging) step staging
+    timeout 200 python3 -m pytest -q -rfE --tb=short -m gpu tests/test_gpu_staging.py \
+        -p no:cacheprovider 2>&1 | tee "$OUT/gpu-staging-tests.txt" | tail -15 ;;
+  ipc) step ipc
+    timeout "${IPC_TIMEOUT:-200}" python3 -m pytest -q -rfE --tb=short -m gpu tests/test_gpu_ipc.py \
+        -p no:cacheprovider 2>&1 | tee "$OUT/gpu-ipc-tests.txt" | tail -25 ;;
+  overhead) step overhead
+    timeout 90 python3 benchmarks/gpu_overhead.py 2>&1 | tee "$OUT/overhead.txt" | tail -45 ;;
+  mpibench) step mpibench
+    timeout 120 mpiexec -n "$n" python3 benchmarks/mpi_staging.py --mib 16 64 256 2>&1 \
+        | tee "$OUT/mpi-staging.txt" | tail -12 ;;
+  ddp) step ddp
+    timeout 150 python3 -m anyccl run -n "$n" benchmarks/ddp_overlap.py 2>&1 \
+        | tee "$OUT/ddp-overlap.txt" | tail -12 ;;
+  examples) step examples
+    timeout 240 bash benchmarks/gpu_examples.sh "$n" 2>&1 | tee "$OUT/examples.txt" | tail -40 ;;
+  small) step small
+    timeout 100 python3 -m anyccl bench -n "$n" --device cuda --op all_reduce --min 8 --max 8M \
         --factor 4 --compare torch --json "$OUT/bench-small.json" 2>&1 \
-        | tee "$OUT/bench-small.txt"
-    timeout "${BENCH_TIMEOUT:-190}" python3 -m anyccl bench -n "$n" --device cuda \
-        --op all_reduce,all_gather,reduce_scatter,broadcast --min 16M --max 1G \
+        | tee "$OUT/bench-small.txt" | grep -v '^#  *[0-9]' | tail -30 ;;
+  large) step large
+    timeout "${BENCH_TIMEOUT:-240}" python3 -m anyccl bench -n "$n" --device cuda \
+        --op "${OPS:-all_reduce,all_gather,reduce_scatter,broadcast}" --min 16M --max 1G \
         --factor "${FACTOR:-4}" --compare torch --json "$OUT/bench-large.json" 2>&1 \
-        | tee "$OUT/bench-large.txt"
-fi
+        | tee "$OUT/bench-large.txt" | tail -40 ;;
+  ipcbench) step ipcbench
+    timeout "${IPCBENCH_TIMEOUT:-240}" python3 benchmarks/ipc_vs_nccl.py ${IPCBENCH_ARGS:-} \
+        --json "$OUT/ipc-vs-nccl.json" 2>&1 | tee "$OUT/ipc-vs-nccl.txt" | tail -60 ;;
+  *) echo "unknown step $what"; exit 2 ;;
+  esac
+done
+echo "=== end ($(date +%T))"

@@ -4,6 +4,7 @@ holds a disk or a square, runs the collective, saves a PNG of what it held befor
 must give.
 
     anyccl run -n 4 examples/collectives_tour.py [--out tour]
+    anyccl run -n 2 examples/collectives_tour.py --device cuda   # CuPy arrays on the GPUs (nccl)
 
 (`anyccl viz all -n 4` draws all ranks in one picture.)
 """
@@ -19,9 +20,10 @@ from anyccl.tools.viz import OPS, draw, image, run_collective
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--out", default="tour")
+parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
 args = parser.parse_args()
 
-comm = anyccl.init()
+comm = anyccl.init("nccl" if args.device == "cuda" else None)
 r, n, root = comm.rank, comm.size, 0
 os.makedirs(args.out, exist_ok=True)
 
@@ -50,7 +52,7 @@ def expected(op):
 
 ok = True
 for op in OPS:
-    before, after = run_collective(comm, op)
+    before, after = run_collective(comm, op, device=args.device)
     want = expected(op)
     right = len(after) == len(want) and all(np.array_equal(a, e) for a, e in zip(after, want))
     ok &= right

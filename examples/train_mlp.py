@@ -3,6 +3,7 @@ download), in NumPy or PyTorch, over N ranks with anyccl.ddp.GradientAverager.
 
     anyccl run -n 4 examples/train_mlp.py [--epochs 60] [--backend shm|mpi]
     anyccl run -n 4 examples/train_mlp.py --torch    # torch autograd; reductions start in backward
+    anyccl run -n 2 examples/train_mlp.py --torch --device cuda   # the same on GPUs (nccl)
 
 Each rank trains on its own equal slice of the training set; the averaged gradient of the
 slices is the full-batch gradient, so every rank ends with weights bit-identical to the other
@@ -24,10 +25,14 @@ parser.add_argument("--epochs", type=int, default=60)
 parser.add_argument("--lr", type=float, default=0.5)
 parser.add_argument("--hidden", type=int, default=32)
 parser.add_argument("--backend", default=None)
-parser.add_argument("--torch", action="store_true", help="PyTorch model and autograd (CPU)")
+parser.add_argument("--torch", action="store_true", help="PyTorch model and autograd")
+parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="where the torch model lives (cuda: one GPU per rank, needs --torch)")
 args = parser.parse_args()
+if args.device == "cuda" and not args.torch:
+    parser.error("--device cuda trains the PyTorch flavour: add --torch")
 
-comm = anyccl.init(args.backend)
+comm = anyccl.init(args.backend or ("nccl" if args.device == "cuda" else None))
 digits = load_digits()
 x_all = (digits.data / 16.0).astype(np.float64)
 y_all = digits.target
@@ -90,11 +95,12 @@ def train_numpy(mine):
 def train_torch(mine):
     import torch
 
-    model = torch.nn.ParameterList([torch.nn.Parameter(torch.from_numpy(w))
+    device = f"cuda:{comm.device}" if args.device == "cuda" else "cpu"
+    model = torch.nn.ParameterList([torch.nn.Parameter(torch.from_numpy(w).to(device))
                                     for w in init_weights()])
     averager = GradientAverager.for_module(comm, model, bucket_mb=0.01)
-    x = torch.from_numpy(x_all[mine])
-    y = torch.from_numpy(y_all[mine])
+    x = torch.from_numpy(x_all[mine]).to(device)
+    y = torch.from_numpy(y_all[mine]).to(device)
     for epoch in range(args.epochs):
         w = list(model)
         logits = torch.tanh(x @ w[0] + w[1]) @ w[2] + w[3]
@@ -106,7 +112,7 @@ def train_torch(mine):
                 p -= args.lr * p.grad
                 p.grad.zero_()
         progress(epoch, float(loss))
-    return [p.detach().numpy() for p in model]
+    return [p.detach().cpu().numpy() for p in model]
 
 
 mine = train[comm.rank::comm.size]
@@ -125,7 +131,7 @@ if comm.rank == 0:
     gap = max(float(np.max(np.abs(a - b))) for a, b in zip(weights, single))
     ok &= gap < 1e-9
     acc = accuracy(weights, x_all[test], y_all[test])
-    flavour = "torch" if args.torch else "numpy"
+    flavour = f"torch on {args.device}" if args.torch else "numpy"
     print(f"{comm.size} ranks ({comm.backend}, {flavour}): test accuracy {acc:.3f}; weights "
           f"identical on every rank: {identical}; largest "
           f"difference from single-process full-batch training: {gap:.2e}: "

@@ -194,13 +194,16 @@ def suite_backend() -> str:
     return os.environ.get("ANYCCL_TEST_BACKEND", "shm")
 
 
-def pool_for(world_size: int, env: dict[str, str] | None = None) -> RankPool:
-    key = (world_size, tuple(sorted((env or {}).items())))
+def pool_for(world_size: int, env: dict[str, str] | None = None,
+             backend: str | None = None) -> RankPool:
+    """The (cached) pool of `world_size` ranks on `backend` (default: the suite's)."""
+    backend = backend or suite_backend()
+    key = (world_size, tuple(sorted((env or {}).items())), backend)
     pool = _pools.get(key)
     if pool is None or not pool.healthy:
         if pool is not None:
             pool.kill()
-        kind = MpiRankPool if suite_backend() == "mpi" else RankPool
+        kind = MpiRankPool if backend == "mpi" else RankPool
         pool = _pools[key] = kind(world_size, env)
     return pool
 
@@ -213,10 +216,13 @@ def run_ranks_outcomes(fn: Callable, world_size: int, *args: Any, env: dict | No
 
 
 def run_ranks(fn: Callable, world_size: int, *args: Any, env: dict | None = None,
-              deadline_s: float = DEFAULT_DEADLINE_S, **kwargs: Any) -> list:
-    """fn(comm, *args, **kwargs) on every rank; its return values in rank order. Raises
-    RankFailure naming each rank that raised."""
-    outcomes = pool_for(world_size, env).run(fn, *args, deadline_s=deadline_s, **kwargs)
+              deadline_s: float = DEFAULT_DEADLINE_S, backend: str | None = None,
+              **kwargs: Any) -> list:
+    """fn(comm, *args, **kwargs) on every rank (on `backend`: shm, or mpi under mpiexec;
+    default the suite's); its return values in rank order. Raises RankFailure naming each rank
+    that raised."""
+    outcomes = pool_for(world_size, env, backend).run(fn, *args, deadline_s=deadline_s,
+                                                      **kwargs)
     errors = {r: v for r, (s, v, _) in enumerate(outcomes) if s == "err"}
     if errors:
         raise RankFailure(errors, {r: outcomes[r][2] for r in errors})

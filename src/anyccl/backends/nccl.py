@@ -346,7 +346,13 @@ class NcclBackend:
                 self._wake.clear()
                 continue
             time.sleep(_WATCH_POLL_S)
-            while self._queued and gpu.event_done(self._queued[0].event):
+            # operations finish in issue order: when the newest is done, all are (one query)
+            count = len(self._queued)  # items appended from here on are not looked at
+            done = count if gpu.event_done(self._queued[count - 1].event) else 0
+            while not done and self._queued and gpu.event_done(self._queued[0].event):
+                for entry in self._queued.popleft().entries:
+                    FlightRecorder.ended(entry)
+            for _ in range(done):
                 for entry in self._queued.popleft().entries:
                     FlightRecorder.ended(entry)
             if not self._queued:

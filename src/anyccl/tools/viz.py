@@ -36,44 +36,57 @@ def image(rank: int, salt: int = 0) -> np.ndarray:
 
 
 def run_collective(comm: Any, op: str, redop: ReduceOp = ReduceOp.SUM,
-                   root: int = 0) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """Run `op` on this rank's images; return (before, after) as lists of images (one, or one
-    per rank for the arrays that hold a piece per rank)."""
+                   root: int = 0, device: str = "cpu") -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Run `op` on this rank's images, held in host memory (device="cpu") or as CuPy arrays on
+    this rank's GPU (device="cuda"); return (before, after) as lists of host images (one, or
+    one per rank for the arrays that hold a piece per rank)."""
     r, n = comm.rank, comm.size
+    if device == "cuda":
+        import cupy
+
+        cupy.cuda.Device(comm.device if comm.device is not None
+                         else comm.local_rank % cupy.cuda.runtime.getDeviceCount()).use()
+        put, get = cupy.asarray, cupy.asnumpy
+    else:
+        put, get = (lambda a: a), (lambda a: a)
+
+    def blank() -> Any:
+        return put(np.zeros((SIDE, SIDE), np.float32))
+
     if op in ("all_reduce", "reduce", "broadcast"):
-        x = image(r)
-        before = [x.copy()]
+        before = [image(r)]
+        x = put(before[0].copy())
         if op == "all_reduce":
             comm.all_reduce(x, redop)
         elif op == "reduce":
             comm.reduce(x, root, redop)
         else:
             comm.broadcast(x, root)
-        return before, [x]
+        return before, [get(x)]
     if op in ("all_gather", "gather"):
-        x = image(r)
-        outs = [np.zeros((SIDE, SIDE), np.float32) for _ in range(n)]
+        x = put(image(r))
+        outs = [blank() for _ in range(n)]
         if op == "all_gather":
             comm.all_gather(outs, x)
-            return [x.copy()], outs
+            return [image(r)], [get(o) for o in outs]
         comm.gather(x, outs if r == root else None, root)
-        return [x.copy()], outs if r == root else [np.zeros_like(x)]
+        return [image(r)], [get(o) for o in outs] if r == root else [np.zeros_like(image(r))]
     if op == "scatter":
         chunks = [image(j, salt=1) for j in range(n)] if r == root else None
-        out = np.zeros((SIDE, SIDE), np.float32)
-        before = [c.copy() for c in chunks] if chunks else [np.zeros_like(out)]
-        comm.scatter(out, chunks, root)
-        return before, [out]
+        out = blank()
+        before = [c.copy() for c in chunks] if chunks else [np.zeros((SIDE, SIDE), np.float32)]
+        comm.scatter(out, [put(c) for c in chunks] if chunks else None, root)
+        return before, [get(out)]
     if op == "reduce_scatter":
         pieces = [image(r, salt=j) for j in range(n)]
-        out = np.zeros((SIDE, SIDE), np.float32)
-        comm.reduce_scatter(out, pieces, redop)
-        return pieces, [out]
+        out = blank()
+        comm.reduce_scatter(out, [put(p) for p in pieces], redop)
+        return pieces, [get(out)]
     if op == "all_to_all":
         pieces = [image(r, salt=j) for j in range(n)]
-        outs = [np.zeros((SIDE, SIDE), np.float32) for _ in range(n)]
-        comm.all_to_all(outs, [p.copy() for p in pieces])
-        return pieces, outs
+        outs = [blank() for _ in range(n)]
+        comm.all_to_all(outs, [put(p) for p in pieces])
+        return pieces, [get(o) for o in outs]
     raise ValueError(f"unknown collective {op!r}; expected one of {', '.join(OPS)}")
 
 
