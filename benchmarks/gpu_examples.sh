@@ -16,7 +16,7 @@ run "gradient_average nccl" $A examples/gradient_average.py --device cuda --size
 run "gradient_average mpi (host-staged)" mpiexec -n "$n" python3 examples/gradient_average.py \
     --device cuda --backend mpi --size 16777216
 run "ping_pong" $A examples/ping_pong.py --device cuda
-for ex in hello_collectives async_send_recv collectives_tour single_layer_classifier train_mlp; do
+for ex in hello_collectives async_send_recv collectives_tour single_layer_classifier; do
   if grep -q -- '--device' "examples/$ex.py"; then
     run "$ex" $A "examples/$ex.py" --device cuda
   else

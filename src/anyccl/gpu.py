@@ -54,6 +54,11 @@ def device_count() -> int:
     return int(count) if status == rt.cudaError_t.cudaSuccess else 0
 
 
+# handles that name a device's default stream rather than a stream of their own (legacy, legacy,
+# per-thread): they mean the default stream of whichever device is current
+NULL_STREAMS = frozenset((0, 1, 2))
+
+
 def set_device(device: int) -> None:
     _check(_rt().cudaSetDevice(device), f"cudaSetDevice({device})")
 
