@@ -5,7 +5,9 @@
 # Steps: tests (GPU tests, nccl), staging (GPU tests on mpi, host-staged), ipc (GPU tests of the
 # ipc backend), overhead (host time per call), mpibench (staged vs naive all_reduce), ddp
 # (overlap step times), examples (every example on the GPUs), small (8 B - 8 MiB all_reduce vs
-# torch), large (16 MiB - 1 GiB, four ops, vs torch), ipcbench (ipc vs nccl vs torch).
+# torch), large (16 MiB - 1 GiB, four ops, vs torch), ipccheck (1000 random ipc ops vs float64),
+# sanitizer (compute-sanitizer on a small ipc run), ipcsmall / ipclarge (anyccl bench: ipc vs
+# anyccl-nccl vs torch), ipcp2p (one-way send/recv bandwidth).
 # Logs go to $OUT (or ./gpu-out). NVLink multicast stays off (shared machines).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -51,9 +53,30 @@ for what in "$@"; do
         --op "${OPS:-all_reduce,all_gather,reduce_scatter,broadcast}" --min 16M --max 1G \
         --factor "${FACTOR:-4}" --compare torch --json "$OUT/bench-large.json" 2>&1 \
         | tee "$OUT/bench-large.txt" | tail -40 ;;
-  ipcbench) step ipcbench
-    timeout "${IPCBENCH_TIMEOUT:-240}" python3 benchmarks/ipc_vs_nccl.py ${IPCBENCH_ARGS:-} \
-        --json "$OUT/ipc-vs-nccl.json" 2>&1 | tee "$OUT/ipc-vs-nccl.txt" | tail -60 ;;
+  ipccheck) step ipccheck
+    timeout "${CHECK_TIMEOUT:-240}" python3 -m anyccl run -n "$n" benchmarks/ipc_check.py \
+        --iters "${ITERS:-1000}" 2>&1 | tee "$OUT/ipc-check.txt" | tail -25 ;;
+  sanitizer) step sanitizer
+    for tool in memcheck racecheck; do
+      ANYCCL_IPC_HALF_MB=2 ANYCCL_IPC_RING_MB=4 timeout 150 compute-sanitizer --tool $tool \
+          --target-processes all --print-limit 20 python3 -m anyccl run -n "$n" \
+          benchmarks/ipc_check.py --iters 25 --max-elems 200000 2>&1 \
+          | tee "$OUT/sanitizer-$tool.txt" | tail -8
+    done ;;
+  ipcsmall) step ipcsmall
+    timeout 200 python3 -m anyccl bench -n "$n" --device cuda --backend "${IPC_BACKEND:-ipc}" \
+        --compare nccl,torch --op "${OPS:-all_reduce}" --min 8 --max "${SMALL_MAX:-8M}" \
+        --factor 4 --json "$OUT/ipc-small.json" 2>&1 | tee "$OUT/ipc-small.txt" \
+        | grep -v '^ *[0-9]' | tail -45 ;;
+  ipclarge) step ipclarge
+    timeout "${BENCH_TIMEOUT:-240}" python3 -m anyccl bench -n "$n" --device cuda \
+        --backend "${IPC_BACKEND:-ipc}" --compare nccl,torch \
+        --op "${OPS:-all_reduce,all_gather,reduce_scatter,broadcast}" --min 16M --max 1G \
+        --factor "${FACTOR:-4}" --json "$OUT/ipc-large.json" 2>&1 | tee "$OUT/ipc-large.txt" \
+        | grep -v '^ *[0-9]' | tail -60 ;;
+  ipcp2p) step ipcp2p
+    timeout 150 python3 -m anyccl run -n 2 benchmarks/ipc_p2p.py 2>&1 \
+        | tee "$OUT/ipc-p2p.txt" | tail -12 ;;
   *) echo "unknown step $what"; exit 2 ;;
   esac
 done

@@ -26,7 +26,7 @@ args = parser.parse_args()
 comm = anyccl.init("nccl" if args.device == "cuda" else None,
                    timeout=5.0 if args.device == "cuda" else 0.5)
 if args.device == "cuda":
-    import cupy as xp                                  # the same code on this rank's GPU
+    import cupy as xp  # the same code on this rank's GPU
 
     xp.cuda.Device(comm.device).use()
 else:

@@ -21,7 +21,7 @@ parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
 args = parser.parse_args()
 comm = anyccl.init("nccl" if args.device == "cuda" else None)
 if args.device == "cuda":
-    import cupy as xp                                # the same code, on this rank's GPU
+    import cupy as xp  # the same code, on this rank's GPU
 
     xp.cuda.Device(comm.device).use()
 else:

@@ -20,7 +20,7 @@ from anyccl.buffers import BFLOAT16, GpuArray
 @pytest.mark.parametrize("spec, expected", [
     ("shm", ("shm", None)), ("gloo", ("shm", None)), ("nccl", ("shm", "nccl")),
     ("cpu:shm,cuda:nccl", ("shm", "nccl")), ("cpu:gloo,cuda:nccl", ("shm", "nccl")),
-    (" NCCL ", ("shm", "nccl")),
+    (" NCCL ", ("shm", "nccl")), ("ipc", ("shm", "ipc")), ("cpu:shm,cuda:auto", ("shm", "auto")),
 ])
 def test_backend_specs_name_a_host_backend_and_an_optional_gpu_backend(spec, expected):
     assert parse_backend(spec) == expected
@@ -30,7 +30,7 @@ def test_backend_specs_name_a_host_backend_and_an_optional_gpu_backend(spec, exp
     ("cuda:shm", "'shm' is not a GPU backend"),
     ("tpu:nccl", "device 'tpu' is unknown"),
     ("carrier-pigeon", "is unknown"),
-    ("ipc", "not part of this anyccl build yet"),
+    ("cpu:ipc", "'ipc' is unknown"),
 ])
 def test_bad_backend_specs_are_refused_by_name(spec, message):
     with pytest.raises(anyccl.UnsupportedError, match=message):

@@ -35,8 +35,7 @@ _LAUNCHER_ENV = (
 )
 
 _BACKEND_ALIASES = {"gloo": "shm", "cpu": "shm"}  # torch.distributed scripts name gloo
-_PLANNED_BACKENDS = ("ipc",)
-GPU_BACKENDS = ("nccl",)
+GPU_BACKENDS = ("nccl", "ipc", "auto")
 _servers: list[StoreServer] = []  # stores this process hosts; they live until it exits
 _generation = 0  # how many times this process called init(): every rank counts alike
 
@@ -209,9 +208,6 @@ def _host_backend(name: str) -> str:
     if name in BACKENDS:
         return name
     available = ", ".join((*BACKENDS, *GPU_BACKENDS))
-    if name in _PLANNED_BACKENDS:
-        raise UnsupportedError(f"backend={name!r} is not part of this anyccl build yet; "
-                               f"available: {available}")
     raise UnsupportedError(f"backend={name!r} is unknown; available: {available}")
 
 
@@ -260,7 +256,9 @@ def init(backend: str | None = None, *, rank: int | None = None,
 
     backend:     "shm" (default; "gloo" is accepted as its alias) for host arrays; "nccl" or
                  "cpu:shm,cuda:nccl" also creates the NCCL communicator for GPU arrays now
-                 (otherwise the first collective on GPU arrays creates it); or ANYCCL_BACKEND.
+                 (otherwise the first collective on GPU arrays creates it); "ipc" runs GPU
+                 arrays on anyccl's own peer-memory kernels where they apply (NCCL for the
+                 rest), "auto" only where they were measured faster; or ANYCCL_BACKEND.
     device_id:   this rank's CUDA device (int or torch.device); default local_rank % number of
                  visible devices. Giving it creates the NCCL communicator now, as torch does.
     rank, world_size: this process's rank and the number of ranks; default from the launcher's
@@ -313,7 +311,7 @@ def init(backend: str | None = None, *, rank: int | None = None,
     _dump_flight_records_on_sigterm()
     comm = Communicator(backend_impl, store, rank=rank, size=world_size, local_rank=local_rank,
                         timeout_s=timeout_s, job_id=job_id, debug=debug, owns_store=True,
-                        device=device)
+                        device=device, gpu_kind=gpu_name or "nccl")
     if gpu_name is not None or device is not None:
         try:
             comm._gpu = comm._make_gpu_backend(comm._gpu_device("init"))

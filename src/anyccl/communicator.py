@@ -71,7 +71,8 @@ class Communicator:
     def __init__(self, backend: Backend, store: Store, *, rank: int, size: int, local_rank: int,
                  timeout_s: float, name: str = "world", job_id: str = "local",
                  debug: bool = False, owns_store: bool = False,
-                 device: int | None = None, gpu_backend: Any = None) -> None:
+                 device: int | None = None, gpu_backend: Any = None,
+                 gpu_kind: str = "nccl") -> None:
         self.rank, self.size, self.local_rank = rank, size, local_rank
         self.timeout_s = timeout_s
         self.debug = debug
@@ -87,7 +88,8 @@ class Communicator:
         self._splits = 0
         self._closed = False
         self._device = device         # this rank's GPU; chosen on first use when None
-        self._gpu = gpu_backend       # the NCCL communicator; created by the first GPU collective
+        self._gpu = gpu_backend       # the GPU backend; created by the first GPU collective
+        self._gpu_kind = gpu_kind     # which: "nccl", or "ipc"/"auto" (kernels + NCCL)
         self._batch: list[tuple] | None = None
         _live.add(self)
 
@@ -257,9 +259,15 @@ class Communicator:
         # NCCL's own rendezvous has no deadline and cannot be aborted: meet on the host first,
         # so a rank that never comes makes the others time out instead of hanging
         self.barrier()
+        label = f"rank {self.rank} ({self._name})"
+        if self._gpu_kind in ("ipc", "auto"):
+            from .backends.ipc import IpcBackend
+
+            return IpcBackend.create(self._store, f"{self._name}/gpu", self.rank, self.size,
+                                     device, label, self.timeout_s, self._backend.lost_peer,
+                                     policy=self._gpu_kind)
         return NcclBackend.create(self._store, f"{self._name}/nccl-id", self.rank, self.size,
-                                  device, f"rank {self.rank} ({self._name})", self.timeout_s,
-                                  self._backend.lost_peer)
+                                  device, label, self.timeout_s, self._backend.lost_peer)
 
     def _collective(self, name: str, args: str, nbytes: int, call: Callable[[Any], Any],
                     async_op: bool, *, like: Array | None = None, root: int = -1,
@@ -391,7 +399,7 @@ class Communicator:
                           x.nbytes)
         op = kind if not async_op else "i" + kind
         if self._on_gpu(op, [("tensor", x)], stream):
-            return self._gpu_message(op, record, x, peer, async_op, stream)
+            return self._gpu_message(op, record, x, peer, tag, async_op, stream)
         if self._batch is not None and not async_op:
             raise self._fail(op, f"use i{kind} inside `with comm.batch():`")
         backend, engine, timeout_s = self._backend, self._engine, self.timeout_s
@@ -432,12 +440,12 @@ class Communicator:
         engine.call(blocking, work)
         return work
 
-    def _gpu_message(self, op: str, record: OpRecord, x: GpuArray, peer: int, async_op: bool,
-                     stream: Any) -> Work | None:
-        """GPU point-to-point through NCCL. NCCL has no tags: messages between two ranks match
-        in the order they were issued."""
+    def _gpu_message(self, op: str, record: OpRecord, x: GpuArray, peer: int, tag: int,
+                     async_op: bool, stream: Any) -> Work | None:
+        """GPU point-to-point: messages between two ranks match in the order they were issued
+        (NCCL has no tags; the ipc backend checks them)."""
         backend = self._gpu_backend(op, collective=False)
-        enqueue = (backend.send if record.name == "send" else backend.recv)(x, peer)
+        enqueue = (backend.send if record.name == "send" else backend.recv)(x, peer, tag)
         entry = self.flight_recorder.queued(record)
         if self._batch is not None:
             if not async_op:
@@ -694,14 +702,15 @@ class Communicator:
         # an existing NCCL communicator splits too (collective over all of its ranks)
         gpu_child = None if self._gpu is None else self._gpu.split(
             color, choices[self.rank][1],
-            f"rank {ranks.index(self.rank)} ({name})" if color is not None else "")
+            f"rank {ranks.index(self.rank)} ({name})" if color is not None else "",
+            store=self._store, group=name)
         if color is None:
             return None
         backend = self._backend.subgroup(ranks, name, self.timeout_s)
         return Communicator(backend, self._store, rank=ranks.index(self.rank), size=len(ranks),
                             local_rank=self.local_rank, timeout_s=self.timeout_s, name=name,
                             job_id=self.job_id, debug=self.debug, device=self._device,
-                            gpu_backend=gpu_child)
+                            gpu_backend=gpu_child, gpu_kind=self._gpu_kind)
 
     def new_group(self, ranks: Sequence[int]) -> Communicator | None:
         """Collective over all ranks: a communicator of `ranks` (in ascending order, as

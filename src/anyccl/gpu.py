@@ -229,3 +229,93 @@ def copy_async(dst: int, src: int, nbytes: int, stream: int) -> None:
     rt = _rt()
     _check(rt.cudaMemcpyAsync(dst, src, nbytes, rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice,
                               stream), "cudaMemcpyAsync")
+
+
+# ---- what the ipc backend needs: modules, raw device memory, IPC handles, mapped host memory --
+def _driver_value(result: Any, call: str) -> Any:
+    _check_driver(result[0], call)
+    return result[1] if len(result) == 2 else result[1:]
+
+
+def compute_capability(device: int) -> tuple[int, int]:
+    props = device_properties(device)
+    return int(props.major), int(props.minor)
+
+
+def load_module(image: bytes) -> Any:
+    """Load a cubin into the current context (cuModuleLoadData)."""
+    return _driver_value(_drv().cuModuleLoadData(image), "cuModuleLoadData")
+
+
+def module_function(module: Any, name: str) -> Any:
+    return _driver_value(_drv().cuModuleGetFunction(module, name.encode()),
+                         f"cuModuleGetFunction({name})")
+
+
+def launch(function: Any, blocks: int, threads: int, stream: int, params: int) -> None:
+    """Queue `function` on `stream`; `params` is the address of its void* argument array."""
+    _check_driver(_drv().cuLaunchKernel(function, blocks, 1, 1, threads, 1, 1, 0, stream,
+                                        params, 0)[0], "cuLaunchKernel")
+
+
+def is_capturing(stream: int) -> bool:
+    """Whether `stream` is being captured into a CUDA graph."""
+    driver = _drv()
+    status = _driver_value(driver.cuStreamIsCapturing(stream), "cuStreamIsCapturing")
+    return status != driver.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
+
+
+def mem_alloc(nbytes: int) -> int:
+    """Plain device memory in the current context (cuMemAlloc): what CUDA IPC can export."""
+    return int(_driver_value(_drv().cuMemAlloc(nbytes), f"cuMemAlloc({nbytes})"))
+
+
+def mem_free(ptr: int) -> None:
+    _check_driver(_drv().cuMemFree(ptr)[0], "cuMemFree")
+
+
+def memset(ptr: int, value: int, nbytes: int) -> None:
+    """Set bytes and wait for it (cuMemsetD8 + cuCtxSynchronize)."""
+    driver = _drv()
+    _check_driver(driver.cuMemsetD8(ptr, value, nbytes)[0], "cuMemsetD8")
+    _check_driver(driver.cuCtxSynchronize()[0], "cuCtxSynchronize")
+
+
+IPC_HANDLE_BYTES = 64
+
+
+def ipc_handle(ptr: int) -> bytes:
+    """The 64-byte CUDA IPC handle of an allocation made by `mem_alloc`."""
+    import ctypes
+
+    handle = _driver_value(_drv().cuIpcGetMemHandle(ptr), "cuIpcGetMemHandle")
+    return ctypes.string_at(handle.getPtr(), IPC_HANDLE_BYTES)
+
+
+def ipc_open(handle: bytes) -> int:
+    """Map another process's allocation into this one (peer access enabled as needed)."""
+    import ctypes
+
+    driver = _drv()
+    h = driver.CUipcMemHandle()
+    ctypes.memmove(h.getPtr(), handle, IPC_HANDLE_BYTES)
+    flags = driver.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
+    return int(_driver_value(driver.cuIpcOpenMemHandle(h, flags), "cuIpcOpenMemHandle"))
+
+
+def ipc_close(ptr: int) -> None:
+    _check_driver(_drv().cuIpcCloseMemHandle(ptr)[0], "cuIpcCloseMemHandle")
+
+
+def host_alloc_mapped(nbytes: int) -> tuple[int, int]:
+    """Pinned host memory the GPU reads and writes directly: (host address, device address)."""
+    driver = _drv()
+    flags = driver.CU_MEMHOSTALLOC_DEVICEMAP | driver.CU_MEMHOSTALLOC_PORTABLE
+    host = int(_driver_value(driver.cuMemHostAlloc(nbytes, flags), "cuMemHostAlloc"))
+    device = int(_driver_value(driver.cuMemHostGetDevicePointer(host, 0),
+                               "cuMemHostGetDevicePointer"))
+    return host, device
+
+
+def host_free(ptr: int) -> None:
+    _check_driver(_drv().cuMemFreeHost(ptr)[0], "cuMemFreeHost")

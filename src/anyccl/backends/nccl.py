@@ -134,6 +134,17 @@ class NcclBackend:
         self._closing = False
         self.failure: BaseException | None = None
         self._reported = False
+        self.timeout_s = 0.0                       # set by create(); splits inherit it
+        # what else the watchdog asks about (every poll) and stops on abort: the ipc kernels
+        self._more_health: list[Callable[[OpRecord], BaseException | None]] = []
+        self._more_aborts: list[Callable[[], None]] = []
+
+    def watch_also(self, health: Callable[[OpRecord], BaseException | None],
+                   abort: Callable[[], None]) -> None:
+        """Have the watchdog call `health(record)` at every poll (an error it returns aborts
+        the communicator) and `abort()` first when it aborts."""
+        self._more_health.append(health)
+        self._more_aborts.append(abort)
 
     # ---- creation ----------------------------------------------------------------------------
     @classmethod
@@ -147,9 +158,12 @@ class NcclBackend:
             store.set(key, bytes(core.get_unique_id()))
         unique_id = core.UniqueId.from_bytes(store.get(key, timeout_s))
         comm = core.Communicator.init(size, rank, unique_id)
-        return cls(comm, rank, size, device, label, lost_peer)
+        backend = cls(comm, rank, size, device, label, lost_peer)
+        backend.timeout_s = timeout_s
+        return backend
 
-    def split(self, color: int | None, key: int, label: str) -> NcclBackend | None:
+    def split(self, color: int | None, key: int, label: str, store: Any = None,
+              group: str = "") -> NcclBackend | None:
         """Collective over this communicator (ncclCommSplit): None where color is None."""
         self.raise_if_failed()
         gpu.set_device(self.device)
@@ -157,7 +171,10 @@ class NcclBackend:
             child = self._core_comm.split(color, key)
         if color is None:
             return None
-        return NcclBackend(child, child.rank, child.nranks, self.device, label, self._lost_peer)
+        backend = NcclBackend(child, child.rank, child.nranks, self.device, label,
+                              self._lost_peer)
+        backend.timeout_s = self.timeout_s
+        return backend
 
     # ---- running operations ------------------------------------------------------------------
     def run(self, record: OpRecord, after: Sequence[int], deadline: float,
@@ -171,6 +188,11 @@ class NcclBackend:
         Either way it also follows the previous operation of this communicator, wherever that
         was queued: NCCL needs one communicator's operations to run in issue order."""
         self.raise_if_failed()
+        if on is not None and gpu.is_capturing(on):
+            return self._captured(on, enqueue, record, entries)
+        if on is None and any(gpu.is_capturing(s) for s in after):
+            raise UnsupportedError(f"rank {self.rank}: {record}: async_op=True while the stream "
+                                   f"is captured into a CUDA graph; capture blocking calls")
         with self._lock:
             stream = self.stream if on is None else on
             if stream in gpu.NULL_STREAMS or any(s in gpu.NULL_STREAMS for s in after):
@@ -193,6 +215,20 @@ class NcclBackend:
             FlightRecorder.started(entry)
         self._watch(_Queued(record, event, deadline, keep, entries))
         return event
+
+    def _captured(self, stream: int, enqueue: Callable[[int], None], record: OpRecord,
+                  entries: list[dict]) -> int:
+        """Record the operation into the CUDA graph being captured on `stream`: no event, no
+        deadline (it runs each time the graph is launched); ordering is the graph's."""
+        with self._lock:
+            try:
+                enqueue(stream)
+            except self._b.NCCLError as exc:
+                raise self._error(record, exc) from None
+        for entry in entries:
+            FlightRecorder.started(entry)
+            FlightRecorder.ended(entry)
+        return 0
 
     def group(self, calls: list[Callable[[int], None]]) -> Callable[[int], None]:
         """One enqueue function running `calls` inside an NCCL group (fused, deadlock-free)."""
@@ -301,11 +337,12 @@ class NcclBackend:
                              self._b.recv(p, c, d, r, self._comm, s))
         return self.group(calls)
 
-    def send(self, x: GpuArray, dst: int) -> Callable[[int], None]:
+    def send(self, x: GpuArray, dst: int, tag: int = 0) -> Callable[[int], None]:
+        """(NCCL has no tags: messages between two ranks match in issue order.)"""
         count, dtype = data_view(x)
         return lambda s: self._b.send(x.ptr, count, dtype, dst, self._comm, s)
 
-    def recv(self, x: GpuArray, src: int) -> Callable[[int], None]:
+    def recv(self, x: GpuArray, src: int, tag: int = 0) -> Callable[[int], None]:
         count, dtype = data_view(x)
         return lambda s: self._b.recv(x.ptr, count, dtype, src, self._comm, s)
 
@@ -357,11 +394,17 @@ class NcclBackend:
             for _ in range(done):
                 for entry in self._queued.popleft().entries:
                     FlightRecorder.ended(entry)
+            problem: BaseException | None = None
+            for health in self._more_health:   # (an error may also end an op early)
+                problem = problem or health(self._queued[0].record if self._queued else
+                                            OpRecord("(last operation)", 0))
+            if problem is not None:
+                self._abort(problem)
+                return
             if not self._queued:
                 continue
             head = self._queued[0]
             now = time.monotonic()
-            problem: BaseException | None = None
             if now >= head.deadline:
                 problem = TimeoutError(
                     f"rank {self.rank}: {head.record} did not finish on GPU {self.device} within "
@@ -388,6 +431,8 @@ class NcclBackend:
 
     def _abort(self, problem: BaseException) -> None:
         self.failure = problem
+        for stop in self._more_aborts:
+            stop()
         got = self._lock.acquire(timeout=1.0)  # a call stuck in NCCL must not keep us waiting
         try:
             self._core_comm.abort()

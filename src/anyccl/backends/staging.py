@@ -105,13 +105,14 @@ class StagedGpuBackend:
     def group(self, calls: list[Callable[[int], None]]) -> Callable[[int], None]:
         raise self._no_messages()
 
-    def send(self, x: GpuArray, dst: int) -> Callable[[int], None]:
+    def send(self, x: GpuArray, dst: int, tag: int = 0) -> Callable[[int], None]:
         raise self._no_messages()
 
-    def recv(self, x: GpuArray, src: int) -> Callable[[int], None]:
+    def recv(self, x: GpuArray, src: int, tag: int = 0) -> Callable[[int], None]:
         raise self._no_messages()
 
-    def split(self, color: int | None, key: int, label: str) -> None:
+    def split(self, color: int | None, key: int, label: str, store: Any = None,
+              group: str = "") -> None:
         return None  # the child communicator stages through its own host backend
 
     def close(self) -> None:

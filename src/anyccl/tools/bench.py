@@ -434,7 +434,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--backend", default=None, help="anyccl backend (default shm)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    p.add_argument("--compare", default="", help="peers to run in the same job: torch,mpi")
+    p.add_argument("--compare", default="", help="peers to run in the same job: torch, mpi, "
+                   "shm (anyccl on shm), nccl (anyccl on nccl)")
     p.add_argument("--json", help="write every row to this JSON file")
     p.add_argument("--plot", help="draw busbw and latency against size into this PNG")
     return p.parse_args(argv)
@@ -466,7 +467,7 @@ def main(argv: list[str] | None = None) -> int:
     compare = [c.strip() for c in ns.compare.split(",") if c.strip()]
     for c in compare:
         if c not in PEERS:
-            raise SystemExit(f"anyccl bench: --compare {c}: expected torch, mpi and/or shm")
+            raise SystemExit(f"anyccl bench: --compare {c}: expected torch, mpi, shm and/or nccl")
     if ns.nprocs and not _in_a_job():
         return _launch(ns, argv if argv is not None else sys.argv[1:], compare)
     return _bench(ns, settings, compare)

@@ -31,8 +31,19 @@ def backends() -> list[tuple[str, str, str]]:
     mpi = _try(_mpi_version)
     rows.append(("mpi", "cpu (many nodes)", f"available ({mpi})" if mpi else
                  "not usable: pip install 'anyccl[mpi]' (mpi4py and MPICH)"))
-    rows.append(("ipc", "cuda (one node)", "planned (issue 7)"))
+    rows.append(("ipc", "cuda (one node)",
+                 "available (anyccl's kernels over CUDA IPC, compiled by NVRTC; NCCL for the "
+                 "rest)" if nccl and _try(_nvrtc_usable) else
+                 "not usable: pip install 'anyccl[gpu]' (cuda-core, NVRTC and nccl4py)"))
     return rows
+
+
+def _nvrtc_usable() -> bool:
+    try:
+        from cuda.core import Program  # noqa: F401
+    except ImportError:
+        from cuda.core.experimental import Program  # noqa: F401
+    return True
 
 
 def _mpi_version() -> str:

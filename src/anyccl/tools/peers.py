@@ -34,12 +34,20 @@ class AnycclPeer:
             "scatter": lambda: c.scatter(b["out"], b.get("chunks"), root),
             "reduce_scatter": lambda: c.reduce_scatter(b["out"], b["inp"], redop),
             "all_to_all": lambda: c.all_to_all(b["out"], b["inp"]),
-            "sendrecv": lambda: _ring(c.irecv, c.send, c.rank, c.size, b["inp"], b["out"]),
+            "sendrecv": lambda: _batched_ring(c, b["inp"], b["out"]),
         }
         return table[op]
 
     def close(self) -> None:
         pass
+
+
+def _batched_ring(c: Communicator, inp: Any, out: Any) -> None:
+    """sendrecv as one batch (on GPUs a receive queued before the send would wait for ever)."""
+    with c.batch():
+        c.isend(inp, (c.rank + 1) % c.size)
+        work = c.irecv(out, (c.rank - 1) % c.size)
+    work.wait()
 
 
 def _ring(irecv: Callable, send: Callable, rank: int, size: int, inp: Any, out: Any) -> None:
@@ -195,4 +203,16 @@ class ShmPeer(AnycclPeer):
         self.comm.close()
 
 
-PEERS = {"torch": TorchPeer, "mpi": MPIPeer, "shm": ShmPeer}
+class NcclPeer(ShmPeer):
+    """anyccl on its nccl backend, beside a main communicator on another GPU backend
+    (`anyccl bench --device cuda --backend ipc --compare nccl,torch`: three in one run)."""
+
+    name = "anyccl-nccl"
+
+    def __init__(self, comm: Communicator, device: str = "cpu") -> None:
+        import anyccl
+
+        AnycclPeer.__init__(self, anyccl.init(backend="nccl"), device)
+
+
+PEERS = {"torch": TorchPeer, "mpi": MPIPeer, "shm": ShmPeer, "nccl": NcclPeer}

@@ -1,0 +1,309 @@
+"""The `ipc` backend: GPU arrays moved and reduced by anyccl's own kernels over peer memory.
+
+Within one node, every rank maps the others' buffers (CUDA IPC, `memory.py`), and the kernels in
+`kernels.cu` push data into them and signal through flags, with no CPU in the loop once queued.
+It serves all_reduce (one shot for small arrays, two shots -- reduce-scatter then all-gather --
+for large), reduce_scatter and all_reduce on float32/float16/bfloat16 (accumulated in float32)
+with SUM, AVG, MIN, MAX; all_gather, broadcast and messages (send/recv, tags checked) on any
+dtype. The rest (other dtypes and ops; reduce, gather, scatter, all_to_all) runs on the NCCL
+communicator this backend keeps beside its kernels; both queue through the same ordered stream
+machinery (`NcclBackend.run`), so operations stay in issue order whichever runs them.
+
+Routing is decided from what every rank agrees on (op, byte size, dtype, reduce op), never from
+pointers, so all ranks of a collective always pick the same side: `policy="ipc"` sends every op
+the kernels can do to them; `policy="auto"` only the sizes where they were measured faster than
+NCCL on this kind of machine (`AUTO_IPC_MAX_BYTES`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from typing import Any, Callable
+
+import numpy as np
+
+from ... import gpu
+from ...buffers import BFLOAT16, GpuArray
+from ...errors import AnycclError, UnsupportedError
+from ...ops import ReduceOp
+from ...store import Store
+from ...trace import OpRecord
+from ..nccl import NcclBackend
+from . import compiler
+from .memory import TILE_BYTES, PeerMemory, describe_args
+
+THREADS = 512  # kernels.cu: THREADS
+_TYPES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16", BFLOAT16: "bfloat16"}
+_OPS = {ReduceOp.SUM: "sum", ReduceOp.AVG: "sum", ReduceOp.MIN: "min", ReduceOp.MAX: "max"}
+_TAG_BITS = 24  # the part of a tag a message carries (kernels.cu: meta_of)
+
+# policy="auto": the largest size (bytes per rank's array) each op runs on the ipc kernels;
+# above it, NCCL. From benchmarks/results/2026-11-22-h200x2-ipc-vs-nccl.md (2 x H200, NV18).
+AUTO_IPC_MAX_BYTES: dict[str, int] = {
+    "all_reduce": 1 << 40, "reduce_scatter": 1 << 40, "all_gather": 1 << 40,
+    "broadcast": 1 << 40, "send": 1 << 40, "recv": 1 << 40,
+}
+POLICIES = ("ipc", "auto")
+
+
+def _env_int(name: str, default: int) -> int:
+    text = os.environ.get(name, "")
+    return int(text) if text else default
+
+
+class IpcBackend:
+    """anyccl's peer-memory kernels on one GPU per rank, with an NCCL communicator for the rest."""
+
+    name = "ipc"
+
+    def __init__(self, nccl: NcclBackend, memory: PeerMemory, policy: str) -> None:
+        if policy not in POLICIES:
+            raise UnsupportedError(f"ipc policy {policy!r} is unknown; expected one of "
+                                   f"{', '.join(POLICIES)}")
+        self.nccl = nccl
+        self.policy = policy
+        self.rank, self.size, self.device = nccl.rank, nccl.size, nccl.device
+        self.memory = memory
+        self.layout = memory.layout
+        self._kernels = compiler.kernels(self.device)
+        self._args = describe_args(memory)
+        self._params = (ctypes.c_void_p * 1)(ctypes.addressof(self._args))
+        self._params_address = ctypes.addressof(self._params)
+        self.max_blocks = _env_int("ANYCCL_IPC_BLOCKS", 32)
+        self.one_shot_bytes = _env_int("ANYCCL_IPC_ONE_SHOT_KB", 512) << 10
+        self._side: list[tuple[int, int]] = []   # (stream, event) for batched messages
+        self._fork = gpu.new_event(self.device)
+        nccl.watch_also(health=self._health, abort=memory.aborted)
+
+    @classmethod
+    def create(cls, store: Store, key: str, rank: int, size: int, device: int, label: str,
+               timeout_s: float, lost_peer: Callable[[], tuple[int, str] | None],
+               policy: str = "ipc") -> IpcBackend:
+        """Collective over the `size` ranks of one node: the NCCL communicator, then the peer
+        memory (exchanged through `store` under `key`), then the kernels."""
+        nccl = NcclBackend.create(store, f"{key}/nccl", rank, size, device, label, timeout_s,
+                                  lost_peer)
+        try:
+            memory = PeerMemory(store, f"{key}/ipc", rank, size, device, timeout_s)
+        except BaseException:
+            nccl.close()
+            raise
+        try:
+            return cls(nccl, memory, policy)
+        except BaseException:
+            memory.close()
+            nccl.close()
+            raise
+
+    # ---- the queue: NCCL's -----------------------------------------------------------------------
+    @property
+    def stream(self) -> int:
+        return self.nccl.stream
+
+    def run(self, *args: Any, **kwargs: Any) -> int:
+        self.raise_if_failed()
+        return self.nccl.run(*args, **kwargs)
+
+    def host_wait(self, event: int, record: OpRecord, deadline: float) -> None:
+        self.nccl.host_wait(event, record, deadline)
+        self.raise_if_failed()
+
+    def raise_if_failed(self) -> None:
+        """The error a kernel reported (it ended its operation early), else NCCL's state."""
+        if self.nccl.failure is None and self.memory.error()[0]:
+            problem = self._health(OpRecord("recv", 0))
+            if problem is not None:
+                self.nccl._abort(problem)
+        self.nccl.raise_if_failed()
+
+    @property
+    def failure(self) -> BaseException | None:
+        return self.nccl.failure
+
+    def _health(self, record: OpRecord) -> BaseException | None:
+        code, peer, expected, got = self.memory.error()
+        if not code:
+            return None
+        mask = (1 << 40) - 1
+        return AnycclError(
+            f"rank {self.rank}: {record}: the message from rank {peer} carries tag "
+            f"{got >> 40} and {got & mask} bytes, but this receive expects tag {expected >> 40} "
+            f"and {expected & mask} bytes (tags compared modulo 2**{_TAG_BITS}); messages "
+            f"between two ranks match in the order they were sent; the communicator was aborted")
+
+    # ---- routing ---------------------------------------------------------------------------------
+    def _ipc(self, op: str, nbytes: int) -> bool:
+        return self.policy == "ipc" or nbytes <= AUTO_IPC_MAX_BYTES.get(op, -1)
+
+    def _blocks(self, nbytes: int) -> int:
+        return max(1, min(self.max_blocks, -(-nbytes // TILE_BYTES)))
+
+    def _launch(self, kernel: str, blocks: int, stream: int) -> None:
+        gpu.launch(self._kernels[kernel], blocks, THREADS, stream, self._params_address)
+
+    # ---- operations: each returns the function that queues it on a stream ------------------------
+    def all_reduce(self, x: GpuArray, op: ReduceOp) -> Callable[[int], None]:
+        dtype, kind = _TYPES.get(x.dtype), _OPS.get(op)
+        if dtype is None or kind is None or not self._ipc("all_reduce", x.nbytes):
+            return self.nccl.all_reduce(x, op)
+        n, size, ptr, a = self.size, x.dtype.itemsize, x.ptr, self._args
+        scale = 1.0 / n if op is ReduceOp.AVG else 1.0
+        slot = self.layout.slot_bytes // size      # elements one rank may push per kernel
+        one_shot = min(slot, self.one_shot_bytes // size)
+        one, two = f"all_reduce_1_{dtype}_{kind}", f"all_reduce_2_{dtype}_{kind}"
+        total = x.size
+
+        def enqueue(stream: int) -> None:
+            a.scale = scale
+            start = 0
+            while start < total:        # arrays beyond one kernel's slots take several
+                left = total - start
+                if left <= one_shot:
+                    count, kernel, per_block = left, one, left * size
+                else:
+                    count = min(left, slot * n)
+                    kernel, per_block = two, -(-count // n) * size
+                a.inp = a.out = ptr + start * size
+                a.count = count
+                self._launch(kernel, self._blocks(per_block), stream)
+                start += count
+        return enqueue
+
+    def reduce_scatter(self, out: GpuArray, inputs: list[GpuArray],
+                       op: ReduceOp) -> Callable[[int], None]:
+        dtype, kind = _TYPES.get(out.dtype), _OPS.get(op)
+        if dtype is None or kind is None or not self._ipc("reduce_scatter", out.nbytes):
+            return self.nccl.reduce_scatter(out, inputs, op)
+        size, a = out.dtype.itemsize, self._args
+        scale = 1.0 / self.size if op is ReduceOp.AVG else 1.0
+        slot, total, kernel = self.layout.slot_bytes // size, out.size, \
+            f"reduce_scatter_{dtype}_{kind}"
+        ins = [piece.ptr for piece in inputs]
+
+        def enqueue(stream: int) -> None:
+            a.scale = scale
+            for start in range(0, total, slot):
+                count = min(slot, total - start)
+                for q, ptr in enumerate(ins):
+                    a.ins[q] = ptr + start * size
+                a.out, a.count = out.ptr + start * size, count
+                self._launch(kernel, self._blocks(count * size), stream)
+        return enqueue
+
+    def all_gather(self, outs: list[GpuArray], x: GpuArray) -> Callable[[int], None]:
+        if not self._ipc("all_gather", x.nbytes):
+            return self.nccl.all_gather(outs, x)
+        a, total, slot = self._args, x.nbytes, self.layout.slot_bytes
+        targets = [o.ptr for o in outs]
+
+        def enqueue(stream: int) -> None:
+            for start in range(0, total, slot):
+                count = min(slot, total - start)
+                a.inp, a.count = x.ptr + start, count
+                for q, ptr in enumerate(targets):
+                    a.outs[q] = ptr + start
+                self._launch("all_gather", self._blocks(count), stream)
+        return enqueue
+
+    def broadcast(self, x: GpuArray, root: int) -> Callable[[int], None]:
+        if not self._ipc("broadcast", x.nbytes):
+            return self.nccl.broadcast(x, root)
+        a, total, slot = self._args, x.nbytes, self.layout.slot_bytes
+
+        def enqueue(stream: int) -> None:
+            a.root = root
+            for start in range(0, total, slot):
+                count = min(slot, total - start)
+                a.inp = a.out = x.ptr + start
+                a.count = count
+                self._launch("broadcast", self._blocks(count), stream)
+        return enqueue
+
+    def barrier(self) -> Callable[[int], None]:
+        return lambda stream: self._launch("barrier", 1, stream)
+
+    def reduce(self, x: GpuArray, root: int, op: ReduceOp) -> Callable[[int], None]:
+        return self.nccl.reduce(x, root, op)
+
+    def gather(self, x: GpuArray, outs: list[GpuArray] | None,
+               root: int) -> Callable[[int], None]:
+        return self.nccl.gather(x, outs, root)
+
+    def scatter(self, out: GpuArray, chunks: list[GpuArray] | None,
+                root: int) -> Callable[[int], None]:
+        return self.nccl.scatter(out, chunks, root)
+
+    def all_to_all(self, outs: list[GpuArray], inputs: list[GpuArray]) -> Callable[[int], None]:
+        return self.nccl.all_to_all(outs, inputs)
+
+    # ---- messages --------------------------------------------------------------------------------
+    def send(self, x: GpuArray, dst: int, tag: int = 0) -> Callable[[int], None]:
+        if not self._ipc("send", x.nbytes):
+            return self.nccl.send(x, dst)
+        return self._message("send", x, dst, tag)
+
+    def recv(self, x: GpuArray, src: int, tag: int = 0) -> Callable[[int], None]:
+        if not self._ipc("recv", x.nbytes):
+            return self.nccl.recv(x, src)
+        return self._message("recv", x, src, tag)
+
+    def _message(self, kind: str, x: GpuArray, peer: int, tag: int) -> Callable[[int], None]:
+        a, nbytes = self._args, x.nbytes
+        blocks = max(1, min(self.max_blocks, -(-nbytes // self.layout.chunk_bytes)))
+        masked = tag & ((1 << _TAG_BITS) - 1)
+
+        def enqueue(stream: int) -> None:
+            a.inp = a.out = x.ptr
+            a.count, a.peer, a.tag = nbytes, peer, masked
+            self._launch(kind, blocks, stream)
+        enqueue.channel = (kind, peer)  # type: ignore[attr-defined]
+        return enqueue
+
+    def group(self, calls: list[Callable[[int], None]]) -> Callable[[int], None]:
+        """One enqueue function for a batch: NCCL's calls as one NCCL group; the kernels' sends
+        and receives each on a side stream of their (direction, peer), forked from and joined
+        back to the stream, so a ring of messages larger than the rings cannot deadlock."""
+        mine = [c for c in calls if hasattr(c, "channel")]
+        theirs = [c for c in calls if not hasattr(c, "channel")]
+        fused = self.nccl.group(theirs) if theirs else None
+        channels = list(dict.fromkeys(c.channel for c in mine))  # type: ignore[attr-defined]
+        while len(self._side) < len(channels):
+            self._side.append((gpu.new_stream(self.device), gpu.new_event(self.device)))
+
+        def enqueue(stream: int) -> None:
+            if fused is not None:
+                fused(stream)
+            if not mine:
+                return
+            gpu.record(self._fork, stream)
+            for side, _ in self._side[:len(channels)]:
+                gpu.stream_wait(side, self._fork)
+            for call in mine:
+                call(self._side[channels.index(call.channel)][0])  # type: ignore[attr-defined]
+            for side, joined in self._side[:len(channels)]:
+                gpu.record(joined, side)
+                gpu.stream_wait(stream, joined)
+        return enqueue
+
+    # ---- lifetime --------------------------------------------------------------------------------
+    def split(self, color: int | None, key: int, label: str,
+              store: Store | None = None, group: str = "") -> IpcBackend | NcclBackend | None:
+        """Collective over this communicator: the NCCL split, and for the members of each
+        color their own peer memory (exchanged through `store` under `group`)."""
+        child = self.nccl.split(color, key, label)
+        if child is None or store is None:
+            return child
+        memory = PeerMemory(store, f"{group}/ipc", child.rank, child.size, child.device,
+                            self.nccl.timeout_s)
+        return IpcBackend(child, memory, self.policy)
+
+    def close(self) -> None:
+        try:
+            self.nccl.close()   # waits for queued work, then frees NCCL
+        finally:
+            for side, joined in self._side:
+                gpu.destroy_event(joined)
+                gpu.destroy_stream(side)
+            gpu.destroy_event(self._fork)
+            self.memory.close()

@@ -1,0 +1,165 @@
+"""The memory the ipc kernels share: every rank's data buffer and signal area, mapped into every
+other rank's process through CUDA IPC, and a few host-mapped status words per rank.
+
+A data buffer holds two halves (alternate collectives use alternate halves) of 2 x nranks slots
+each, then one ring of message slots per sending rank. The signal area holds the flags the
+kernels raise in each other's memory; it starts zeroed. `kernels.cu` describes both layouts.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import pickle
+import socket
+from typing import Any
+
+import numpy as np
+
+from ... import gpu
+from ...errors import UnsupportedError
+from ...store import Store
+
+MAX_RANKS = 8            # kernels.cu: MAX_RANKS
+TILE_BYTES = 64 << 10    # kernels.cu: TILE_BYTES
+SIG_FLAGS = 64           # kernels.cu: SIG_FLAGS (u64 words before the flag arrays)
+STATUS_WORDS = 8         # kernels.cu: STATUS_* (abort, error, peer, expected, got)
+
+
+def _env_mib(name: str, default: int) -> int:
+    text = os.environ.get(name, "")
+    return (int(text) if text else default) << 20
+
+
+class Layout:
+    """Sizes of one rank's buffers, the same on every rank (they come from the environment
+    and the world size alone): halves for collectives, rings for messages."""
+
+    def __init__(self, nranks: int) -> None:
+        self.nranks = nranks
+        # ANYCCL_IPC_HALF_MB: one half, split into 2 x nranks slots (a slot: what one rank can
+        # push to another in one collective kernel); larger arrays take several kernels
+        half = _env_mib("ANYCCL_IPC_HALF_MB", 256)
+        self.slot_bytes = max(TILE_BYTES, half // (2 * nranks) // TILE_BYTES * TILE_BYTES)
+        self.half_bytes = self.slot_bytes * 2 * nranks
+        self.max_tiles = self.slot_bytes // TILE_BYTES
+        # ANYCCL_IPC_RING_MB: the message ring from each sender, in chunks of 1 MiB
+        self.chunk_bytes = 1 << 20
+        self.slots = max(2, _env_mib("ANYCCL_IPC_RING_MB", 32) // self.chunk_bytes)
+        self.p2p_offset = 2 * self.half_bytes
+        self.data_bytes = self.p2p_offset + nranks * self.slots * self.chunk_bytes
+        words = SIG_FLAGS + 2 * self.max_tiles * MAX_RANKS + 3 * MAX_RANKS * self.slots
+        self.sig_bytes = 8 * words
+
+
+class PeerMemory:
+    """This rank's buffers, exported; every peer's, opened. Collective over the ranks (through
+    `store` under `key`); UnsupportedError if they are not all on this host."""
+
+    def __init__(self, store: Store, key: str, rank: int, size: int, device: int,
+                 timeout_s: float) -> None:
+        if size > MAX_RANKS:
+            raise UnsupportedError(f"the ipc backend serves up to {MAX_RANKS} GPUs of one node; "
+                                   f"this communicator has {size} ranks")
+        self.layout = Layout(size)
+        self.rank, self.size = rank, size
+        self._opened: list[int] = []
+        self.data = gpu.mem_alloc(self.layout.data_bytes)
+        self.sig = gpu.mem_alloc(self.layout.sig_bytes)
+        self.status_host, self.status_device = gpu.host_alloc_mapped(8 * STATUS_WORDS)
+        ctypes.memset(self.status_host, 0, 8 * STATUS_WORDS)
+        self.status = np.ctypeslib.as_array(
+            (ctypes.c_uint64 * STATUS_WORDS).from_address(self.status_host))
+        try:
+            gpu.memset(self.sig, 0, self.layout.sig_bytes)
+            me = (socket.gethostname(), os.getpid(), gpu.ipc_handle(self.data),
+                  gpu.ipc_handle(self.sig))
+            store.set(f"{key}/{rank}", pickle.dumps(me))
+            everyone = [me if q == rank else pickle.loads(store.get(f"{key}/{q}", timeout_s))
+                        for q in range(size)]
+            hosts = {q: host for q, (host, *_) in enumerate(everyone)}
+            if len(set(hosts.values())) > 1:
+                raise UnsupportedError(f"the ipc backend maps GPU memory between the processes "
+                                       f"of one node, but the ranks run on several: {hosts}; "
+                                       f"use backend='nccl'")
+            self.datas: list[int] = []
+            self.sigs: list[int] = []
+            for q, (_, _, data_handle, sig_handle) in enumerate(everyone):
+                if q == rank:
+                    self.datas.append(self.data)
+                    self.sigs.append(self.sig)
+                    continue
+                for handle, into in ((data_handle, self.datas), (sig_handle, self.sigs)):
+                    ptr = gpu.ipc_open(handle)
+                    self._opened.append(ptr)
+                    into.append(ptr)
+        except BaseException:
+            self.close()
+            raise
+
+    def aborted(self) -> None:
+        """Tell every kernel of this rank to return (status[0], read while they spin)."""
+        self.status[0] = 1
+
+    def error(self) -> tuple[int, int, int, int]:
+        """(error code, peer, expected, got) a kernel reported; code 0 when none."""
+        return tuple(int(v) for v in self.status[1:5])  # type: ignore[return-value]
+
+    def close(self) -> None:
+        for ptr in self._opened:
+            try:
+                gpu.ipc_close(ptr)
+            except gpu.CudaError:
+                pass
+        self._opened = []
+        for ptr, free in ((self.data, gpu.mem_free), (self.sig, gpu.mem_free),
+                          (self.status_host, gpu.host_free)):
+            if ptr:
+                try:
+                    free(ptr)
+                except gpu.CudaError:
+                    pass
+        self.data = self.sig = self.status_host = 0
+
+
+def describe_args(memory: PeerMemory) -> Any:
+    """The kernels' argument block (kernels.cu: struct Args), filled with what never changes."""
+    lay = memory.layout
+    args = KernelArgs()
+    for q in range(memory.size):
+        args.data[q] = memory.datas[q]
+        args.sig[q] = memory.sigs[q]
+    args.half_bytes, args.slot_bytes = lay.half_bytes, lay.slot_bytes
+    args.p2p_offset, args.chunk_bytes = lay.p2p_offset, lay.chunk_bytes
+    args.status = memory.status_device
+    args.scale = 1.0
+    args.rank, args.nranks, args.root, args.peer = memory.rank, memory.size, 0, 0
+    args.max_tiles, args.slots = lay.max_tiles, lay.slots
+    return args
+
+
+class KernelArgs(ctypes.Structure):
+    """kernels.cu's struct Args, field for field (C layout rules on both sides)."""
+
+    _fields_ = [
+        ("data", ctypes.c_uint64 * MAX_RANKS),
+        ("sig", ctypes.c_uint64 * MAX_RANKS),
+        ("ins", ctypes.c_uint64 * MAX_RANKS),
+        ("outs", ctypes.c_uint64 * MAX_RANKS),
+        ("inp", ctypes.c_uint64),
+        ("out", ctypes.c_uint64),
+        ("count", ctypes.c_uint64),
+        ("half_bytes", ctypes.c_uint64),
+        ("slot_bytes", ctypes.c_uint64),
+        ("p2p_offset", ctypes.c_uint64),
+        ("chunk_bytes", ctypes.c_uint64),
+        ("tag", ctypes.c_uint64),
+        ("status", ctypes.c_uint64),
+        ("scale", ctypes.c_float),
+        ("rank", ctypes.c_int),
+        ("nranks", ctypes.c_int),
+        ("root", ctypes.c_int),
+        ("peer", ctypes.c_int),
+        ("max_tiles", ctypes.c_int),
+        ("slots", ctypes.c_int),
+    ]

@@ -1,0 +1,166 @@
+"""GPU arrays on the ipc backend (anyccl's kernels over CUDA IPC peer memory) on 1 and 2 GPUs:
+every op the kernels serve x float32/float16/bfloat16 x SUM/AVG/MIN/MAX against a float64
+reference, through the one-shot, two-shot and several-kernel paths (small buffers force them),
+unaligned views, tagged messages and batched rings larger than the message ring, what the
+kernels do not serve falling to NCCL, a CUDA graph replaying a captured all_reduce, and a
+deadline that stops spinning kernels. Needs CUDA GPUs, NVRTC and nccl4py; skipped without."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from harness import run_ranks
+from test_gpu import check_timeout, two_gpus, world_sizes
+
+pytestmark = pytest.mark.gpu
+
+# small buffers: 2 MiB halves (256 KiB-1 MiB slots), one shot only up to 64 KiB, a 4-slot ring
+IPC_ENV = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", "NCCL_NVLS_ENABLE": "0",
+           "ANYCCL_TIMEOUT": "60", "ANYCCL_BACKEND": "cpu:shm,cuda:ipc",
+           "ANYCCL_IPC_HALF_MB": "2", "ANYCCL_IPC_ONE_SHOT_KB": "64", "ANYCCL_IPC_RING_MB": "4"}
+TOLERANCE = {"float32": 1e-6, "float16": 2e-3, "bfloat16": 1.6e-2}
+COUNTS = [1, 7, 1000, 16387, 65536 * 3 + 5, 1 << 20]   # up to 4 MiB: several kernels
+
+
+def _inputs(torch, comm, seed, count, dtype):
+    dev = f"cuda:{comm.device}"
+    return [torch.randn(count, generator=torch.Generator(device=dev).manual_seed(seed * 16 + q),
+                        device=dev).to(dtype) for q in range(comm.size)]
+
+
+def _reduce(torch, xs, op):
+    stack = torch.stack([x.double() for x in xs])
+    return {"sum": lambda: stack.sum(0), "avg": lambda: stack.mean(0),
+            "min": lambda: stack.min(0).values, "max": lambda: stack.max(0).values}[op]()
+
+
+def _close(got, want, tol, what):
+    err = float((got.double() - want).norm() / max(float(want.norm()), 1e-30))
+    assert not got.isnan().any() and err <= tol, f"{what}: relative error {err:.3g} > {tol}"
+
+
+def check_ipc_collectives(comm) -> int:
+    import torch
+
+    assert comm.backend.endswith("cuda:ipc"), comm.backend
+    r, n, checked, seed = comm.rank, comm.size, 0, 0
+    for name in ("float32", "float16", "bfloat16"):
+        dtype = getattr(torch, name)
+        for count in COUNTS:
+            for op in ("sum", "avg", "min", "max"):
+                tol = TOLERANCE[name] if op in ("sum", "avg") else 0.0
+                seed += 1
+                xs = _inputs(torch, comm, seed, count + 1, dtype)
+                x = xs[r].clone()
+                comm.all_reduce(x[1:], op=op)        # an unaligned view: element by element
+                _close(x[1:], _reduce(torch, [v[1:] for v in xs], op), tol,
+                       f"all_reduce {name} x {count} {op} (offset view)")
+                x = xs[r][:count].clone()
+                comm.all_reduce(x, op=op)
+                _close(x, _reduce(torch, [v[:count] for v in xs], op), tol,
+                       f"all_reduce {name} x {count} {op}")
+                # every rank holds the same bits
+                digests = comm.all_gather_object(x.cpu().view(torch.uint8).numpy().tobytes())
+                assert all(d == digests[0] for d in digests), f"all_reduce {name} differs"
+                ins = _inputs(torch, comm, seed + 5000, count * n, dtype)
+                pieces = [ins[r][q * count:(q + 1) * count].clone() for q in range(n)]
+                out = torch.full((count,), float("nan"), device=x.device, dtype=dtype)
+                comm.reduce_scatter(out, pieces, op=op)  # separate pieces
+                _close(out, _reduce(torch, ins, op)[r * count:(r + 1) * count], tol,
+                       f"reduce_scatter {name} x {count} {op}")
+                checked += 3
+            xs = _inputs(torch, comm, seed + 9000, count, dtype)
+            outs = [torch.full((count,), float("nan"), device=x.device, dtype=dtype)
+                    for _ in range(n)]
+            comm.all_gather(outs, xs[r])
+            for q in range(n):
+                _close(outs[q], xs[q].double(), 0.0, f"all_gather {name} x {count} from {q}")
+            for root in range(n):
+                y = xs[r].clone() if r == root else torch.full_like(xs[r], float("nan"))
+                comm.broadcast(y, root)
+                _close(y, xs[root].double(), 0.0, f"broadcast {name} x {count} root {root}")
+            checked += 1 + n
+    return checked
+
+
+@pytest.mark.parametrize("world", world_sizes())
+def test_ipc_collectives_match_a_float64_reference(world):
+    checked = run_ranks(check_ipc_collectives, world, env=IPC_ENV, deadline_s=240)
+    assert checked[0] > 200
+
+
+def check_ipc_messages(comm) -> bool:
+    import torch
+
+    import anyccl
+
+    r, dev = comm.rank, f"cuda:{comm.device}"
+    peer = 1 - r
+    for nbytes in (0, 1, 4, 1000, (1 << 20) + 5, 10 << 20):   # 10 MiB wraps a 4 MiB ring
+        x = torch.arange(nbytes, device=dev, dtype=torch.int64).to(torch.uint8)
+        y = torch.empty(nbytes, device=dev, dtype=torch.uint8)
+        for turn in range(2):                                   # ping, then pong
+            if r == turn:
+                comm.send(x, peer, tag=nbytes)
+            else:
+                comm.recv(y, peer, tag=nbytes)
+        assert torch.equal(y, x) if r == 1 else True
+        comm.barrier()
+    # a batched ring: each rank sends 24 MiB while receiving 24 MiB (6x the ring)
+    big = torch.full((6 << 20,), float(r + 1), device=dev)
+    got = torch.zeros_like(big)
+    with comm.batch():
+        comm.isend(big, peer, tag=7)
+        work = comm.irecv(got, peer, tag=7)
+    work.wait()
+    assert torch.all(got == peer + 1)
+    # other dtypes and ops go to NCCL: int32 sums, reduce, gather, all_to_all
+    z = torch.full((1000,), r + 1, device=dev, dtype=torch.int32)
+    comm.all_reduce(z)
+    assert torch.all(z == 3)
+    w = torch.full((10,), float(r), device=dev)
+    comm.reduce(w, 0)
+    parts = torch.arange(4.0, device=dev) + 10 * r
+    mixed = torch.empty(4, device=dev)
+    comm.all_to_all(mixed, parts)
+    torch.cuda.synchronize()
+    assert mixed.tolist() == [2.0 * r, 2.0 * r + 1, 10.0 + 2 * r, 11.0 + 2 * r]
+    assert r != 0 or torch.all(w == 1)
+    # a tag the receiver does not expect: the receive stops and the next call names both
+    if r == 0:
+        comm.send(torch.ones(16, device=dev), 1, tag=3)
+        torch.cuda.synchronize()
+        return True
+    comm.recv(torch.zeros(16, device=dev), 0, tag=4)
+    torch.cuda.synchronize()
+    with pytest.raises(anyccl.AnycclError, match="carries tag 3 and 64 bytes.*expects tag 4"):
+        comm.all_reduce(torch.ones(4, device=dev))
+    return True
+
+
+@two_gpus()
+def test_ipc_messages_check_tags_and_batched_rings_do_not_deadlock():
+    assert all(run_ranks(check_ipc_messages, 2, env=IPC_ENV, deadline_s=120))
+
+
+@two_gpus()
+def test_an_ipc_kernel_past_its_deadline_is_stopped_and_the_next_call_names_it():
+    waited = run_ranks(check_timeout, 2, env={**IPC_ENV, "ANYCCL_TIMEOUT": "3"},
+                       deadline_s=60)[0]
+    assert waited < 6
+
+
+@two_gpus()
+def test_the_repeated_random_check_and_a_captured_cuda_graph_pass():
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in IPC_ENV.items() if k != "ANYCCL_BACKEND"}
+    done = subprocess.run([sys.executable, "-m", "anyccl", "run", "-n", "2",
+                           str(root / "benchmarks" / "ipc_check.py"), "--iters", "150",
+                           "--max-elems", "300000"], env={**os.environ, **env},
+                          capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "wrong on each rank: [0, 0]: OK" in done.stdout
