@@ -1,9 +1,11 @@
 """Where the host time of one small GPU all_reduce goes (one process, one GPU): the CUDA calls
 anyccl makes per operation through the runtime and the driver bindings, torch's stream lookup,
-and a profile of anyccl.all_reduce on 8 bytes."""
+and a profile of anyccl.all_reduce on 8 bytes, on the backend named by the first argument
+(nccl by default, or ipc)."""
 
 import cProfile
 import pstats
+import sys
 import time
 
 import torch
@@ -11,7 +13,8 @@ import torch
 import anyccl
 from anyccl import gpu
 
-comm = anyccl.init(backend="nccl")
+backend = sys.argv[1] if len(sys.argv) > 1 else "nccl"
+comm = anyccl.init(backend=backend)
 x = torch.zeros(2, device=f"cuda:{comm.device}")
 event, stream = gpu.new_event(comm.device), torch.cuda.current_stream().cuda_stream
 rt, drv = gpu._rt(), gpu._drv()
@@ -30,9 +33,9 @@ per_call("driver cuEventRecord", lambda: drv.cuEventRecord(event, stream))
 per_call("cudart cudaStreamWaitEvent", lambda: rt.cudaStreamWaitEvent(stream, event, 0))
 per_call("driver cuStreamWaitEvent", lambda: drv.cuStreamWaitEvent(stream, event, 0))
 per_call("torch.cuda.current_stream", lambda: torch.cuda.current_stream(comm.device).cuda_stream)
-per_call("anyccl all_reduce 8 B", lambda: comm.all_reduce(x), 5000)
+per_call(f"anyccl all_reduce 8 B ({backend})", lambda: comm.all_reduce(x), 5000)
 torch.cuda.synchronize()
 cProfile.run("for _ in range(3000): comm.all_reduce(x)", "/tmp/anyccl.prof")
 torch.cuda.synchronize()
-pstats.Stats("/tmp/anyccl.prof").sort_stats("tottime").print_stats(18)
+pstats.Stats("/tmp/anyccl.prof").sort_stats("tottime").print_stats(25)
 comm.close()

@@ -35,7 +35,9 @@ for what in "$@"; do
     timeout "${IPC_TIMEOUT:-200}" python3 -m pytest -q -rfE --tb=short -m gpu tests/test_gpu_ipc.py \
         -p no:cacheprovider 2>&1 | tee "$OUT/gpu-ipc-tests.txt" | tail -25 ;;
   overhead) step overhead
-    timeout 90 python3 benchmarks/gpu_overhead.py 2>&1 | tee "$OUT/overhead.txt" | tail -45 ;;
+    for b in ${OVERHEAD_BACKENDS:-nccl ipc}; do
+      timeout 90 python3 benchmarks/gpu_overhead.py $b 2>&1 | tee "$OUT/overhead-$b.txt" | tail -36
+    done ;;
   mpibench) step mpibench
     timeout 120 mpiexec -n "$n" python3 benchmarks/mpi_staging.py --mib 16 64 256 2>&1 \
         | tee "$OUT/mpi-staging.txt" | tail -12 ;;
@@ -66,8 +68,8 @@ for what in "$@"; do
   ipcsmall) step ipcsmall
     timeout 200 python3 -m anyccl bench -n "$n" --device cuda --backend "${IPC_BACKEND:-ipc}" \
         --compare nccl,torch --op "${OPS:-all_reduce}" --min 8 --max "${SMALL_MAX:-8M}" \
-        --factor 4 --json "$OUT/ipc-small.json" 2>&1 | tee "$OUT/ipc-small.txt" \
-        | grep -v '^ *[0-9]' | tail -45 ;;
+        --factor 4 ${GRAPH:+--graph} --json "$OUT/ipc-small${GRAPH:+-graph}.json" 2>&1 \
+        | tee "$OUT/ipc-small${GRAPH:+-graph}.txt" | grep -v '^ *[0-9]' | tail -45 ;;
   ipclarge) step ipclarge
     timeout "${BENCH_TIMEOUT:-240}" python3 -m anyccl bench -n "$n" --device cuda \
         --backend "${IPC_BACKEND:-ipc}" --compare nccl,torch \

@@ -39,7 +39,7 @@ def _run_example(n: int, name: str, *args: str, timeout: float = 180):
     ("async_send_recv.py", [], "failed as it should"),
     ("gradient_average.py", ["--size", "300000", "--repeat", "2"], "max relative error"),
     ("train_mlp.py", ["--epochs", "20"], "weights identical on every rank: True"),
-    ("train_mlp.py", ["--epochs", "20", "--torch"], "(shm, torch)"),
+    ("train_mlp.py", ["--epochs", "20", "--torch"], "(shm, torch on cpu)"),
 ])
 def test_seed_examples_check_themselves_on_cpu(n, example, args, success):
     if example == "train_mlp.py":

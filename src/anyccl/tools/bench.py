@@ -224,6 +224,23 @@ class CudaPlacement:
     def sync(self) -> None:
         self.torch.cuda.synchronize(self.index)
 
+    def graphed(self, run: Runner, calls: int) -> Runner:
+        """A runner that replays a CUDA graph of `calls` back-to-back calls of `run`: what the
+        GPU takes for them, without the host's time per call (nccl-tests' -G)."""
+        torch = self.torch
+        side = torch.cuda.Stream(self.index)
+        side.wait_stream(torch.cuda.current_stream(self.index))
+        with torch.cuda.stream(side):
+            run()                                  # outside the graph first (lazy set-ups)
+        torch.cuda.current_stream(self.index).wait_stream(side)
+        self.sync()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                run()
+        self.sync()
+        return graph.replay
+
 
 def _torch_dtype(torch: Any, dtype: np.dtype) -> Any:
     if dtype == BFLOAT16:
@@ -243,6 +260,10 @@ class Settings:
     root: int
     iters: int | None
     warmup: int
+    graph: bool = False  # time replays of a CUDA graph of the calls (GPU time, no host cost)
+
+
+_GRAPH_CALLS = 20  # calls captured in one graph with --graph
 
 
 def sweep_sizes(s: Settings) -> list[int]:
@@ -267,6 +288,12 @@ def measure(comm: Communicator, peer: Any, op: str, nbytes: int, s: Settings,
     run = peer.runner(op, where.place(buffers), s.redop, max(root, 0))
     if run is None:
         return row
+    per_run = 1
+    if s.graph and op == "sendrecv":  # batched messages are async: not capturable
+        return row
+    if s.graph:
+        per_run = _GRAPH_CALLS
+        run = where.graphed(run, per_run)
     for _ in range(s.warmup):
         run()
     where.sync()
@@ -284,7 +311,7 @@ def measure(comm: Communicator, peer: Any, op: str, nbytes: int, s: Settings,
     for _ in range(iters):
         run()
     where.sync()
-    elapsed = np.array([(time.perf_counter() - t0) / iters])
+    elapsed = np.array([(time.perf_counter() - t0) / iters / per_run])
     comm.all_reduce(elapsed, ReduceOp.MAX)
     buffers, count_wrong = build(op, count, s.dtype, comm.rank, n, max(root, 0), in_place,
                                  s.redop)
@@ -436,6 +463,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--compare", default="", help="peers to run in the same job: torch, mpi, "
                    "shm (anyccl on shm), nccl (anyccl on nccl)")
+    p.add_argument("--graph", action="store_true",
+                   help="--device cuda: capture the calls in a CUDA graph and time its replays "
+                        "(the GPU's time per call, without the host's)")
     p.add_argument("--json", help="write every row to this JSON file")
     p.add_argument("--plot", help="draw busbw and latency against size into this PNG")
     return p.parse_args(argv)
@@ -453,7 +483,14 @@ def _settings(ns: argparse.Namespace) -> Settings:
         raise SystemExit(f"anyccl bench: --dtype {ns.dtype}: expected one of "
                          f"{', '.join(by_name)}")
     return Settings(ops, parse_size(ns.min, "--min"), parse_size(ns.max, "--max"), ns.factor,
-                    by_name[ns.dtype], ReduceOp.parse(ns.redop), ns.root, ns.iters, ns.warmup)
+                    by_name[ns.dtype], ReduceOp.parse(ns.redop), ns.root, ns.iters, ns.warmup,
+                    _graph_needs_cuda(ns))
+
+
+def _graph_needs_cuda(ns: argparse.Namespace) -> bool:
+    if ns.graph and ns.device != "cuda":
+        raise SystemExit("anyccl bench: --graph times CUDA graph replays: add --device cuda")
+    return bool(ns.graph)
 
 
 def _in_a_job() -> bool:
@@ -533,7 +570,8 @@ def _bench(ns: argparse.Namespace, s: Settings, compare: list[str]) -> int:
         print(f"# anyccl bench: {','.join(s.ops)} on {comm.size} ranks, backend {comm.backend} "
               f"({where.device}), {s.dtype.name}, redop {s.redop.name.lower()}, root "
               f"{s.root}, sizes {s.min_bytes} B .. {s.max_bytes} B x{s.factor:g}, warmup "
-              f"{s.warmup}, iters {s.iters or 'auto'}", file=out)
+              f"{s.warmup}, iters {s.iters or 'auto'}"
+              f"{', timed as CUDA graph replays' if s.graph else ''}", file=out)
         print(f"# libraries: {', '.join(_versions(compare, where.device))}", file=out)
         print(f"# memory: one core copying 256 MiB with NumPy moves {membw:.1f} GB/s "
               f"(read + written)", file=out)

@@ -14,8 +14,6 @@ import pickle
 import socket
 from typing import Any
 
-import numpy as np
-
 from ... import gpu
 from ...errors import UnsupportedError
 from ...store import Store
@@ -68,8 +66,7 @@ class PeerMemory:
         self.sig = gpu.mem_alloc(self.layout.sig_bytes)
         self.status_host, self.status_device = gpu.host_alloc_mapped(8 * STATUS_WORDS)
         ctypes.memset(self.status_host, 0, 8 * STATUS_WORDS)
-        self.status = np.ctypeslib.as_array(
-            (ctypes.c_uint64 * STATUS_WORDS).from_address(self.status_host))
+        self.status = (ctypes.c_uint64 * STATUS_WORDS).from_address(self.status_host)
         try:
             gpu.memset(self.sig, 0, self.layout.sig_bytes)
             me = (socket.gethostname(), os.getpid(), gpu.ipc_handle(self.data),
@@ -103,7 +100,8 @@ class PeerMemory:
 
     def error(self) -> tuple[int, int, int, int]:
         """(error code, peer, expected, got) a kernel reported; code 0 when none."""
-        return tuple(int(v) for v in self.status[1:5])  # type: ignore[return-value]
+        s = self.status
+        return s[1], s[2], s[3], s[4]
 
     def close(self) -> None:
         for ptr in self._opened:
