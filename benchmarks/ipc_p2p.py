@@ -53,7 +53,7 @@ rows = []
 while size <= top:
     x = torch.empty(size // 4, device=dev)
     row = [size]
-    for name, (send, recv) in libraries.items():
+    for send, recv in libraries.values():
         x.fill_(1.0 if r == 0 else 0.0)
         one_way(send, recv, x, 3)                               # warm up
         probe = one_way(send, recv, x, 2) / 2

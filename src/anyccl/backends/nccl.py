@@ -196,7 +196,7 @@ class NcclBackend:
         with self._lock:
             stream = self.stream if on is None else on
             if stream in gpu.NULL_STREAMS or any(s in gpu.NULL_STREAMS for s in after):
-                gpu.set_device(self.device)  # a null stream is the current device's
+                gpu.use_device(self.device)  # a null stream is the current device's
             if on is None:
                 for user_stream in after:
                     gpu.record(self._start, user_stream)

@@ -64,7 +64,7 @@ class StagedGpuBackend:
         self.raise_if_failed()
         waits = list(after) if on is None else [on]
         if any(s in gpu.NULL_STREAMS for s in waits):
-            gpu.set_device(self.device)  # a null stream is the current device's
+            gpu.use_device(self.device)  # a null stream is the current device's
         for user_stream in waits:
             gpu.record(self._start, user_stream)
             gpu.stream_wait(self.stream, self._start)

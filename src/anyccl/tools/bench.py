@@ -224,7 +224,7 @@ class CudaPlacement:
     def sync(self) -> None:
         self.torch.cuda.synchronize(self.index)
 
-    def graphed(self, run: Runner, calls: int) -> Runner:
+    def graphed(self, run: Callable[[], None], calls: int) -> Callable[[], None]:
         """A runner that replays a CUDA graph of `calls` back-to-back calls of `run`: what the
         GPU takes for them, without the host's time per call (nccl-tests' -G)."""
         torch = self.torch

@@ -2,10 +2,10 @@
 
 Within one node, every rank maps the others' buffers (CUDA IPC, `memory.py`), and the kernels in
 `kernels.cu` push data into them and signal through flags, with no CPU in the loop once queued.
-It serves all_reduce (one shot for small arrays, two shots -- reduce-scatter then all-gather --
-for large), reduce_scatter and all_reduce on float32/float16/bfloat16 (accumulated in float32)
-with SUM, AVG, MIN, MAX; all_gather, broadcast and messages (send/recv, tags checked) on any
-dtype. The rest (other dtypes and ops; reduce, gather, scatter, all_to_all) runs on the NCCL
+It serves all_reduce (data and flags in one word for small arrays, one shot -- every rank
+pushes everything -- for medium, two shots -- reduce-scatter then all-gather -- for large) and
+reduce_scatter on float32/float16/bfloat16 (accumulated in float32) with SUM, AVG, MIN, MAX;
+all_gather, broadcast and messages (send/recv, tags checked) on any dtype. The rest (other dtypes and ops; reduce, gather, scatter, all_to_all) runs on the NCCL
 communicator this backend keeps beside its kernels; both queue through the same ordered stream
 machinery (`NcclBackend.run`), so operations stay in issue order whichever runs them.
 
@@ -31,7 +31,7 @@ from ...store import Store
 from ...trace import OpRecord
 from ..nccl import NcclBackend
 from . import compiler
-from .memory import TILE_BYTES, PeerMemory, describe_args
+from .memory import PeerMemory, describe_args
 
 THREADS = 512  # kernels.cu: THREADS
 _TYPES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16", BFLOAT16: "bfloat16"}
@@ -72,6 +72,8 @@ class IpcBackend:
         self._params = (ctypes.c_void_p * 1)(ctypes.addressof(self._args))
         self._params_address = ctypes.addressof(self._params)
         self.max_blocks = _env_int("ANYCCL_IPC_BLOCKS", 32)
+        # all_reduce: data+flag words up to ll_bytes, one shot up to one_shot_bytes, else two
+        self.ll_bytes = min(_env_int("ANYCCL_IPC_LL_KB", 64) << 10, self.layout.slot_bytes // 2)
         self.one_shot_bytes = _env_int("ANYCCL_IPC_ONE_SHOT_KB", 512) << 10
         self._side: list[tuple[int, int]] = []   # (stream, event) for batched messages
         self._fork = gpu.new_event(self.device)
@@ -139,7 +141,7 @@ class IpcBackend:
         return self.policy == "ipc" or nbytes <= AUTO_IPC_MAX_BYTES.get(op, -1)
 
     def _blocks(self, nbytes: int) -> int:
-        return max(1, min(self.max_blocks, -(-nbytes // TILE_BYTES)))
+        return max(1, min(self.max_blocks, -(-nbytes // self.layout.tile_bytes)))
 
     def _launch(self, kernel: str, blocks: int, stream: int) -> None:
         gpu.launch(self._kernels[kernel], blocks, THREADS, stream, self._params_address)
@@ -155,6 +157,14 @@ class IpcBackend:
         one_shot = min(slot, self.one_shot_bytes // size)
         one, two = f"all_reduce_1_{dtype}_{kind}", f"all_reduce_2_{dtype}_{kind}"
         total = x.size
+        if x.nbytes <= self.ll_bytes:   # small: one kernel of data+flag words
+            words, ll = -(-x.nbytes // 4), f"all_reduce_0_{dtype}_{kind}"
+            blocks = max(1, min(self.max_blocks, -(-words // THREADS)))
+
+            def small(stream: int) -> None:
+                a.scale, a.inp, a.out, a.count = scale, ptr, ptr, total
+                self._launch(ll, blocks, stream)
+            return small
 
         def enqueue(stream: int) -> None:
             a.scale = scale

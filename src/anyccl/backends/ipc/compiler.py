@@ -17,7 +17,8 @@ from typing import Any
 from ... import gpu
 
 SOURCE = Path(__file__).with_name("kernels.cu")
-_loaded: dict[int, dict[str, Any]] = {}
+_loaded: dict[int, dict[str, int]] = {}
+_modules: list[Any] = []
 
 
 def cache_dir() -> Path:
@@ -59,15 +60,17 @@ def cubin(device: int) -> bytes:
     return code
 
 
-def kernels(device: int) -> dict[str, Any]:
-    """name -> CUfunction of every kernel, loaded into `device`'s primary context (made current
-    by the caller)."""
+def kernels(device: int) -> dict[str, int]:
+    """name -> CUfunction (its address) of every kernel, loaded into `device`'s primary context
+    (made current by the caller)."""
     functions = _loaded.get(device)
     if functions is None:
         module = gpu.load_module(cubin(device))
+        _modules.append(module)  # loaded for the life of the process
         names = ["all_gather", "broadcast", "barrier", "send", "recv"]
-        names += [f"{kind}_{dtype}_{op}" for kind in ("all_reduce_1", "all_reduce_2",
-                                                       "reduce_scatter")
+        kinds = ("all_reduce_0", "all_reduce_1", "all_reduce_2", "reduce_scatter")
+        names += [f"{kind}_{dtype}_{op}" for kind in kinds
                   for dtype in ("float32", "float16", "bfloat16") for op in ("sum", "min", "max")]
-        functions = _loaded[device] = {name: gpu.module_function(module, name) for name in names}
+        functions = _loaded[device] = {name: int(gpu.module_function(module, name))
+                                       for name in names}
     return functions

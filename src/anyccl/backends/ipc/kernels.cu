@@ -25,7 +25,7 @@ typedef unsigned short u16;
 
 #define MAX_RANKS 8
 #define THREADS 512
-#define TILE_BYTES 65536ULL
+#define MIN_TILE_BYTES 65536ULL  // flags are sized for tiles this small
 
 // signal area of each rank, in u64 words
 #define SIG_EPOCH 0         // collectives this rank completed (owner only)
@@ -59,6 +59,7 @@ struct Args {
     u64 slot_bytes;             // bytes of one slot; a half holds 2 * nranks slots
     u64 p2p_offset;             // where the message rings start in a data buffer
     u64 chunk_bytes;            // bytes of one message slot
+    u64 tile_bytes;             // collectives: bytes a block moves between two flags
     u64 tag;                    // message tag
     volatile u64* status;       // host-mapped status words
     float scale;                // AVG: 1 / nranks; else 1
@@ -288,7 +289,7 @@ template <typename T, int OP>
 __device__ void all_reduce_one_shot(const Args& a) {
     const u64 epoch = enter(a);
     const int r = a.rank, n = a.nranks;
-    const u64 E = Elem<T>::SIZE, tile = TILE_BYTES / E, tiles = ceil_div(a.count, tile);
+    const u64 E = Elem<T>::SIZE, tile = a.tile_bytes / E, tiles = ceil_div(a.count, tile);
     for (int i = 1; i < n; ++i) {
         const int q = (r + i) % n;
         if (!may_write(a, q, epoch)) return;
@@ -312,6 +313,69 @@ __device__ void all_reduce_one_shot(const Args& a) {
     leave(a, epoch);
 }
 
+// ---- all_reduce, small: data and flag travel together ('LL', as NCCL's low-latency protocol) -
+// Each 4-byte word of the input goes to every peer as one 8-byte store (word, epoch): the peer
+// polls each word until it carries this epoch, so no fence and no separate flag is needed.
+// Words are built from elements, so any element alignment works.
+template <typename T>
+__device__ __forceinline__ u32 load_word(const char* in, u64 w, u64 count) {
+    const u64 per = 4 / Elem<T>::SIZE, e0 = w * per;
+    u32 word = 0;
+    for (u64 k = 0; k < per && e0 + k < count; ++k) {
+        u32 bits = Elem<T>::SIZE == 4 ? *(const u32*)(in + (e0 + k) * 4)
+                                      : (u32) * (const u16*)(in + (e0 + k) * 2);
+        word |= bits << (32 / per * k);
+    }
+    return word;
+}
+template <typename T>
+__device__ __forceinline__ float word_elem(u32 word, int k) {
+    if (Elem<T>::SIZE == 4) return __uint_as_float(word);
+    char bytes[4];
+    *(u32*)bytes = word;
+    return Elem<T>::get(bytes + 2 * k);
+}
+
+template <typename T, int OP>
+__device__ void all_reduce_ll(const Args& a) {
+    const u64 epoch = enter(a);
+    const int r = a.rank, n = a.nranks;
+    const u64 E = Elem<T>::SIZE, per = 4 / E, words = ceil_div(a.count * E, 4);
+    const u64 stamp = (epoch & 0xffffffffULL) << 32;
+    for (int i = 1; i < n; ++i)
+        if (!may_write(a, (r + i) % n, epoch)) return;
+    const u64 stride = (u64)gridDim.x * THREADS;
+    for (u64 w = blockIdx.x * (u64)THREADS + threadIdx.x; w < words; w += stride) {
+        const u32 mine = load_word<T>(a.in, w, a.count);
+        for (int i = 1; i < n; ++i) {
+            const int q = (r + i) % n;
+            volatile u64* to = (volatile u64*)slot(a, q, epoch, r) + w;
+            *to = stamp | mine;
+        }
+        u32 got[MAX_RANKS];
+        bool ok = true;
+        for (int q = 0; q < n; ++q) {
+            if (q == r) { got[q] = mine; continue; }
+            const volatile u64* from = (const volatile u64*)slot(a, r, epoch, q) + w;
+            u64 v = *from;
+            u32 spins = 0;
+            while ((v & 0xffffffff00000000ULL) != stamp) {
+                if ((++spins & 4095u) == 0 && a.status[STATUS_ABORT]) { ok = false; break; }
+                v = *from;
+            }
+            got[q] = (u32)v;
+        }
+        if (!ok) break;
+        for (u64 k = 0; k < per && w * per + k < a.count; ++k) {
+            float acc = word_elem<T>(got[0], (int)k);
+            for (int q = 1; q < n; ++q) acc = combine<OP>(acc, word_elem<T>(got[q], (int)k));
+            if (a.scale != 1.0f) acc *= a.scale;
+            Elem<T>::put(a.out + (w * per + k) * E, acc);
+        }
+    }
+    leave(a, epoch);
+}
+
 // ---- all_reduce, two shots: reduce-scatter by pushes, then all-gather by pushes -------------
 template <typename T, int OP>
 __device__ void all_reduce_two_shot(const Args& a) {
@@ -319,7 +383,7 @@ __device__ void all_reduce_two_shot(const Args& a) {
     const int r = a.rank, n = a.nranks;
     const u64 E = Elem<T>::SIZE, N = Elem<T>::N;
     const u64 seg = ceil_div(ceil_div(a.count, n), N) * N;  // elements of each rank's segment
-    const u64 tile = TILE_BYTES / E, tiles = ceil_div(seg, tile);
+    const u64 tile = a.tile_bytes / E, tiles = ceil_div(seg, tile);
     u64* my = a.sig[r];
     // A: my input's segment q goes to rank q's slot r
     for (int i = 1; i < n; ++i) {
@@ -378,7 +442,7 @@ template <typename T, int OP>
 __device__ void reduce_scatter(const Args& a) {
     const u64 epoch = enter(a);
     const int r = a.rank, n = a.nranks;
-    const u64 E = Elem<T>::SIZE, tile = TILE_BYTES / E, tiles = ceil_div(a.count, tile);
+    const u64 E = Elem<T>::SIZE, tile = a.tile_bytes / E, tiles = ceil_div(a.count, tile);
     for (int i = 1; i < n; ++i) {
         const int q = (r + i) % n;
         if (!may_write(a, q, epoch)) return;
@@ -406,12 +470,12 @@ __device__ void reduce_scatter(const Args& a) {
 extern "C" __global__ void __launch_bounds__(THREADS) all_gather(Args a) {
     const u64 epoch = enter(a);
     const int r = a.rank, n = a.nranks;
-    const u64 tiles = ceil_div(a.count, TILE_BYTES);
+    const u64 tiles = ceil_div(a.count, a.tile_bytes);
     for (int i = 1; i < n; ++i) {
         const int q = (r + i) % n;
         if (!may_write(a, q, epoch)) return;
         for (u64 t = blockIdx.x; t < tiles; t += gridDim.x) {
-            const u64 b0 = t * TILE_BYTES, b1 = umin(b0 + TILE_BYTES, a.count);
+            const u64 b0 = t * a.tile_bytes, b1 = umin(b0 + a.tile_bytes, a.count);
             block_copy(slot(a, q, epoch, r) + b0, a.in + b0, b1 - b0, false);
             block_signal(flag_a(a, a.sig[q], t, r), epoch);
         }
@@ -419,14 +483,14 @@ extern "C" __global__ void __launch_bounds__(THREADS) all_gather(Args a) {
     char* mine = a.outs[r];
     if (mine != a.in)
         for (u64 t = blockIdx.x; t < tiles; t += gridDim.x) {
-            const u64 b0 = t * TILE_BYTES, b1 = umin(b0 + TILE_BYTES, a.count);
+            const u64 b0 = t * a.tile_bytes, b1 = umin(b0 + a.tile_bytes, a.count);
             block_copy(mine + b0, a.in + b0, b1 - b0, false);
         }
     u64* my = a.sig[r];
     for (int i = 1; i < n; ++i) {
         const int q = (r + i) % n;
         for (u64 t = blockIdx.x; t < tiles; t += gridDim.x) {
-            const u64 b0 = t * TILE_BYTES, b1 = umin(b0 + TILE_BYTES, a.count);
+            const u64 b0 = t * a.tile_bytes, b1 = umin(b0 + a.tile_bytes, a.count);
             if (!block_wait(a, flag_a(a, my, t, q), epoch)) return;
             block_copy(a.outs[q] + b0, slot(a, r, epoch, q) + b0, b1 - b0, true);
         }
@@ -438,26 +502,26 @@ extern "C" __global__ void __launch_bounds__(THREADS) all_gather(Args a) {
 extern "C" __global__ void __launch_bounds__(THREADS) broadcast(Args a) {
     const u64 epoch = enter(a);
     const int r = a.rank, n = a.nranks, root = a.root;
-    const u64 tiles = ceil_div(a.count, TILE_BYTES);
+    const u64 tiles = ceil_div(a.count, a.tile_bytes);
     if (r == root) {
         for (int i = 1; i < n; ++i) {
             const int q = (r + i) % n;
             if (!may_write(a, q, epoch)) return;
             for (u64 t = blockIdx.x; t < tiles; t += gridDim.x) {
-                const u64 b0 = t * TILE_BYTES, b1 = umin(b0 + TILE_BYTES, a.count);
+                const u64 b0 = t * a.tile_bytes, b1 = umin(b0 + a.tile_bytes, a.count);
                 block_copy(slot(a, q, epoch, root) + b0, a.in + b0, b1 - b0, false);
                 block_signal(flag_a(a, a.sig[q], t, root), epoch);
             }
         }
         if (a.out != a.in)
             for (u64 t = blockIdx.x; t < tiles; t += gridDim.x) {
-                const u64 b0 = t * TILE_BYTES, b1 = umin(b0 + TILE_BYTES, a.count);
+                const u64 b0 = t * a.tile_bytes, b1 = umin(b0 + a.tile_bytes, a.count);
                 block_copy(a.out + b0, a.in + b0, b1 - b0, false);
             }
     } else {
         u64* my = a.sig[r];
         for (u64 t = blockIdx.x; t < tiles; t += gridDim.x) {
-            const u64 b0 = t * TILE_BYTES, b1 = umin(b0 + TILE_BYTES, a.count);
+            const u64 b0 = t * a.tile_bytes, b1 = umin(b0 + a.tile_bytes, a.count);
             if (!block_wait(a, flag_a(a, my, t, root), epoch)) return;
             block_copy(a.out + b0, slot(a, r, epoch, root) + b0, b1 - b0, true);
         }
@@ -546,6 +610,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) recv(Args a) {
 
 // ---- the typed entry points ------------------------------------------------------------------
 #define TYPED(T, TN, OP, ON)                                                                     \
+    extern "C" __global__ void __launch_bounds__(THREADS) all_reduce_0_##TN##_##ON(Args a) {     \
+        all_reduce_ll<T, OP>(a);                                                                 \
+    }                                                                                            \
     extern "C" __global__ void __launch_bounds__(THREADS) all_reduce_1_##TN##_##ON(Args a) {     \
         all_reduce_one_shot<T, OP>(a);                                                           \
     }                                                                                            \
