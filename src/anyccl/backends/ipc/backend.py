@@ -5,9 +5,10 @@ Within one node, every rank maps the others' buffers (CUDA IPC, `memory.py`), an
 It serves all_reduce (data and flags in one word for small arrays, one shot -- every rank
 pushes everything -- for medium, two shots -- reduce-scatter then all-gather -- for large) and
 reduce_scatter on float32/float16/bfloat16 (accumulated in float32) with SUM, AVG, MIN, MAX;
-all_gather, broadcast and messages (send/recv, tags checked) on any dtype. The rest (other dtypes and ops; reduce, gather, scatter, all_to_all) runs on the NCCL
-communicator this backend keeps beside its kernels; both queue through the same ordered stream
-machinery (`NcclBackend.run`), so operations stay in issue order whichever runs them.
+all_gather, broadcast and messages (send/recv, tags checked) on any dtype. The rest (other
+dtypes and ops; reduce, gather, scatter, all_to_all) runs on the NCCL communicator this
+backend keeps beside its kernels; both queue through the same ordered stream machinery
+(`NcclBackend.run`), so operations stay in issue order whichever runs them.
 
 Routing is decided from what every rank agrees on (op, byte size, dtype, reduce op), never from
 pointers, so all ranks of a collective always pick the same side: `policy="ipc"` sends every op
