@@ -72,10 +72,11 @@ class IpcBackend:
         self._args = describe_args(memory)
         self._params = (ctypes.c_void_p * 1)(ctypes.addressof(self._args))
         self._params_address = ctypes.addressof(self._params)
-        self.max_blocks = _env_int("ANYCCL_IPC_BLOCKS", 32)
+        # measured on 2 x H200: 32 blocks moved 252 GB/s (all_reduce busbw, 1 GiB), 64 298, 128 335
+        self.max_blocks = _env_int("ANYCCL_IPC_BLOCKS", 128)
         # all_reduce: data+flag words up to ll_bytes, one shot up to one_shot_bytes, else two
-        self.ll_bytes = min(_env_int("ANYCCL_IPC_LL_KB", 64) << 10, self.layout.slot_bytes // 2)
-        self.one_shot_bytes = _env_int("ANYCCL_IPC_ONE_SHOT_KB", 512) << 10
+        self.ll_bytes = min(_env_int("ANYCCL_IPC_LL_KB", 1024) << 10, self.layout.slot_bytes // 2)
+        self.one_shot_bytes = _env_int("ANYCCL_IPC_ONE_SHOT_KB", 2048) << 10
         self._side: list[tuple[int, int]] = []   # (stream, event) for batched messages
         self._fork = gpu.new_event(self.device)
         nccl.watch_also(health=self._health, abort=memory.aborted)
@@ -142,7 +143,13 @@ class IpcBackend:
         return self.policy == "ipc" or nbytes <= AUTO_IPC_MAX_BYTES.get(op, -1)
 
     def _blocks(self, nbytes: int) -> int:
-        return max(1, min(self.max_blocks, -(-nbytes // self.layout.tile_bytes)))
+        """Blocks for a kernel whose blocks share `nbytes`, and the tile (bytes between two
+        flags) set for it: small enough that every block has one, at most the layout's."""
+        least = 64 << 10
+        tile = min(self.layout.tile_bytes, max(least, -(-nbytes // self.max_blocks // least)
+                                               * least))
+        self._args.tile_bytes = tile
+        return max(1, min(self.max_blocks, -(-nbytes // tile)))
 
     def _launch(self, kernel: str, blocks: int, stream: int) -> None:
         gpu.launch(self._kernels[kernel], blocks, THREADS, stream, self._params_address)
