@@ -280,6 +280,14 @@ def launch(function: Any, blocks: int, threads: int, stream: int, params: int) -
         _check_driver(_drv().CUresult(status), "cuLaunchKernel")
 
 
+def relax_capture_mode() -> None:
+    """Let this thread query events while another thread captures a CUDA graph (in the default,
+    global mode, such a query from any thread would invalidate the capture)."""
+    rt = _rt()
+    relaxed = rt.cudaStreamCaptureMode.cudaStreamCaptureModeRelaxed
+    _check(rt.cudaThreadExchangeStreamCaptureMode(relaxed), "cudaThreadExchangeStreamCaptureMode")
+
+
 def is_capturing(stream: int) -> bool:
     """Whether `stream` is being captured into a CUDA graph."""
     driver = _drv()

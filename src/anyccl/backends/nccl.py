@@ -378,6 +378,8 @@ class NcclBackend:
             self._wake.set()
 
     def _watchdog_loop(self) -> None:
+        gpu.set_device(self.device)
+        gpu.relax_capture_mode()   # its event queries must not break the caller's graph capture
         last_health = 0.0
         while not self._closing:
             if not self._queued:
