@@ -13,7 +13,7 @@ backend keeps beside its kernels; both queue through the same ordered stream mac
 Routing is decided from what every rank agrees on (op, byte size, dtype, reduce op), never from
 pointers, so all ranks of a collective always pick the same side: `policy="ipc"` sends every op
 the kernels can do to them; `policy="auto"` only the sizes where they were measured faster than
-NCCL on this kind of machine (`AUTO_IPC_MAX_BYTES`).
+NCCL on this kind of machine (`AUTO_IPC_RANGES`).
 """
 
 from __future__ import annotations
@@ -39,11 +39,23 @@ _TYPES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16", BFLO
 _OPS = {ReduceOp.SUM: "sum", ReduceOp.AVG: "sum", ReduceOp.MIN: "min", ReduceOp.MAX: "max"}
 _TAG_BITS = 24  # the part of a tag a message carries (kernels.cu: meta_of)
 
-# policy="auto": the largest size (bytes per rank's array) each op runs on the ipc kernels;
-# above it, NCCL. From benchmarks/results/2026-11-22-h200x2-ipc-vs-nccl.md (2 x H200, NV18).
-AUTO_IPC_MAX_BYTES: dict[str, int] = {
-    "all_reduce": 1 << 40, "reduce_scatter": 1 << 40, "all_gather": 1 << 40,
-    "broadcast": 1 << 40, "send": 1 << 40, "recv": 1 << 40,
+# policy="auto": the sizes (bytes of each rank's array: the input of all_reduce, broadcast,
+# all_gather and messages, the output of reduce_scatter) that run on the ipc kernels, as ranges
+# (above, at most]; every other size runs on NCCL. Only where the kernels were measured faster
+# than NCCL, same run: benchmarks/results/2026-11-22-h200x2-ipc-vs-nccl.md (2 x H200, NV18).
+_EVERY = (0, 1 << 62)
+AUTO_IPC_RANGES: dict[str, list[tuple[int, int]]] = {
+    # 8 B-8 MiB 1.4-2.5x faster (graphs), 16 MiB-1 GiB 1.01-1.25x
+    "all_reduce": [_EVERY],
+    # 8 B-8 MiB 1.4-2.0x; 16 MiB-1 GiB 0.96-1.05x
+    "broadcast": [(0, 8 << 20)],
+    # 8-512 MiB per rank 1.00-1.26x (smaller: not measured)
+    "all_gather": [(4 << 20, 1 << 62)],
+    # 32 and 128 MiB per rank 1.21x, 1.13x; 8 MiB 0.69x, 512 MiB 0.97x
+    "reduce_scatter": [(8 << 20, 128 << 20)],
+    # 16 MiB-1 GiB 1.00-1.04x; 1-4 MiB 0.76-0.79x
+    "send": [(8 << 20, 1 << 62)],
+    "recv": [(8 << 20, 1 << 62)],
 }
 POLICIES = ("ipc", "auto")
 
@@ -140,7 +152,8 @@ class IpcBackend:
 
     # ---- routing ---------------------------------------------------------------------------------
     def _ipc(self, op: str, nbytes: int) -> bool:
-        return self.policy == "ipc" or nbytes <= AUTO_IPC_MAX_BYTES.get(op, -1)
+        return self.policy == "ipc" or any(lo < nbytes <= hi
+                                           for lo, hi in AUTO_IPC_RANGES.get(op, ()))
 
     def _blocks(self, nbytes: int) -> int:
         """Blocks for a kernel whose blocks share `nbytes`, and the tile (bytes between two

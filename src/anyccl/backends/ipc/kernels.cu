@@ -81,6 +81,7 @@ __device__ __forceinline__ u64 ld_volatile(const u64* p) { return *(const volati
 // Thread 0 spins until *flag >= value; the whole block returns false if the host aborted.
 __device__ bool block_wait(const Args& a, const u64* flag, u64 value) {
     __shared__ int aborted;
+    __syncthreads();  // every thread has read the previous wait's verdict before it changes
     if (threadIdx.x == 0) {
         int stop = 0;
         u32 spins = 0;
