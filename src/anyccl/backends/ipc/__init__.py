@@ -1,5 +1,5 @@
 """The `ipc` backend: anyccl's own GPU kernels over CUDA IPC peer memory (one node)."""
 
-from .backend import AUTO_IPC_RANGES, POLICIES, IpcBackend
+from .backend import AUTO_IPC_RANGES, POLICIES, IpcBackend, routes_to_ipc
 
-__all__ = ["AUTO_IPC_RANGES", "POLICIES", "IpcBackend"]
+__all__ = ["AUTO_IPC_RANGES", "POLICIES", "IpcBackend", "routes_to_ipc"]

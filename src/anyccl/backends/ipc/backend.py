@@ -60,6 +60,12 @@ AUTO_IPC_RANGES: dict[str, list[tuple[int, int]]] = {
 POLICIES = ("ipc", "auto")
 
 
+def routes_to_ipc(policy: str, op: str, nbytes: int) -> bool:
+    """Whether `op` on arrays of `nbytes` runs on the kernels (else NCCL) under `policy`; the
+    same answer on every rank, since every rank passes the same op and size."""
+    return policy == "ipc" or any(lo < nbytes <= hi for lo, hi in AUTO_IPC_RANGES.get(op, ()))
+
+
 def _env_int(name: str, default: int) -> int:
     text = os.environ.get(name, "")
     return int(text) if text else default
@@ -152,8 +158,7 @@ class IpcBackend:
 
     # ---- routing ---------------------------------------------------------------------------------
     def _ipc(self, op: str, nbytes: int) -> bool:
-        return self.policy == "ipc" or any(lo < nbytes <= hi
-                                           for lo, hi in AUTO_IPC_RANGES.get(op, ()))
+        return routes_to_ipc(self.policy, op, nbytes)
 
     def _blocks(self, nbytes: int) -> int:
         """Blocks for a kernel whose blocks share `nbytes`, and the tile (bytes between two

@@ -1,0 +1,82 @@
+"""The ipc backend's host-side contracts, checked without a GPU: the kernels' argument block
+has the same fields in the same order on both sides, the buffer layout gives every collective
+and message ring room, and routing is a pure function of what every rank agrees on."""
+
+from __future__ import annotations
+
+import ctypes
+import re
+
+import pytest
+
+from anyccl.backends.ipc import compiler
+from anyccl.backends.ipc.backend import AUTO_IPC_RANGES, routes_to_ipc
+from anyccl.backends.ipc.memory import MAX_RANKS, TILE_BYTES, KernelArgs, Layout
+
+_C_TYPES = {"u64": ctypes.c_uint64, "float": ctypes.c_float, "int": ctypes.c_int}
+
+
+def c_fields() -> list[tuple[str, str, bool, bool]]:
+    """(name, C type, is a pointer, is an array) of kernels.cu's struct Args fields, in order."""
+    source = compiler.SOURCE.read_text()
+    body = re.search(r"struct Args \{(.*?)\};", source, re.S).group(1)
+    fields = []
+    for line in body.splitlines():
+        declaration = line.split("//")[0].strip().rstrip(";")
+        if not declaration:
+            continue
+        m = re.match(r"(?:const\s+)?(?:volatile\s+)?(\w+)\s*(\*?)\s*(.+)$", declaration)
+        ctype, pointer, names = m.group(1), bool(m.group(2)), m.group(3)
+        for name in names.split(","):
+            name = name.strip()
+            fields.append((name.split("[")[0], ctype, pointer, "[" in name))
+    return fields
+
+
+def test_the_python_argument_block_matches_the_kernels_struct_field_for_field():
+    c = c_fields()
+    python = KernelArgs._fields_
+    assert [n for n, _ in python] == ["inp" if n == "in" else n for n, *_ in c]
+    for (name, ctype), (_, c_type, pointer, array) in zip(python, c):
+        if array:                                     # MAX_RANKS pointers
+            assert ctype._length_ == MAX_RANKS and ctypes.sizeof(ctype) == 8 * MAX_RANKS, name
+        elif pointer:
+            assert ctype is ctypes.c_uint64, name
+        else:
+            assert ctype is _C_TYPES[c_type], name
+
+
+@pytest.mark.parametrize("nranks", [1, 2, 3, 4, 8])
+def test_the_layout_gives_each_rank_a_slot_per_peer_and_flags_for_every_tile(nranks):
+    lay = Layout(nranks)
+    assert lay.half_bytes == 2 * nranks * lay.slot_bytes          # send and gather slots
+    assert lay.slot_bytes % TILE_BYTES == 0 and lay.max_tiles == lay.slot_bytes // TILE_BYTES
+    assert TILE_BYTES <= lay.tile_bytes <= lay.slot_bytes and lay.tile_bytes % TILE_BYTES == 0
+    assert lay.p2p_offset == 2 * lay.half_bytes
+    assert lay.data_bytes == lay.p2p_offset + nranks * lay.slots * lay.chunk_bytes
+    assert lay.slots >= 2 and lay.sig_bytes % 8 == 0
+
+
+def test_buffer_sizes_follow_the_environment(monkeypatch):
+    monkeypatch.setenv("ANYCCL_IPC_HALF_MB", "2")
+    monkeypatch.setenv("ANYCCL_IPC_RING_MB", "4")
+    monkeypatch.setenv("ANYCCL_IPC_TILE_KB", "128")
+    lay = Layout(2)
+    assert (lay.slot_bytes, lay.slots, lay.tile_bytes) == (512 << 10, 4, 128 << 10)
+
+
+def test_routing_depends_only_on_policy_op_and_size():
+    for op in AUTO_IPC_RANGES:
+        assert routes_to_ipc("ipc", op, 0) and routes_to_ipc("ipc", op, 1 << 40)
+    assert routes_to_ipc("auto", "all_reduce", 8) and routes_to_ipc("auto", "all_reduce", 1 << 30)
+    assert routes_to_ipc("auto", "broadcast", 8 << 20) and \
+        not routes_to_ipc("auto", "broadcast", 16 << 20)
+    assert not routes_to_ipc("auto", "reduce_scatter", 8 << 20) and \
+        routes_to_ipc("auto", "reduce_scatter", 32 << 20)
+    assert not routes_to_ipc("auto", "send", 1 << 20) and routes_to_ipc("auto", "recv", 1 << 30)
+    assert not routes_to_ipc("auto", "gather", 1 << 20)       # the kernels have no gather
+
+
+def test_compiled_kernels_are_cached_under_anyccl_cache_dir(monkeypatch, tmp_path):
+    monkeypatch.setenv("ANYCCL_CACHE_DIR", str(tmp_path))
+    assert compiler.cache_dir() == tmp_path / "kernels"
