@@ -42,7 +42,7 @@ def expected(op):
     if op == "gather":
         return everyone if r == root else [np.zeros_like(image(r))]
     if op == "scatter":
-        return [image(r, salt=1)]
+        return [image(root, salt=r + 1)]
     if op == "reduce_scatter":
         return [sum(image(j, salt=r) for j in range(n))]
     if op == "all_to_all":

@@ -8,7 +8,7 @@ import pytest
 from harness import run_ranks
 
 from anyccl import ReduceOp
-from anyccl.tools.viz import OPS, image, run_collective
+from anyccl.tools.viz import OPS, image, run_collective, trace_moves
 
 
 def states(comm, op, redop_name):
@@ -32,10 +32,29 @@ def test_viz_states_are_the_collectives_real_results(op):
         elif op == "all_gather" or (op == "gather" and r == root):
             assert all(np.array_equal(a, e) for a, e in zip(after, everyone))
         elif op == "scatter":
-            assert np.array_equal(after[0], image(r, salt=1))
+            assert np.array_equal(after[0], image(root, salt=r + 1))
         elif op == "reduce_scatter":
             assert np.array_equal(after[0], np.maximum.reduce([image(j, salt=r)
                                                                for j in range(n)]))
         elif op == "all_to_all":
             assert all(np.array_equal(after[j], image(j, salt=r)) for j in range(n))
         assert before  # what was drawn on the left is what the rank started with
+
+
+def moves(comm, op):
+    return trace_moves(comm, op, root=1)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_viz_arrows_are_the_moves_the_collective_really_made(op):
+    n, root = 3, 1
+    everyone = {(q, r) for q in range(n) for r in range(n) if q != r}
+    expected = {
+        "reduce": {(q, root) for q in range(n) if q != root},
+        "gather": {(q, root) for q in range(n) if q != root},
+        "broadcast": {(root, r) for r in range(n) if r != root},
+        "scatter": {(root, r) for r in range(n) if r != root},
+    }.get(op, everyone)
+    found = run_ranks(moves, n, op)
+    assert all(f == found[0] for f in found)
+    assert set(map(tuple, found[0])) == expected

@@ -5,8 +5,10 @@
 Every rank starts with a small image of its own (a disk or a square, placed and shaded by rank);
 the collective runs on those arrays through anyccl, on N real ranks; rank 0 gathers what each
 rank held before and after and draws one row per rank, before on the left, after on the right,
-with the arrays a rank sends or receives in pieces drawn side by side. `--gif` also writes an
-animation that alternates the two states. Nothing is drawn from a script of what should happen.
+with the arrays a rank sends or receives in pieces drawn side by side, and an arrow for every
+rank-to-rank movement of data (found by running the collective once more on markers worth
+2**rank: the bits of each result name the ranks it came from). `--gif` also writes an animation
+that alternates the two states. Nothing is drawn from a script of what should happen.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -36,10 +38,12 @@ def image(rank: int, salt: int = 0) -> np.ndarray:
 
 
 def run_collective(comm: Any, op: str, redop: ReduceOp = ReduceOp.SUM,
-                   root: int = 0, device: str = "cpu") -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """Run `op` on this rank's images, held in host memory (device="cpu") or as CuPy arrays on
-    this rank's GPU (device="cuda"); return (before, after) as lists of host images (one, or
-    one per rank for the arrays that hold a piece per rank)."""
+                   root: int = 0, device: str = "cpu",
+                   picture: Callable[..., np.ndarray] = image
+                   ) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Run `op` on this rank's images (made by `picture(rank, salt)`), held in host memory
+    (device="cpu") or as CuPy arrays on this rank's GPU (device="cuda"); return (before, after)
+    as lists of host images (one, or one per rank for the arrays that hold a piece per rank)."""
     r, n = comm.rank, comm.size
     if device == "cuda":
         import cupy
@@ -54,7 +58,7 @@ def run_collective(comm: Any, op: str, redop: ReduceOp = ReduceOp.SUM,
         return put(np.zeros((SIDE, SIDE), np.float32))
 
     if op in ("all_reduce", "reduce", "broadcast"):
-        before = [image(r)]
+        before = [picture(r)]
         x = put(before[0].copy())
         if op == "all_reduce":
             comm.all_reduce(x, redop)
@@ -64,30 +68,50 @@ def run_collective(comm: Any, op: str, redop: ReduceOp = ReduceOp.SUM,
             comm.broadcast(x, root)
         return before, [get(x)]
     if op in ("all_gather", "gather"):
-        x = put(image(r))
+        x = put(picture(r))
         outs = [blank() for _ in range(n)]
         if op == "all_gather":
             comm.all_gather(outs, x)
-            return [image(r)], [get(o) for o in outs]
+            return [picture(r)], [get(o) for o in outs]
         comm.gather(x, outs if r == root else None, root)
-        return [image(r)], [get(o) for o in outs] if r == root else [np.zeros_like(image(r))]
+        return [picture(r)], [get(o) for o in outs] if r == root else [np.zeros_like(picture(r))]
     if op == "scatter":
-        chunks = [image(j, salt=1) for j in range(n)] if r == root else None
+        chunks = [picture(r, salt=j + 1) for j in range(n)] if r == root else None
         out = blank()
         before = [c.copy() for c in chunks] if chunks else [np.zeros((SIDE, SIDE), np.float32)]
         comm.scatter(out, [put(c) for c in chunks] if chunks else None, root)
         return before, [get(out)]
     if op == "reduce_scatter":
-        pieces = [image(r, salt=j) for j in range(n)]
+        pieces = [picture(r, salt=j) for j in range(n)]
         out = blank()
         comm.reduce_scatter(out, [put(p) for p in pieces], redop)
         return pieces, [get(out)]
     if op == "all_to_all":
-        pieces = [image(r, salt=j) for j in range(n)]
+        pieces = [picture(r, salt=j) for j in range(n)]
         outs = [blank() for _ in range(n)]
         comm.all_to_all(outs, [put(p) for p in pieces])
         return pieces, [get(o) for o in outs]
     raise ValueError(f"unknown collective {op!r}; expected one of {', '.join(OPS)}")
+
+
+def marker(rank: int, salt: int = 0) -> np.ndarray:
+    """A uniform picture worth 2**rank: sums of markers name every rank that contributed."""
+    return np.full((SIDE, SIDE), 2.0 ** rank, np.float32)
+
+
+def trace_moves(comm: Any, op: str, root: int = 0) -> list[tuple[int, int]]:
+    """(from rank, to rank) for every piece of data `op` moves between two ranks, found by
+    running it (summing, for reductions) on markers worth 2**rank and reading which ranks' bits
+    each result holds. Collective; the same list on every rank."""
+    if comm.size > 23:  # float32 holds the sum of 24 distinct powers of two exactly
+        return []
+    _, after = run_collective(comm, op, ReduceOp.SUM, root, picture=marker)
+    sources = set()
+    for piece in after:
+        bits = int(round(float(piece.flat[0])))
+        sources |= {q for q in range(comm.size) if bits >> q & 1 and q != comm.rank}
+    found = comm.all_gather_object(sorted(sources))
+    return [(q, r) for r, qs in enumerate(found) for q in qs]
 
 
 def describe(op: str, redop: ReduceOp, root: int) -> str:
@@ -105,8 +129,9 @@ def describe(op: str, redop: ReduceOp, root: int) -> str:
 
 
 def draw(states: list[tuple[list[np.ndarray], list[np.ndarray]]], op: str, title: str,
-         path: str, gif: bool = False) -> list[str]:
-    """One row per rank: before | after. Writes `path` (PNG) and, with gif, path.gif."""
+         path: str, gif: bool = False, moves: list[tuple[int, int]] = ()) -> list[str]:
+    """One row per rank: before | after, with an arrow from rank q's before to rank r's after
+    for each (q, r) in `moves`. Writes `path` (PNG) and, with gif, path.gif."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -137,6 +162,15 @@ def draw(states: list[tuple[list[np.ndarray], list[np.ndarray]]], op: str, title
                 ax.set_ylabel(f"rank {r}")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
+    fig.subplots_adjust(wspace=0.5)
+    from matplotlib.patches import ConnectionPatch
+
+    colors = plt.get_cmap("tab10")
+    for q, r in moves:  # data leaving rank q (its colour) for rank r
+        fig.add_artist(ConnectionPatch(
+            xyA=(1.02, 0.5), coordsA=axes[q][0].transAxes, xyB=(-0.02, 0.5),
+            coordsB=axes[r][1].transAxes, arrowstyle="-|>", color=colors(q % 10), lw=1.2,
+            alpha=0.8))
     fig.savefig(path, dpi=80)
     written = [path]
     if gif:
@@ -198,9 +232,11 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(ns.out, exist_ok=True)
     for op in ops:
         states = comm.all_gather_object(run_collective(comm, op, redop, ns.root))
+        moves = trace_moves(comm, op, ns.root)
         if comm.rank == 0:
             title = f"{op} on {comm.size} ranks: {describe(op, redop, ns.root)}"
-            for path in draw(states, op, title, os.path.join(ns.out, f"{op}.png"), ns.gif):
+            for path in draw(states, op, title, os.path.join(ns.out, f"{op}.png"), ns.gif,
+                             moves):
                 print(f"wrote {path}", flush=True)
     comm.close()
     return 0
