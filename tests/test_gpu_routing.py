@@ -88,12 +88,14 @@ def test_host_calls_refuse_stream_and_batches_work_for_host_messages():
 
 
 @pytest.mark.skipif(gpu.device_count() > 0, reason="this machine has a GPU")
-def test_asking_for_nccl_without_a_gpu_says_so():
-    source = ("import anyccl\ntry:\n    anyccl.init(backend='nccl')\n"
+@pytest.mark.parametrize("backend", ["nccl", "ipc", "auto"])
+def test_asking_for_a_gpu_backend_without_a_gpu_says_so(backend):
+    source = (f"import anyccl\ntry:\n    anyccl.init(backend={backend!r})\n"
               "except anyccl.AnycclError as e:\n    print(type(e).__name__, e)\n")
     out = subprocess.run([sys.executable, "-c", source], capture_output=True, text=True,
                          timeout=60).stdout
-    assert "UnsupportedError" in out and "no CUDA device" in out
+    assert "UnsupportedError" in out and "a GPU backend was asked for" in out, out
+    assert "no CUDA device is visible" in out
 
 
 def test_anyccl_info_lists_backends_and_gpus():

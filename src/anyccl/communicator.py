@@ -227,7 +227,10 @@ class Communicator:
         if self._device is None:
             count = gpu.device_count()
             if count == 0:
-                raise self._fail(op, "GPU arrays were passed but no CUDA device is visible",
+                what = ("a GPU backend was asked for" if op == "init" else
+                        "GPU arrays were passed")
+                raise self._fail(op, f"{what}, but no CUDA device is visible "
+                                     f"(CUDA_VISIBLE_DEVICES={gpu.visible_devices()})",
                                  UnsupportedError)
             self._device = self.local_rank % count
         return self._device

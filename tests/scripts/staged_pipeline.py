@@ -15,7 +15,7 @@ from anyccl import gpu
 
 os.environ["ANYCCL_MPI_STAGING_CHUNK"] = "4096"  # many chunks, so the ring of slots turns
 gpu.device_count = lambda: 1
-gpu.set_device = lambda d: None
+gpu.set_device = gpu.use_device = lambda d: None
 gpu.new_stream = lambda d: 11
 gpu.new_event = lambda d: 22
 gpu.destroy_event = gpu.destroy_stream = lambda x: None

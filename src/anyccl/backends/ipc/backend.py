@@ -102,13 +102,19 @@ class IpcBackend:
     @classmethod
     def create(cls, store: Store, key: str, rank: int, size: int, device: int, label: str,
                timeout_s: float, lost_peer: Callable[[], tuple[int, str] | None],
-               policy: str = "ipc") -> IpcBackend:
+               policy: str = "ipc") -> IpcBackend | NcclBackend:
         """Collective over the `size` ranks of one node: the NCCL communicator, then the peer
-        memory (exchanged through `store` under `key`), then the kernels."""
+        memory (exchanged through `store` under `key`), then the kernels. With policy "auto",
+        ranks that cannot share memory (several nodes, over 8 ranks) get NCCL alone."""
         nccl = NcclBackend.create(store, f"{key}/nccl", rank, size, device, label, timeout_s,
                                   lost_peer)
         try:
             memory = PeerMemory(store, f"{key}/ipc", rank, size, device, timeout_s)
+        except UnsupportedError:  # every rank sees the same reason
+            if policy == "auto":
+                return nccl
+            nccl.close()
+            raise
         except BaseException:
             nccl.close()
             raise
