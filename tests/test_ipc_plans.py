@@ -1,0 +1,160 @@
+"""What the ipc backend queues for each operation, checked without a GPU: the kernel launches
+(recorded instead of made) cover every element exactly once, in rounds no larger than the
+buffers, with tiles and blocks the kernels can flag; what the kernels do not serve goes to NCCL;
+batched messages fork to side streams and join back. The kernels themselves are tested on GPUs
+(tests/test_gpu_ipc.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from anyccl import ReduceOp, gpu
+from anyccl.backends.ipc import backend as ipc
+from anyccl.backends.ipc.memory import TILE_BYTES, KernelArgs, Layout
+from anyccl.buffers import BFLOAT16, GpuArray
+
+
+class FakeNccl:
+    """Stands for the NCCL side: each op returns a tag naming itself."""
+
+    def __getattr__(self, op):
+        return lambda *args, **kwargs: ("nccl", op)
+
+    def group(self, calls):
+        return lambda stream: [call(stream) for call in calls]
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Every kernel launch as (kernel, blocks, stream, copy of the argument fields)."""
+    seen = []
+    names = {}
+
+    def launch(function, blocks, threads, stream, params):
+        args = backend_under_test[0]._args
+        fields = {name: getattr(args, name) for name, _ in KernelArgs._fields_}
+        fields["ins"], fields["outs"] = list(args.ins), list(args.outs)
+        seen.append((names[function], blocks, stream, fields))
+        assert threads == ipc.THREADS
+
+    monkeypatch.setattr(gpu, "launch", launch)
+    events = []
+    monkeypatch.setattr(gpu, "record", lambda e, s: events.append(("record", e, s)))
+    monkeypatch.setattr(gpu, "stream_wait", lambda s, e: events.append(("wait", s, e)))
+    counter = iter(range(100, 1000))
+    monkeypatch.setattr(gpu, "new_stream", lambda d: next(counter))
+    monkeypatch.setattr(gpu, "new_event", lambda d: next(counter))
+    backend_under_test.clear()
+    return seen, names, events
+
+
+backend_under_test: list = []
+
+
+def make_backend(names, size=2, rank=0, policy="ipc", half_mb=2):
+    import os
+
+    os.environ["ANYCCL_IPC_HALF_MB"] = str(half_mb)
+    try:
+        layout = Layout(size)
+    finally:
+        del os.environ["ANYCCL_IPC_HALF_MB"]
+    b = ipc.IpcBackend.__new__(ipc.IpcBackend)
+    b.nccl, b.policy, b.rank, b.size, b.device = FakeNccl(), policy, rank, size, 0
+    b.layout, b._args = layout, KernelArgs()
+    b._params_address, b._side, b._fork = 0, [], 1
+    b.max_blocks, b.ll_bytes, b.one_shot_bytes = 128, min(16 << 10, layout.slot_bytes // 2), \
+        256 << 10
+    kernels = ["all_gather", "broadcast", "barrier", "send", "recv"] + [
+        f"{k}_{d}_{o}" for k in ("all_reduce_0", "all_reduce_1", "all_reduce_2", "reduce_scatter")
+        for d in ("float32", "float16", "bfloat16") for o in ("sum", "min", "max")]
+    b._kernels = {name: i for i, name in enumerate(kernels)}
+    names.update({i: name for name, i in b._kernels.items()})
+    backend_under_test.append(b)
+    return b
+
+
+def arr(ptr, count, dtype=np.float32):
+    return GpuArray(ptr, count, np.dtype(dtype), 0, 0, "test", None)
+
+
+@pytest.mark.parametrize("count", [1, 4096, 4097, 65536, 131072 + 7, 524288, 2_000_003])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, BFLOAT16])
+def test_all_reduce_rounds_cover_every_element_once_within_the_buffers(launches, count, dtype):
+    seen, names, _ = launches
+    b = make_backend(names)
+    x = arr(1 << 20, count, dtype)
+    b.all_reduce(x, ReduceOp.AVG)(7)
+    size, slot = x.dtype.itemsize, b.layout.slot_bytes
+    covered = 0
+    for kernel, blocks, stream, a in seen:
+        assert stream == 7 and a["scale"] == 0.5 and 1 <= blocks <= b.max_blocks
+        assert a["inp"] == a["out"] == x.ptr + covered * size      # rounds in order, no gap
+        nbytes = a["count"] * size
+        if kernel.startswith("all_reduce_0"):                       # data+flag words
+            assert len(seen) == 1 and 2 * nbytes <= slot and nbytes <= b.ll_bytes
+        elif kernel.startswith("all_reduce_1"):                     # one shot: all in a slot
+            assert nbytes <= min(slot, b.one_shot_bytes)
+        else:                                                       # two shots: a segment
+            assert kernel.startswith("all_reduce_2")
+            assert -(-a["count"] // 2) * size <= slot
+        if not kernel.startswith("all_reduce_0"):
+            tile = a["tile_bytes"]
+            assert TILE_BYTES <= tile <= b.layout.tile_bytes and tile % TILE_BYTES == 0
+            per_block = nbytes if kernel.startswith("all_reduce_1") else \
+                -(-a["count"] // 2) * size
+            assert -(-per_block // tile) <= b.layout.max_tiles       # every tile has a flag
+        covered += a["count"]
+    assert covered == count
+
+
+def test_reduce_scatter_and_all_gather_address_every_piece_in_each_round(launches):
+    seen, names, _ = launches
+    b = make_backend(names)
+    per = (b.layout.slot_bytes // 4) * 2 + 5                       # three rounds
+    pieces = [arr((1 << 30) + q * (1 << 28), per) for q in range(2)]
+    out = arr(1 << 40, per)
+    b.reduce_scatter(out, pieces, ReduceOp.SUM)(0)
+    starts = [0]
+    for kernel, _, _, a in seen:
+        assert kernel == "reduce_scatter_float32_sum"
+        assert a["ins"][:2] == [p.ptr + starts[-1] * 4 for p in pieces]
+        assert a["out"] == out.ptr + starts[-1] * 4 and a["count"] * 4 <= b.layout.slot_bytes
+        starts.append(starts[-1] + a["count"])
+    assert len(seen) == 3 and starts[-1] == per
+    seen.clear()
+    outs = [arr((1 << 32) + q * (1 << 28), per) for q in range(2)]
+    b.all_gather(outs, arr(1 << 36, per))(0)
+    done = 0
+    for kernel, _, _, a in seen:
+        assert kernel == "all_gather" and a["outs"][:2] == [o.ptr + done for o in outs]
+        done += a["count"]
+    assert done == per * 4                                           # bytes
+
+
+def test_what_the_kernels_do_not_serve_goes_to_nccl(launches):
+    _, names, _ = launches
+    b = make_backend(names)
+    assert b.all_reduce(arr(4096, 10, np.int32), ReduceOp.SUM) == ("nccl", "all_reduce")
+    assert b.all_reduce(arr(4096, 10), ReduceOp.PROD) == ("nccl", "all_reduce")
+    assert b.reduce(arr(4096, 10), 0, ReduceOp.SUM) == ("nccl", "reduce")
+    assert b.all_to_all([arr(0, 1)] * 2, [arr(8, 1)] * 2) == ("nccl", "all_to_all")
+    auto = make_backend(names, policy="auto")
+    assert auto.broadcast(arr(4096, 16 << 18), 0) == ("nccl", "broadcast")   # 16 MiB
+    assert callable(auto.broadcast(arr(4096, 1 << 10), 0))                  # 4 KiB: kernels
+
+
+def test_batched_messages_fork_to_a_side_stream_per_channel_and_join_back(launches):
+    seen, names, events = launches
+    b = make_backend(names)
+    x = arr(4096, 1 << 20)
+    calls = [b.send(x, 1, tag=5), b.recv(x, 1, tag=5), b.send(x, 1, tag=6)]
+    b.group(calls)(42)
+    sides = [s for s, _ in b._side]
+    assert len(sides) == 2                                           # (send, 1) and (recv, 1)
+    assert events[0] == ("record", b._fork, 42)
+    assert [stream for _, _, stream, _ in seen] == [sides[0], sides[1], sides[0]]
+    assert [a["tag"] for *_, a in seen] == [5, 5, 6]
+    joins = [e for e in events if e[0] == "wait" and e[1] == 42]
+    assert len(joins) == 2                                           # the stream waits for both
