@@ -1,0 +1,78 @@
+"""anyccl's own Python time for one GPU collective call, measured on any machine: the CUDA and
+NCCL calls are stubbed out (each costs nothing here), so what remains is the argument checks,
+the array adapter, the routing, the op record and the queueing -- the part of an eager call's
+host time that is anyccl's code. `benchmarks/gpu_overhead.py` measures the whole on a GPU.
+
+    python benchmarks/host_path.py [--calls 20000] [--profile]
+"""
+
+import argparse
+import cProfile
+import pstats
+import time
+
+import numpy as np
+
+import anyccl
+from anyccl import gpu
+from anyccl.backends import nccl as nccl_module
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--calls", type=int, default=20000)
+parser.add_argument("--profile", action="store_true")
+args = parser.parse_args()
+
+for name in ("record", "stream_wait"):
+    setattr(gpu, name, lambda *a: None)
+gpu.is_capturing = lambda stream: False
+gpu.use_device = gpu.set_device = lambda device: None
+gpu.device_count = lambda: 1
+gpu.device_of_pointer = lambda ptr: 0
+gpu.event_done = lambda event: True
+
+
+class Bindings:
+    """nccl4py's bindings, doing nothing."""
+
+    class NCCLError(Exception):
+        pass
+
+    @staticmethod
+    def all_reduce(*args):
+        return None
+
+
+class DeviceArray:
+    """A GPU array as the CUDA array interface describes one (never dereferenced here)."""
+
+    def __init__(self, count):
+        self.__cuda_array_interface__ = {"shape": (count,), "typestr": "<f4", "version": 3,
+                                         "data": (1 << 32, False), "strides": None,
+                                         "stream": 7}
+
+
+backend = nccl_module.NcclBackend.__new__(nccl_module.NcclBackend)
+backend.__dict__.update(dict(
+    _b=Bindings, _comm=0, rank=0, size=1, device=0, _label="rank 0", _lost_peer=lambda: None,
+    stream=5, _start=1, _events=list(range(10, 10 + nccl_module._EVENT_RING)), _next_event=0,
+    _last_stream=None, _last_event=0, _lock=__import__("threading").Lock(),
+    _wake=__import__("threading").Event(), _queued=__import__("collections").deque(),
+    _watchdog=None, _closing=False, failure=None, _reported=False, timeout_s=60.0,
+    _more_health=[], _more_aborts=[]))
+backend._watch = lambda item: None  # no thread: this measures the caller's side only
+
+comm = anyccl.init("shm")
+comm._device, comm._gpu = 0, backend
+x = DeviceArray(2)
+comm.all_reduce(x)
+started = time.perf_counter()
+for _ in range(args.calls):
+    comm.all_reduce(x)
+took = (time.perf_counter() - started) / args.calls
+print(f"anyccl.all_reduce on a GPU array, CUDA and NCCL stubbed: {took * 1e6:.2f} us of Python "
+      f"per call ({args.calls} calls, {np.__name__} {np.__version__})")
+if args.profile:
+    cProfile.run("for _ in range(5000): comm.all_reduce(x)", "/tmp/host_path.prof")
+    pstats.Stats("/tmp/host_path.prof").sort_stats("tottime").print_stats(16)
+comm._gpu = None
+comm.close()
