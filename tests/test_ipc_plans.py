@@ -67,7 +67,7 @@ def make_backend(names, size=2, rank=0, policy="ipc", half_mb=2):
     b.max_blocks, b.ll_bytes, b.one_shot_bytes = 128, min(16 << 10, layout.slot_bytes // 2), \
         256 << 10
     kernels = ["all_gather", "broadcast", "barrier", "send", "recv"] + [
-        f"{k}_{d}_{o}" for k in ("all_reduce_0", "all_reduce_1", "all_reduce_2", "reduce_scatter")
+        f"{k}_{d}_{o}" for k in ("all_reduce_0", "all_reduce_2", "reduce_scatter")
         for d in ("float32", "float16", "bfloat16") for o in ("sum", "min", "max")]
     b._kernels = {name: i for i, name in enumerate(kernels)}
     names.update({i: name for name, i in b._kernels.items()})
@@ -94,15 +94,16 @@ def test_all_reduce_rounds_cover_every_element_once_within_the_buffers(launches,
         nbytes = a["count"] * size
         if kernel.startswith("all_reduce_0"):                       # data+flag words
             assert len(seen) == 1 and 2 * nbytes <= slot and nbytes <= b.ll_bytes
-        elif kernel.startswith("all_reduce_1"):                     # one shot: all in a slot
+        elif kernel.startswith("reduce_scatter"):                   # one shot: all in a slot
             assert nbytes <= min(slot, b.one_shot_bytes)
+            assert a["ins"][:2] == [a["inp"]] * 2                   # every piece: the array
         else:                                                       # two shots: a segment
             assert kernel.startswith("all_reduce_2")
             assert -(-a["count"] // 2) * size <= slot
         if not kernel.startswith("all_reduce_0"):
             tile = a["tile_bytes"]
             assert TILE_BYTES <= tile <= b.layout.tile_bytes and tile % TILE_BYTES == 0
-            per_block = nbytes if kernel.startswith("all_reduce_1") else \
+            per_block = nbytes if kernel.startswith("reduce_scatter") else \
                 -(-a["count"] // 2) * size
             assert -(-per_block // tile) <= b.layout.max_tiles       # every tile has a flag
         covered += a["count"]

@@ -187,7 +187,8 @@ class IpcBackend:
         scale = 1.0 / n if op is ReduceOp.AVG else 1.0
         slot = self.layout.slot_bytes // size      # elements one rank may push per kernel
         one_shot = min(slot, self.one_shot_bytes // size)
-        one, two = f"all_reduce_1_{dtype}_{kind}", f"all_reduce_2_{dtype}_{kind}"
+        # one shot: reduce_scatter's kernel with every rank's piece the whole array
+        one, two = f"reduce_scatter_{dtype}_{kind}", f"all_reduce_2_{dtype}_{kind}"
         total = x.size
         if x.nbytes <= self.ll_bytes:   # small: one kernel of data+flag words
             words, ll = -(-x.nbytes // 4), f"all_reduce_0_{dtype}_{kind}"
@@ -210,6 +211,9 @@ class IpcBackend:
                     kernel, per_block = two, -(-count // n) * size
                 a.inp = a.out = ptr + start * size
                 a.count = count
+                if kernel is one:
+                    for q in range(n):
+                        a.ins[q] = a.inp
                 self._launch(kernel, self._blocks(per_block), stream)
                 start += count
         return enqueue

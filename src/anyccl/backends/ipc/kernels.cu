@@ -285,35 +285,6 @@ __device__ void leave(const Args& a, u64 epoch) {
     block_finish(&my[SIG_DONE], &my[SIG_EPOCH], epoch);
 }
 
-// ---- all_reduce, one shot: every rank pushes its whole array to every peer, then reduces -----
-template <typename T, int OP>
-__device__ void all_reduce_one_shot(const Args& a) {
-    const u64 epoch = enter(a);
-    const int r = a.rank, n = a.nranks;
-    const u64 E = Elem<T>::SIZE, tile = a.tile_bytes / E, tiles = ceil_div(a.count, tile);
-    for (int i = 1; i < n; ++i) {
-        const int q = (r + i) % n;
-        if (!may_write(a, q, epoch)) return;
-        for (u64 t = blockIdx.x; t < tiles; t += gridDim.x) {
-            const u64 e0 = t * tile, e1 = umin(e0 + tile, a.count);
-            block_copy(slot(a, q, epoch, r) + e0 * E, a.in + e0 * E, (e1 - e0) * E, false);
-            block_signal(flag_a(a, a.sig[q], t, r), epoch);
-        }
-    }
-    u64* my = a.sig[r];
-    for (u64 t = blockIdx.x; t < tiles; t += gridDim.x) {
-        const u64 e0 = t * tile, e1 = umin(e0 + tile, a.count);
-        for (int q = 0; q < n; ++q)
-            if (q != r && !block_wait(a, flag_a(a, my, t, q), epoch)) return;
-        const char* src[MAX_RANKS];
-        for (int q = 0; q < n; ++q)  // in rank order: every rank adds in the same order
-            src[q] = q == r ? a.in + e0 * E : slot(a, r, epoch, q) + e0 * E;
-        char* dst[1] = {a.out + e0 * E};
-        block_reduce<T, OP>(src, n, dst, 1, e1 - e0, a.scale);
-    }
-    leave(a, epoch);
-}
-
 // ---- all_reduce, small: data and flag travel together ('LL', as NCCL's low-latency protocol) -
 // Each 4-byte word of the input goes to every peer as one 8-byte store (word, epoch): the peer
 // polls each word until it carries this epoch, so no fence and no separate flag is needed.
@@ -439,6 +410,8 @@ __device__ void all_reduce_two_shot(const Args& a) {
 }
 
 // ---- reduce_scatter: input piece ins[q] goes to rank q, which reduces what it got -----------
+// (with every ins[q] the whole array, this is the one-shot all_reduce: each rank pushes its
+// array to every peer and reduces all of it)
 template <typename T, int OP>
 __device__ void reduce_scatter(const Args& a) {
     const u64 epoch = enter(a);
@@ -613,9 +586,6 @@ extern "C" __global__ void __launch_bounds__(THREADS) recv(Args a) {
 #define TYPED(T, TN, OP, ON)                                                                     \
     extern "C" __global__ void __launch_bounds__(THREADS) all_reduce_0_##TN##_##ON(Args a) {     \
         all_reduce_ll<T, OP>(a);                                                                 \
-    }                                                                                            \
-    extern "C" __global__ void __launch_bounds__(THREADS) all_reduce_1_##TN##_##ON(Args a) {     \
-        all_reduce_one_shot<T, OP>(a);                                                           \
     }                                                                                            \
     extern "C" __global__ void __launch_bounds__(THREADS) all_reduce_2_##TN##_##ON(Args a) {     \
         all_reduce_two_shot<T, OP>(a);                                                           \
