@@ -285,6 +285,37 @@ __device__ void leave(const Args& a, u64 epoch) {
     block_finish(&my[SIG_DONE], &my[SIG_EPOCH], epoch);
 }
 
+// ---- tiles pushed to a peer, copied locally, and taken from where peers pushed them ---------
+// Push `nbytes` of `src` into rank q's slot `from` for `epoch`, raising flag A of each tile.
+__device__ void push_tiles(const Args& a, int q, u64 epoch, int from, const char* src,
+                           u64 nbytes) {
+    const u64 tiles = ceil_div(nbytes, a.tile_bytes);
+    for (u64 t = blockIdx.x; t < tiles; t += gridDim.x) {
+        const u64 b0 = t * a.tile_bytes, b1 = umin(b0 + a.tile_bytes, nbytes);
+        block_copy(slot(a, q, epoch, from) + b0, src + b0, b1 - b0, false);
+        block_signal(flag_a(a, a.sig[q], t, from), epoch);
+    }
+}
+// This block's tiles of `nbytes`, from `src` to `dst` (both local).
+__device__ void copy_tiles(const Args& a, char* dst, const char* src, u64 nbytes) {
+    const u64 tiles = ceil_div(nbytes, a.tile_bytes);
+    for (u64 t = blockIdx.x; t < tiles; t += gridDim.x) {
+        const u64 b0 = t * a.tile_bytes, b1 = umin(b0 + a.tile_bytes, nbytes);
+        block_copy(dst + b0, src + b0, b1 - b0, false);
+    }
+}
+// Wait for each tile rank `from` pushed into this rank's slot `from`, and copy it to `dst`;
+// false if the host aborted.
+__device__ bool take_tiles(const Args& a, u64 epoch, int from, char* dst, u64 nbytes) {
+    const u64 tiles = ceil_div(nbytes, a.tile_bytes);
+    for (u64 t = blockIdx.x; t < tiles; t += gridDim.x) {
+        const u64 b0 = t * a.tile_bytes, b1 = umin(b0 + a.tile_bytes, nbytes);
+        if (!block_wait(a, flag_a(a, a.sig[a.rank], t, from), epoch)) return false;
+        block_copy(dst + b0, slot(a, a.rank, epoch, from) + b0, b1 - b0, true);
+    }
+    return true;
+}
+
 // ---- all_reduce, small: data and flag travel together ('LL', as NCCL's low-latency protocol) -
 // Each 4-byte word of the input goes to every peer as one 8-byte store (word, epoch): the peer
 // polls each word until it carries this epoch, so no fence and no separate flag is needed.
@@ -420,11 +451,7 @@ __device__ void reduce_scatter(const Args& a) {
     for (int i = 1; i < n; ++i) {
         const int q = (r + i) % n;
         if (!may_write(a, q, epoch)) return;
-        for (u64 t = blockIdx.x; t < tiles; t += gridDim.x) {
-            const u64 e0 = t * tile, e1 = umin(e0 + tile, a.count);
-            block_copy(slot(a, q, epoch, r) + e0 * E, a.ins[q] + e0 * E, (e1 - e0) * E, false);
-            block_signal(flag_a(a, a.sig[q], t, r), epoch);
-        }
+        push_tiles(a, q, epoch, r, a.ins[q], a.count * E);  // tiles of tile elements each
     }
     u64* my = a.sig[r];
     for (u64 t = blockIdx.x; t < tiles; t += gridDim.x) {
@@ -444,31 +471,14 @@ __device__ void reduce_scatter(const Args& a) {
 extern "C" __global__ void __launch_bounds__(THREADS) all_gather(Args a) {
     const u64 epoch = enter(a);
     const int r = a.rank, n = a.nranks;
-    const u64 tiles = ceil_div(a.count, a.tile_bytes);
     for (int i = 1; i < n; ++i) {
         const int q = (r + i) % n;
         if (!may_write(a, q, epoch)) return;
-        for (u64 t = blockIdx.x; t < tiles; t += gridDim.x) {
-            const u64 b0 = t * a.tile_bytes, b1 = umin(b0 + a.tile_bytes, a.count);
-            block_copy(slot(a, q, epoch, r) + b0, a.in + b0, b1 - b0, false);
-            block_signal(flag_a(a, a.sig[q], t, r), epoch);
-        }
+        push_tiles(a, q, epoch, r, a.in, a.count);
     }
-    char* mine = a.outs[r];
-    if (mine != a.in)
-        for (u64 t = blockIdx.x; t < tiles; t += gridDim.x) {
-            const u64 b0 = t * a.tile_bytes, b1 = umin(b0 + a.tile_bytes, a.count);
-            block_copy(mine + b0, a.in + b0, b1 - b0, false);
-        }
-    u64* my = a.sig[r];
-    for (int i = 1; i < n; ++i) {
-        const int q = (r + i) % n;
-        for (u64 t = blockIdx.x; t < tiles; t += gridDim.x) {
-            const u64 b0 = t * a.tile_bytes, b1 = umin(b0 + a.tile_bytes, a.count);
-            if (!block_wait(a, flag_a(a, my, t, q), epoch)) return;
-            block_copy(a.outs[q] + b0, slot(a, r, epoch, q) + b0, b1 - b0, true);
-        }
-    }
+    if (a.outs[r] != a.in) copy_tiles(a, a.outs[r], a.in, a.count);
+    for (int i = 1; i < n; ++i)
+        if (!take_tiles(a, epoch, (r + i) % n, a.outs[(r + i) % n], a.count)) return;
     leave(a, epoch);
 }
 
@@ -476,29 +486,15 @@ extern "C" __global__ void __launch_bounds__(THREADS) all_gather(Args a) {
 extern "C" __global__ void __launch_bounds__(THREADS) broadcast(Args a) {
     const u64 epoch = enter(a);
     const int r = a.rank, n = a.nranks, root = a.root;
-    const u64 tiles = ceil_div(a.count, a.tile_bytes);
     if (r == root) {
         for (int i = 1; i < n; ++i) {
             const int q = (r + i) % n;
             if (!may_write(a, q, epoch)) return;
-            for (u64 t = blockIdx.x; t < tiles; t += gridDim.x) {
-                const u64 b0 = t * a.tile_bytes, b1 = umin(b0 + a.tile_bytes, a.count);
-                block_copy(slot(a, q, epoch, root) + b0, a.in + b0, b1 - b0, false);
-                block_signal(flag_a(a, a.sig[q], t, root), epoch);
-            }
+            push_tiles(a, q, epoch, root, a.in, a.count);
         }
-        if (a.out != a.in)
-            for (u64 t = blockIdx.x; t < tiles; t += gridDim.x) {
-                const u64 b0 = t * a.tile_bytes, b1 = umin(b0 + a.tile_bytes, a.count);
-                block_copy(a.out + b0, a.in + b0, b1 - b0, false);
-            }
-    } else {
-        u64* my = a.sig[r];
-        for (u64 t = blockIdx.x; t < tiles; t += gridDim.x) {
-            const u64 b0 = t * a.tile_bytes, b1 = umin(b0 + a.tile_bytes, a.count);
-            if (!block_wait(a, flag_a(a, my, t, root), epoch)) return;
-            block_copy(a.out + b0, slot(a, r, epoch, root) + b0, b1 - b0, true);
-        }
+        if (a.out != a.in) copy_tiles(a, a.out, a.in, a.count);
+    } else if (!take_tiles(a, epoch, root, a.out, a.count)) {
+        return;
     }
     leave(a, epoch);
 }
