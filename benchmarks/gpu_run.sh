@@ -7,7 +7,9 @@
 # (overlap step times), examples (every example on the GPUs), small (8 B - 8 MiB all_reduce vs
 # torch), large (16 MiB - 1 GiB, four ops, vs torch), ipccheck (1000 random ipc ops vs float64),
 # sanitizer (compute-sanitizer on a small ipc run), ipcsmall / ipclarge (anyccl bench: ipc vs
-# anyccl-nccl vs torch), ipcp2p (one-way send/recv bandwidth).
+# anyccl-nccl vs torch), ipcp2p (one-way send/recv bandwidth), scale (five collectives, MIN to
+# MAX: anyccl auto beside anyccl ipc, anyccl nccl and torch, on every GPU).
+# N=k runs the multi-rank steps on k ranks (default: one per visible GPU).
 # Logs go to $OUT (or ./gpu-out). NVLink multicast stays off (shared machines).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -21,15 +23,15 @@ anyccl() { python3 -m anyccl "$@"; }
 { nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv
   nvidia-smi topo -m; anyccl info; python3 -c 'import torch; print("torch", torch.__version__, "nccl", torch.cuda.nccl.version())'
 } > "$OUT/info.txt" 2>&1
-n=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+n=${N:-$(python3 -c 'import torch; print(torch.cuda.device_count())')}
 step() { echo "=== $1 ($(date +%T))"; }
 for what in "$@"; do
   case $what in
   tests) step tests
-    timeout "${TESTS_TIMEOUT:-200}" python3 -m pytest -q -rfE --tb=short -m gpu tests/test_gpu.py \
+    timeout "${TESTS_TIMEOUT:-240}" python3 -m pytest -q -rfE --tb=short -m gpu tests/test_gpu.py \
         -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.txt" | tail -15 ;;
   staging) step staging
-    timeout 200 python3 -m pytest -q -rfE --tb=short -m gpu tests/test_gpu_staging.py \
+    timeout "${STAGING_TIMEOUT:-120}" python3 -m pytest -q -rfE --tb=short -m gpu tests/test_gpu_staging.py \
         -p no:cacheprovider 2>&1 | tee "$OUT/gpu-staging-tests.txt" | tail -15 ;;
   ipc) step ipc
     timeout "${IPC_TIMEOUT:-200}" python3 -m pytest -q -rfE --tb=short -m gpu tests/test_gpu_ipc.py \
@@ -42,8 +44,10 @@ for what in "$@"; do
     timeout 120 mpiexec -n "$n" python3 benchmarks/mpi_staging.py --mib 16 64 256 2>&1 \
         | tee "$OUT/mpi-staging.txt" | tail -12 ;;
   ddp) step ddp
-    timeout 150 python3 -m anyccl run -n "$n" benchmarks/ddp_overlap.py 2>&1 \
-        | tee "$OUT/ddp-overlap.txt" | tail -12 ;;
+    for b in ${DDP_BACKENDS:-nccl}; do
+      timeout 150 python3 -m anyccl run -n "$n" benchmarks/ddp_overlap.py --backend "$b" 2>&1 \
+          | tee "$OUT/ddp-overlap-$b-$n.txt" | tail -6
+    done ;;
   examples) step examples
     timeout 240 bash benchmarks/gpu_examples.sh "$n" 2>&1 | tee "$OUT/examples.txt" | tail -40 ;;
   small) step small
@@ -59,7 +63,7 @@ for what in "$@"; do
     timeout "${CHECK_TIMEOUT:-240}" python3 -m anyccl run -n "$n" benchmarks/ipc_check.py \
         --iters "${ITERS:-1000}" 2>&1 | tee "$OUT/ipc-check.txt" | tail -25 ;;
   sanitizer) step sanitizer
-    for tool in memcheck racecheck; do
+    for tool in ${TOOLS:-memcheck racecheck}; do
       ANYCCL_IPC_HALF_MB=2 ANYCCL_IPC_RING_MB=4 timeout 150 compute-sanitizer --tool $tool \
           --target-processes all --print-limit 20 python3 -m anyccl run -n "$n" \
           benchmarks/ipc_check.py --iters 25 --max-elems 200000 2>&1 \
@@ -79,6 +83,13 @@ for what in "$@"; do
   ipcp2p) step ipcp2p
     timeout 150 python3 -m anyccl run -n 2 benchmarks/ipc_p2p.py 2>&1 \
         | tee "$OUT/ipc-p2p.txt" | tail -12 ;;
+  scale) step scale
+    name="scale-$n-${MIN:-16}-${MAX:-1G}${GRAPH:+-graph}"
+    timeout "${BENCH_TIMEOUT:-500}" python3 -m anyccl bench -n "$n" --device cuda \
+        --backend auto --compare ipc,nccl,torch \
+        --op "${OPS:-all_reduce,all_gather,reduce_scatter,broadcast,all_to_all}" \
+        --min "${MIN:-16}" --max "${MAX:-1G}" --factor 4 ${GRAPH:+--graph} \
+        --json "$OUT/$name.json" 2>&1 | tee "$OUT/$name.txt" | grep -v '^ *[0-9]' | tail -80 ;;
   *) echo "unknown step $what"; exit 2 ;;
   esac
 done

@@ -1,7 +1,7 @@
-"""GPU arrays on the nccl backend: every collective x every dtype on 1 and 2 GPUs against NumPy,
-stream ordering, async Works, CuPy / JAX / DLPack arrays, host and GPU arrays on one
-communicator, batched point-to-point, sub-groups, and timeouts and dead peers that abort NCCL
-instead of hanging. Needs CUDA GPUs and nccl4py; skipped without a GPU."""
+"""GPU arrays on the nccl backend: every collective x every dtype on 1, 2, 4 and 8 GPUs (as many
+as are visible) against NumPy, stream ordering, async Works, CuPy / JAX / DLPack arrays, host and
+GPU arrays on one communicator, batched point-to-point, sub-groups, and timeouts and dead peers
+that abort NCCL instead of hanging. Needs CUDA GPUs and nccl4py; skipped without a GPU."""
 
 from __future__ import annotations
 
@@ -29,8 +29,10 @@ GPU_ENV = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", "NCCL_NVLS_ENABLE": "0",
 
 
 def world_sizes():
+    """1, 2, 4 and 8 ranks, one GPU each; a size needing more GPUs than visible is skipped."""
     return [pytest.param(n, marks=pytest.mark.skipif(gpu.device_count() < n,
-                                                     reason=f"needs {n} GPUs")) for n in (1, 2)]
+                                                     reason=f"needs {n} GPUs"))
+            for n in (1, 2, 4, 8)]
 
 
 def two_gpus():

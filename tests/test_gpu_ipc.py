@@ -1,9 +1,10 @@
-"""GPU arrays on the ipc backend (anyccl's kernels over CUDA IPC peer memory) on 1 and 2 GPUs:
-every op the kernels serve x float32/float16/bfloat16 x SUM/AVG/MIN/MAX against a float64
-reference, through the one-shot, two-shot and several-kernel paths (small buffers force them),
-unaligned views, tagged messages and batched rings larger than the message ring, what the
-kernels do not serve falling to NCCL, a CUDA graph replaying a captured all_reduce, and a
-deadline that stops spinning kernels. Needs CUDA GPUs, NVRTC and nccl4py; skipped without."""
+"""GPU arrays on the ipc backend (anyccl's kernels over CUDA IPC peer memory) on 1, 2, 4 and 8 GPUs
+(as many as are visible): every op the kernels serve x float32/float16/bfloat16 x
+SUM/AVG/MIN/MAX against a float64 reference, through the one-shot, two-shot and several-kernel
+paths (small buffers force them), unaligned views, tagged messages and batched rings larger than
+the message ring, what the kernels do not serve falling to NCCL, a CUDA graph replaying a
+captured all_reduce, and a deadline that stops spinning kernels. Needs CUDA GPUs, NVRTC and
+nccl4py; skipped without."""
 
 from __future__ import annotations
 
@@ -156,13 +157,13 @@ def test_an_ipc_kernel_past_its_deadline_is_stopped_and_the_next_call_names_it()
     assert waited < 6
 
 
-@two_gpus()
-def test_the_repeated_random_check_and_a_captured_cuda_graph_pass():
+@pytest.mark.parametrize("world", world_sizes()[1:])
+def test_the_repeated_random_check_and_a_captured_cuda_graph_pass(world):
     root = Path(__file__).resolve().parents[1]
     env = {k: v for k, v in IPC_ENV.items() if k != "ANYCCL_BACKEND"}
-    done = subprocess.run([sys.executable, "-m", "anyccl", "run", "-n", "2",
+    done = subprocess.run([sys.executable, "-m", "anyccl", "run", "-n", str(world),
                            str(root / "benchmarks" / "ipc_check.py"), "--iters", "150",
                            "--max-elems", "300000"], env={**os.environ, **env},
                           capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "wrong on each rank: [0, 0]: OK" in done.stdout
+    assert f"wrong on each rank: {[0] * world}: OK" in done.stdout

@@ -1,8 +1,8 @@
 """GPU arrays on the `mpi` backend, staged through pinned host memory, on real GPUs: every
-collective x dtype on 1 and 2 GPUs against NumPy, arrays that span many pipeline chunks, and
-calls ordered after the caller's stream. Ranks are started by mpiexec. Needs CUDA GPUs and an
-MPI; skipped without them. (The pipeline's logic is also tested without a GPU, in
-test_mpi_staging.py, with the CUDA calls simulated.)"""
+collective x dtype on 1, 2, 4 and 8 GPUs (as many as are visible) against NumPy, arrays that
+span many pipeline chunks, and calls ordered after the caller's stream. Ranks are started by
+mpiexec. Needs CUDA GPUs and an MPI; skipped without them. (The pipeline's logic is also tested
+without a GPU, in test_mpi_staging.py, with the CUDA calls simulated.)"""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from harness import run_ranks
 from reference import assert_matches, make_input, reduce_reference, valid_ops
-from test_gpu import to_gpu, to_host, two_gpus
+from test_gpu import to_gpu, to_host, two_gpus, world_sizes
 
-from anyccl import ReduceOp, gpu
+from anyccl import ReduceOp
 
 pytestmark = [
     pytest.mark.gpu,
@@ -29,11 +29,6 @@ STAGED_ENV = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", "NCCL_NVLS_ENABLE": "0",
               "ANYCCL_TIMEOUT": "60", "ANYCCL_MPI_STAGING_CHUNK": str(64 << 10)}
 DTYPES = [np.float32, np.float64, np.float16, np.int32, np.int64, np.uint8, "bfloat16"]
 COUNTS = [1, 1000, (1 << 18) + 3]
-
-
-def world_sizes():
-    return [pytest.param(n, marks=pytest.mark.skipif(gpu.device_count() < n,
-                                                     reason=f"needs {n} GPUs")) for n in (1, 2)]
 
 
 def check_staged_collectives(comm) -> int:

@@ -462,7 +462,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--backend", default=None, help="anyccl backend (default shm)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--compare", default="", help="peers to run in the same job: torch, mpi, "
-                   "shm (anyccl on shm), nccl (anyccl on nccl)")
+                   "shm, nccl, ipc, auto (anyccl on that backend)")
     p.add_argument("--graph", action="store_true",
                    help="--device cuda: capture the calls in a CUDA graph and time its replays "
                         "(the GPU's time per call, without the host's)")
@@ -504,7 +504,8 @@ def main(argv: list[str] | None = None) -> int:
     compare = [c.strip() for c in ns.compare.split(",") if c.strip()]
     for c in compare:
         if c not in PEERS:
-            raise SystemExit(f"anyccl bench: --compare {c}: expected torch, mpi, shm and/or nccl")
+            raise SystemExit(f"anyccl bench: --compare {c}: expected some of "
+                             f"{', '.join(PEERS)}")
     if ns.nprocs and not _in_a_job():
         return _launch(ns, argv if argv is not None else sys.argv[1:], compare)
     return _bench(ns, settings, compare)

@@ -188,31 +188,27 @@ class MPIPeer:
         pass
 
 
-class ShmPeer(AnycclPeer):
-    """anyccl itself on its shm backend, beside a main communicator on another backend
-    (`anyccl bench --backend mpi --compare shm` puts both transports in one run)."""
+class BackendPeer(AnycclPeer):
+    """anyccl itself on another of its backends, beside the main communicator, so that two
+    transports meet in one run (`anyccl bench --backend mpi --compare shm`; on GPUs
+    `--backend auto --compare ipc,nccl,torch` puts the routing policy beside both routes)."""
 
+    backend = "shm"
     name = "anyccl-shm"
 
     def __init__(self, comm: Communicator, device: str = "cpu") -> None:
         import anyccl
 
-        super().__init__(anyccl.init(backend="shm"), device)
+        super().__init__(anyccl.init(backend=self.backend), device)
 
     def close(self) -> None:
         self.comm.close()
 
 
-class NcclPeer(ShmPeer):
-    """anyccl on its nccl backend, beside a main communicator on another GPU backend
-    (`anyccl bench --device cuda --backend ipc --compare nccl,torch`: three in one run)."""
-
-    name = "anyccl-nccl"
-
-    def __init__(self, comm: Communicator, device: str = "cpu") -> None:
-        import anyccl
-
-        AnycclPeer.__init__(self, anyccl.init(backend="nccl"), device)
+def _on(backend: str) -> type[BackendPeer]:
+    return type(f"{backend.capitalize()}Peer", (BackendPeer,),
+                {"backend": backend, "name": f"anyccl-{backend}"})
 
 
-PEERS = {"torch": TorchPeer, "mpi": MPIPeer, "shm": ShmPeer, "nccl": NcclPeer}
+PEERS: dict[str, type] = {"torch": TorchPeer, "mpi": MPIPeer,
+                          **{b: _on(b) for b in ("shm", "nccl", "ipc", "auto")}}
