@@ -9,7 +9,7 @@
 # sanitizer (compute-sanitizer on a small ipc run), ipcsmall / ipclarge (anyccl bench: ipc vs
 # anyccl-nccl vs torch), ipcp2p (one-way send/recv bandwidth), scale (five collectives, MIN to
 # MAX: anyccl auto beside anyccl ipc, anyccl nccl and torch, on every GPU).
-# N=k runs the multi-rank steps on k ranks (default: one per visible GPU).
+# N=k runs the multi-rank steps on k ranks (default: one per visible GPU); K=expr selects ipc tests.
 # Logs go to $OUT (or ./gpu-out). NVLink multicast stays off (shared machines).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -34,7 +34,7 @@ for what in "$@"; do
     timeout "${STAGING_TIMEOUT:-120}" python3 -m pytest -q -rfE --tb=short -m gpu tests/test_gpu_staging.py \
         -p no:cacheprovider 2>&1 | tee "$OUT/gpu-staging-tests.txt" | tail -15 ;;
   ipc) step ipc
-    timeout "${IPC_TIMEOUT:-200}" python3 -m pytest -q -rfE --tb=short -m gpu tests/test_gpu_ipc.py \
+    timeout "${IPC_TIMEOUT:-200}" python3 -m pytest -q -rfE --tb=short -m gpu tests/test_gpu_ipc.py ${K:+-k "$K"} \
         -p no:cacheprovider 2>&1 | tee "$OUT/gpu-ipc-tests.txt" | tail -25 ;;
   overhead) step overhead
     for b in ${OVERHEAD_BACKENDS:-nccl ipc}; do

@@ -51,10 +51,19 @@ def reference(xs: list[torch.Tensor], op: str) -> torch.Tensor:
     return stack.min(0).values if op == "min" else stack.max(0).values
 
 
-def error(got: torch.Tensor, want: torch.Tensor) -> float:
+def magnitude(xs: list[torch.Tensor], op: str) -> torch.Tensor:
+    """What rounding errors scale with: for sums the sum of the inputs' absolute values (a sum
+    that cancels to nearly zero still carries the rounding of its large terms), else the
+    result itself."""
+    return reference([x.abs() for x in xs], op) if op in ("sum", "avg") else reference(xs, op)
+
+
+def error(got: torch.Tensor, want: torch.Tensor, scale: torch.Tensor | None = None) -> float:
+    """||got - want|| relative to ||scale|| (default: ||want||); inf for any NaN."""
     if got.isnan().any():
         return float("inf")
-    return float((got.double() - want).norm() / max(float(want.norm()), 1e-30))
+    scale = want if scale is None else scale
+    return float((got.double() - want).norm() / max(float(scale.norm()), 1e-30))
 
 
 results: dict[str, list[float]] = collections.defaultdict(list)
@@ -73,25 +82,26 @@ for it in range(args.iters):
         xs = inputs(it, count, dtype)
         x = xs[r].clone()
         comm.all_reduce(x, op=op)
-        want = reference(xs, op)
+        want, scale = reference(xs, op), magnitude(xs, op)
         tol = TOLERANCE[dtype] if op in ("sum", "avg") else 0.0
     elif kind == "reduce_scatter":
         xs = inputs(it, count * n, dtype)
         out = torch.full((count,), float("nan"), device=dev, dtype=dtype)
         comm.reduce_scatter(out, xs[r], op=op)
         x, want = out, reference(xs, op)[r * count:(r + 1) * count]
+        scale = magnitude(xs, op)[r * count:(r + 1) * count]
         tol = TOLERANCE[dtype] if op in ("sum", "avg") else 0.0
     elif kind == "all_gather":
         xs = inputs(it, count, dtype)
         out = torch.full((count * n,), float("nan"), device=dev, dtype=dtype)
         comm.all_gather(out, xs[r])
-        x, want, tol = out, torch.cat(xs).double(), 0.0
+        x, want, tol, scale = out, torch.cat(xs).double(), 0.0, None
     elif kind == "broadcast":
         root = it % n
         xs = inputs(it, count, dtype)
         x = xs[r].clone() if r == root else torch.full_like(xs[r], float("nan"))
         comm.broadcast(x, root)
-        want, tol = xs[root].double(), 0.0
+        want, tol, scale = xs[root].double(), 0.0, None
     else:  # a ring: send to the right, receive from the left, as one batch
         xs = inputs(it, count, dtype)
         x = torch.full_like(xs[r], float("nan"))
@@ -99,8 +109,8 @@ for it in range(args.iters):
             comm.isend(xs[r], (r + 1) % n, tag=it)
             work = comm.irecv(x, (r - 1) % n, tag=it)
         work.wait()
-        want, tol = xs[(r - 1) % n].double(), 0.0
-    e = error(x, want)
+        want, tol, scale = xs[(r - 1) % n].double(), 0.0, None
+    e = error(x, want, scale)
     results[key].append(e)
     if not e <= tol:
         wrong[key] += 1
@@ -126,7 +136,7 @@ for step in range(20):
     xs = inputs(10_000 + step, static.numel(), torch.float32)
     static.copy_(xs[r])
     graph.replay()
-    graph_bad += error(static, reference(xs, "sum")) > 1e-6
+    graph_bad += error(static, reference(xs, "sum"), magnitude(xs, "sum")) > 1e-6
 torch.cuda.synchronize()
 
 total_wrong = sum(wrong.values()) + graph_bad

@@ -41,9 +41,16 @@ def _reduce(torch, xs, op):
             "min": lambda: stack.min(0).values, "max": lambda: stack.max(0).values}[op]()
 
 
-def _close(got, want, tol, what):
-    err = float((got.double() - want).norm() / max(float(want.norm()), 1e-30))
+def _close(got, want, tol, what, scale=None):
+    """||got - want|| <= tol * ||scale|| (scale: want, or for sums the sum of the inputs'
+    absolute values, which rounding scales with even where the sum cancels to nearly zero)."""
+    scale = want if scale is None else scale
+    err = float((got.double() - want).norm() / max(float(scale.norm()), 1e-30))
     assert not got.isnan().any() and err <= tol, f"{what}: relative error {err:.3g} > {tol}"
+
+
+def _magnitude(torch, xs, op):
+    return _reduce(torch, [x.abs() for x in xs], op) if op in ("sum", "avg") else None
 
 
 def check_ipc_collectives(comm) -> int:
@@ -60,12 +67,15 @@ def check_ipc_collectives(comm) -> int:
                 xs = _inputs(torch, comm, seed, count + 1, dtype)
                 x = xs[r].clone()
                 comm.all_reduce(x[1:], op=op)        # an unaligned view: element by element
-                _close(x[1:], _reduce(torch, [v[1:] for v in xs], op), tol,
-                       f"all_reduce {name} x {count} {op} (offset view)")
+                views = [v[1:] for v in xs]
+                _close(x[1:], _reduce(torch, views, op), tol,
+                       f"all_reduce {name} x {count} {op} (offset view)",
+                       _magnitude(torch, views, op))
                 x = xs[r][:count].clone()
                 comm.all_reduce(x, op=op)
-                _close(x, _reduce(torch, [v[:count] for v in xs], op), tol,
-                       f"all_reduce {name} x {count} {op}")
+                views = [v[:count] for v in xs]
+                _close(x, _reduce(torch, views, op), tol, f"all_reduce {name} x {count} {op}",
+                       _magnitude(torch, views, op))
                 # every rank holds the same bits
                 digests = comm.all_gather_object(x.cpu().view(torch.uint8).numpy().tobytes())
                 assert all(d == digests[0] for d in digests), f"all_reduce {name} differs"
@@ -73,8 +83,11 @@ def check_ipc_collectives(comm) -> int:
                 pieces = [ins[r][q * count:(q + 1) * count].clone() for q in range(n)]
                 out = torch.full((count,), float("nan"), device=x.device, dtype=dtype)
                 comm.reduce_scatter(out, pieces, op=op)  # separate pieces
-                _close(out, _reduce(torch, ins, op)[r * count:(r + 1) * count], tol,
-                       f"reduce_scatter {name} x {count} {op}")
+                mine = slice(r * count, (r + 1) * count)
+                scale = _magnitude(torch, ins, op)
+                _close(out, _reduce(torch, ins, op)[mine], tol,
+                       f"reduce_scatter {name} x {count} {op}",
+                       None if scale is None else scale[mine])
                 checked += 3
             xs = _inputs(torch, comm, seed + 9000, count, dtype)
             outs = [torch.full((count,), float("nan"), device=x.device, dtype=dtype)
