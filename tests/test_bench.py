@@ -75,3 +75,30 @@ def test_bad_options_are_refused_clearly():
     assert proc.returncode != 0 and "--op all_sum: expected one of" in proc.stderr
     proc = _bench("--max", "lots")
     assert proc.returncode != 0 and "--max='lots' is not a size" in proc.stderr
+
+
+class _Recording:
+    """A library that only notes when it runs (a one-rank all_reduce leaves its input as is)."""
+
+    def __init__(self, name: str, calls: list[str]) -> None:
+        self.name, self.calls = name, calls
+
+    def barrier(self) -> None:
+        pass
+
+    def runner(self, op, b, redop, root):
+        return lambda: self.calls.append(self.name)
+
+
+def test_libraries_take_turns_in_rotating_rounds_then_each_result_is_checked():
+    import anyccl
+
+    comm, calls = anyccl.init("shm"), []
+    settings = bench.Settings(["all_reduce"], 64, 64, 2, np.dtype(np.float32), ReduceOp.SUM, 0,
+                              iters=2, warmup=0, rounds=3)
+    rows = bench.measure(comm, [_Recording("a", calls), _Recording("b", calls)], "all_reduce",
+                         64, settings, in_place=True)
+    comm.close()
+    assert "".join(calls) == "aabb" + "bbaa" + "aabb" + "ab"  # the order turns each round
+    assert [(r.library, r.wrong) for r in rows] == [("a", 0), ("b", 0)]
+    assert all(r.time_us > 0 and r.busbw is not None for r in rows)

@@ -19,7 +19,7 @@ import shutil
 import socket
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 import numpy as np
@@ -37,7 +37,7 @@ _TYPE_NAMES = {"float32": "float", "float64": "double", "float16": "half",
                "uint32": "uint32", "int64": "int64", "uint64": "uint64"}
 _IN_PLACE_ONLY = ("all_reduce", "broadcast", "reduce")  # anyccl's API is in place for these
 _OUT_OF_PLACE_ONLY = ("gather", "scatter", "sendrecv")
-_TARGET_S = 0.2  # automatic iteration counts aim at this much time per size
+_TARGET_S = 0.3  # automatic iteration counts aim at this much time per size and library
 _HEADER = (  # as nccl-tests prints it
     "#                                                              out-of-place"
     "                       in-place\n"
@@ -261,6 +261,7 @@ class Settings:
     iters: int | None
     warmup: int
     graph: bool = False  # time replays of a CUDA graph of the calls (GPU time, no host cost)
+    rounds: int = 3  # timed rounds per size, alternating between the libraries; median kept
 
 
 _GRAPH_CALLS = 20  # calls captured in one graph with --graph
@@ -274,58 +275,90 @@ def sweep_sizes(s: Settings) -> list[int]:
     return sizes
 
 
-def measure(comm: Communicator, peer: Any, op: str, nbytes: int, s: Settings,
-            in_place: bool, where: Any = None) -> Row:
+@dataclass
+class _Timed:
+    """One library's side of a measurement: its runner on the shared buffers and its times."""
+
+    peer: Any
+    row: Row
+    run: Callable[[], None] | None
+    iters: int = 0
+    per_run: int = 1
+    seconds: list[float] = field(default_factory=list)
+
+
+def measure(comm: Communicator, peers: list[Any], op: str, nbytes: int, s: Settings,
+            in_place: bool, where: Any = None) -> list[Row]:
+    """One row per library for `op` on `nbytes`: every library runs on the same buffers, timed
+    in `s.rounds` rounds that alternate between the libraries (the order rotates each round, so
+    no library always goes first), and its row reports its median round, the slowest rank's
+    time. Then each library's result is checked on fresh inputs (#wrong)."""
     n, itemsize = comm.size, s.dtype.itemsize
     count, size = sizes_of(op, nbytes, itemsize, n)
     spec = COLLECTIVES.get(op)  # sendrecv is no collective: no root, no reduction
     root = s.root if spec and spec.takes_root else -1
     redop = s.redop.name.lower() if spec and spec.reduces else "none"
-    row = Row(peer.name, op, "in-place" if in_place else "out-of-place", size, count,
-              _TYPE_NAMES.get(s.dtype.name, s.dtype.name), redop, root, None, None, None, None)
     where = where or HostPlacement()
     buffers, _ = build(op, count, s.dtype, comm.rank, n, max(root, 0), in_place, s.redop)
-    run = peer.runner(op, where.place(buffers), s.redop, max(root, 0))
-    if run is None:
-        return row
-    per_run = 1
-    if s.graph and op == "sendrecv":  # batched messages are async: not capturable
-        return row
-    if s.graph:
-        per_run = _GRAPH_CALLS
-        run = where.graphed(run, per_run)
-    for _ in range(s.warmup):
-        run()
-    where.sync()
-    iters = s.iters
-    if iters is None:  # every rank must run the same number: agree on the slowest warm-up
-        t0 = time.perf_counter()
-        run()
-        where.sync()
-        probe = np.array([time.perf_counter() - t0])
-        comm.all_reduce(probe, ReduceOp.MAX)
-        iters = int(min(2000, max(5, _TARGET_S / max(float(probe[0]), 1e-7))))
-    peer.barrier()
-    where.sync()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        run()
-    where.sync()
-    elapsed = np.array([(time.perf_counter() - t0) / iters / per_run])
-    comm.all_reduce(elapsed, ReduceOp.MAX)
-    buffers, count_wrong = build(op, count, s.dtype, comm.rank, n, max(root, 0), in_place,
-                                 s.redop)
     placed = where.place(buffers)
-    peer.runner(op, placed, s.redop, max(root, 0))()
-    where.fetch(placed, buffers)
-    wrong = np.array([count_wrong(buffers)], np.int64)
-    comm.all_reduce(wrong)
-    seconds = float(elapsed[0])
-    row.time_us = seconds * 1e6
-    row.algbw = size / seconds / 1e9
-    row.busbw = row.algbw * bus_factor(op, n)
-    row.wrong = int(wrong[0])
-    return row
+    timed = []
+    for peer in peers:
+        row = Row(peer.name, op, "in-place" if in_place else "out-of-place", size, count,
+                  _TYPE_NAMES.get(s.dtype.name, s.dtype.name), redop, root, None, None, None,
+                  None)
+        run = peer.runner(op, placed, s.redop, max(root, 0))
+        if s.graph and op == "sendrecv":  # batched messages are async: not capturable
+            run = None
+        timed.append(_Timed(peer, row, run))
+    for t in timed:
+        if t.run is None:
+            continue
+        if s.graph:
+            t.per_run = _GRAPH_CALLS
+            t.run = where.graphed(t.run, t.per_run)
+        for _ in range(s.warmup):
+            t.run()
+        where.sync()
+        t.iters = s.iters or _agreed_iters(comm, t.run, where, s.rounds)
+    active = [t for t in timed if t.run is not None]
+    for k in range(s.rounds):
+        for j in range(len(active)):
+            t = active[(j + k) % len(active)]
+            assert t.run is not None
+            t.peer.barrier()
+            where.sync()
+            t0 = time.perf_counter()
+            for _ in range(t.iters):
+                t.run()
+            where.sync()
+            elapsed = np.array([(time.perf_counter() - t0) / t.iters / t.per_run])
+            comm.all_reduce(elapsed, ReduceOp.MAX)
+            t.seconds.append(float(elapsed[0]))
+    for t in active:
+        fresh, count_wrong = build(op, count, s.dtype, comm.rank, n, max(root, 0), in_place,
+                                   s.redop)
+        again = where.place(fresh)
+        t.peer.runner(op, again, s.redop, max(root, 0))()
+        where.fetch(again, fresh)
+        wrong = np.array([count_wrong(fresh)], np.int64)
+        comm.all_reduce(wrong)
+        seconds = float(np.median(t.seconds))
+        t.row.time_us = seconds * 1e6
+        t.row.algbw = size / seconds / 1e9
+        t.row.busbw = t.row.algbw * bus_factor(op, n)
+        t.row.wrong = int(wrong[0])
+    return [t.row for t in timed]
+
+
+def _agreed_iters(comm: Communicator, run: Callable[[], None], where: Any, rounds: int) -> int:
+    """Iterations per round, the same on every rank: the slowest rank's probe call sets them so
+    that all rounds together take about _TARGET_S."""
+    t0 = time.perf_counter()
+    run()
+    where.sync()
+    probe = np.array([time.perf_counter() - t0])
+    comm.all_reduce(probe, ReduceOp.MAX)
+    return int(min(2000, max(5, _TARGET_S / rounds / max(float(probe[0]), 1e-7))))
 
 
 def memory_bandwidth_gbs(nbytes: int = 256 << 20) -> float:
@@ -459,6 +492,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--root", type=int, default=0)
     p.add_argument("--iters", type=int, help="timed iterations per size (default: automatic)")
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=3,
+                   help="timed rounds per size, alternating between the libraries compared; "
+                        "each row reports the median round (default 3)")
     p.add_argument("--backend", default=None, help="anyccl backend (default shm)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--compare", default="", help="peers to run in the same job: torch, mpi, "
@@ -484,7 +520,13 @@ def _settings(ns: argparse.Namespace) -> Settings:
                          f"{', '.join(by_name)}")
     return Settings(ops, parse_size(ns.min, "--min"), parse_size(ns.max, "--max"), ns.factor,
                     by_name[ns.dtype], ReduceOp.parse(ns.redop), ns.root, ns.iters, ns.warmup,
-                    _graph_needs_cuda(ns))
+                    _graph_needs_cuda(ns), _positive(ns.rounds, "--rounds"))
+
+
+def _positive(value: int, flag: str) -> int:
+    if value < 1:
+        raise SystemExit(f"anyccl bench: {flag} {value}: expected at least 1")
+    return value
 
 
 def _graph_needs_cuda(ns: argparse.Namespace) -> bool:
@@ -571,7 +613,7 @@ def _bench(ns: argparse.Namespace, s: Settings, compare: list[str]) -> int:
         print(f"# anyccl bench: {','.join(s.ops)} on {comm.size} ranks, backend {comm.backend} "
               f"({where.device}), {s.dtype.name}, redop {s.redop.name.lower()}, root "
               f"{s.root}, sizes {s.min_bytes} B .. {s.max_bytes} B x{s.factor:g}, warmup "
-              f"{s.warmup}, iters {s.iters or 'auto'}"
+              f"{s.warmup}, iters {s.iters or 'auto'} x {s.rounds} rounds (median)"
               f"{', timed as CUDA graph replays' if s.graph else ''}", file=out)
         print(f"# libraries: {', '.join(_versions(compare, where.device))}", file=out)
         print(f"# memory: one core copying 256 MiB with NumPy moves {membw:.1f} GB/s "
@@ -580,26 +622,26 @@ def _bench(ns: argparse.Namespace, s: Settings, compare: list[str]) -> int:
         for r, (pid, host, device) in enumerate(hosts):
             print(f"#  Rank {r:2d} Pid {pid:7d} on {host} device {device}", file=out)
         out.flush()
-    progress = Progress(len(peers) * len(s.ops) * len(sizes),
+    progress = Progress(len(s.ops) * len(sizes),
                         lead and sys.stderr.isatty())
     rows: list[Row] = []
     for op in s.ops:
         if op == "sendrecv" and comm.size == 1:
             continue
+        op_rows: list[Row] = []
+        for nbytes in sizes:
+            if sizes_of(op, nbytes, s.dtype.itemsize, comm.size)[0] == 0:
+                progress.step(f"{op} {nbytes} B (no element per rank)")
+                continue
+            variants = [True] if op in _IN_PLACE_ONLY else \
+                [False] if op in _OUT_OF_PLACE_ONLY else [False, True]
+            for in_place in variants:
+                op_rows += measure(comm, peers, op, nbytes, s, in_place, where)
+            progress.step(f"{op} {nbytes} B")
+        rows += op_rows
         for peer in peers:
-            peer_rows = []
-            for nbytes in sizes:
-                if sizes_of(op, nbytes, s.dtype.itemsize, comm.size)[0] == 0:
-                    progress.step(f"{peer.name} {op} {nbytes} B (no element per rank)")
-                    continue
-                variants = [True] if op in _IN_PLACE_ONLY else \
-                    [False] if op in _OUT_OF_PLACE_ONLY else [False, True]
-                for in_place in variants:
-                    peer_rows.append(measure(comm, peer, op, nbytes, s, in_place, where))
-                progress.step(f"{peer.name} {op} {nbytes} B")
-            rows += peer_rows
             if lead:
-                print_table(out, peer.name, op, peer_rows)
+                print_table(out, peer.name, op, [r for r in op_rows if r.library == peer.name])
                 out.flush()
         if lead and compare:
             print_comparison(out, op, [r for r in rows if r.op == op],
