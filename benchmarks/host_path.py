@@ -3,7 +3,8 @@ NCCL calls are stubbed out (each costs nothing here), so what remains is the arg
 the array adapter, the routing, the op record and the queueing -- the part of an eager call's
 host time that is anyccl's code. `benchmarks/gpu_overhead.py` measures the whole on a GPU.
 
-    python benchmarks/host_path.py [--calls 20000] [--profile]
+    python benchmarks/host_path.py [--op all_reduce|all_gather|reduce_scatter|broadcast]
+                                   [--calls 20000] [--profile]
 """
 
 import argparse
@@ -18,6 +19,8 @@ from anyccl import gpu
 from anyccl.backends import nccl as nccl_module
 
 parser = argparse.ArgumentParser()
+parser.add_argument("--op", default="all_reduce",
+                    choices=("all_reduce", "all_gather", "reduce_scatter", "broadcast"))
 parser.add_argument("--calls", type=int, default=20000)
 parser.add_argument("--profile", action="store_true")
 args = parser.parse_args()
@@ -37,23 +40,22 @@ class Bindings:
     class NCCLError(Exception):
         pass
 
-    @staticmethod
-    def all_reduce(*args):
-        return None
+    def __getattr__(self, name):
+        return lambda *args: None
 
 
 class DeviceArray:
     """A GPU array as the CUDA array interface describes one (never dereferenced here)."""
 
-    def __init__(self, count):
+    def __init__(self, count, address=1 << 32):
         self.__cuda_array_interface__ = {"shape": (count,), "typestr": "<f4", "version": 3,
-                                         "data": (1 << 32, False), "strides": None,
+                                         "data": (address, False), "strides": None,
                                          "stream": 7}
 
 
 backend = nccl_module.NcclBackend.__new__(nccl_module.NcclBackend)
 backend.__dict__.update(dict(
-    _b=Bindings, _comm=0, rank=0, size=1, device=0, _label="rank 0", _lost_peer=lambda: None,
+    _b=Bindings(), _comm=0, rank=0, size=2, device=0, _label="rank 0", _lost_peer=lambda: None,
     stream=5, _start=1, _events=list(range(10, 10 + nccl_module._EVENT_RING)), _next_event=0,
     _last_stream=None, _last_event=0, _lock=__import__("threading").Lock(),
     _wake=__import__("threading").Event(), _queued=__import__("collections").deque(),
@@ -63,16 +65,21 @@ backend._watch = lambda item: None  # no thread: this measures the caller's side
 
 comm = anyccl.init("shm")
 comm._device, comm._gpu = 0, backend
-x = DeviceArray(2)
-comm.all_reduce(x)
+comm.size = 2  # the communicator's view: two ranks (pieces, roots), while NCCL is stubbed
+x, whole = DeviceArray(2), DeviceArray(4, 1 << 33)
+call = {"all_reduce": lambda: comm.all_reduce(x),
+        "all_gather": lambda: comm.all_gather(whole, x),
+        "reduce_scatter": lambda: comm.reduce_scatter(x, whole),
+        "broadcast": lambda: comm.broadcast(x, 0)}[args.op]
+call()
 started = time.perf_counter()
 for _ in range(args.calls):
-    comm.all_reduce(x)
+    call()
 took = (time.perf_counter() - started) / args.calls
-print(f"anyccl.all_reduce on a GPU array, CUDA and NCCL stubbed: {took * 1e6:.2f} us of Python "
+print(f"anyccl.{args.op} on a GPU array, CUDA and NCCL stubbed: {took * 1e6:.2f} us of Python "
       f"per call ({args.calls} calls, {np.__name__} {np.__version__})")
 if args.profile:
-    cProfile.run("for _ in range(5000): comm.all_reduce(x)", "/tmp/host_path.prof")
+    cProfile.run("for _ in range(5000): call()", "/tmp/host_path.prof")
     pstats.Stats("/tmp/host_path.prof").sort_stats("tottime").print_stats(16)
 comm._gpu = None
 comm.close()

@@ -9,6 +9,7 @@ writability, dtype, device) and name the argument when they refuse.
 
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import dataclass
 from typing import Any, Union
@@ -227,11 +228,11 @@ def _from_cuda_array_interface(x: Any, name: str) -> GpuArray:
 
     cai = x.__cuda_array_interface__
     dtype = _dtype_or_refuse(np.dtype(cai["typestr"]), name)
-    shape = tuple(cai["shape"])
-    size = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    shape = tuple(int(d) for d in cai["shape"])
+    size = math.prod(shape)
     strides = cai.get("strides")
     if strides is not None and size > 1:
-        expected = tuple(int(np.prod(shape[i + 1:], dtype=np.int64)) * dtype.itemsize
+        expected = tuple(math.prod(shape[i + 1:]) * dtype.itemsize
                          for i in range(len(shape)))
         if any(st != ex for st, ex, n in zip(strides, expected, shape) if n > 1):
             raise InvalidArgumentError(f"{name} is not C-contiguous (shape {shape}, strides "

@@ -334,7 +334,8 @@ class Communicator:
         if stream is not None:
             after = [gpu.stream_pointer(stream)]
             host_synced = False
-        elif len(arrays) == 1 and arrays[0].stream is not None:  # the common case, quickly
+        elif arrays[0].stream is not None and all(a.stream == arrays[0].stream
+                                                  for a in arrays):  # the common case, quickly
             after, host_synced = [arrays[0].stream], False
         else:
             after = list(dict.fromkeys(a.stream for a in arrays if a.stream is not None))
