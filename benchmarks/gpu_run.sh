@@ -8,7 +8,8 @@
 # torch), large (16 MiB - 1 GiB, four ops, vs torch), ipccheck (1000 random ipc ops vs float64),
 # sanitizer (compute-sanitizer on a small ipc run), ipcsmall / ipclarge (anyccl bench: ipc vs
 # anyccl-nccl vs torch), ipcp2p (one-way send/recv bandwidth), scale (five collectives, MIN to
-# MAX: anyccl auto beside anyccl ipc, anyccl nccl and torch, on every GPU).
+# MAX: anyccl auto beside anyccl ipc, anyccl nccl and torch, on every GPU), links (copy-engine
+# rates between the GPUs: the rooflines).
 # N=k runs the multi-rank steps on k ranks (default: one per visible GPU); K=expr selects ipc tests.
 # Logs go to $OUT (or ./gpu-out). NVLink multicast stays off (shared machines).
 set -uo pipefail
@@ -83,6 +84,8 @@ for what in "$@"; do
   ipcp2p) step ipcp2p
     timeout 150 python3 -m anyccl run -n 2 benchmarks/ipc_p2p.py 2>&1 \
         | tee "$OUT/ipc-p2p.txt" | tail -12 ;;
+  links) step links
+    timeout 120 python3 benchmarks/link_ceiling.py 2>&1 | tee "$OUT/link-ceiling.txt" | tail -8 ;;
   scale) step scale
     name="scale-$n-${MIN:-16}-${MAX:-1G}${GRAPH:+-graph}"
     timeout "${BENCH_TIMEOUT:-500}" python3 -m anyccl bench -n "$n" --device cuda \
