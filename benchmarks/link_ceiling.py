@@ -1,6 +1,6 @@
 """What the links between this machine's GPUs carry with no collective library in the way: copy
-engine transfers (torch's peer copies, cudaMemcpyPeerAsync underneath) of --mib MiB, timed with
-CUDA events. One process drives every GPU.
+engine transfers (cudaMemcpyPeerAsync through CuPy, a stream per pair) of --mib MiB, timed
+with CUDA events. One process drives every GPU.
 
     python3 benchmarks/link_ceiling.py [--mib 1024] [--repeat 5]
 
@@ -17,43 +17,55 @@ from __future__ import annotations
 import argparse
 import itertools
 
-import torch
+import cupy
+from cupy.cuda import runtime
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--mib", type=int, default=1024)
 parser.add_argument("--repeat", type=int, default=5)
 args = parser.parse_args()
 
-n = torch.cuda.device_count()
+n = runtime.getDeviceCount()
 if n < 2:
     raise SystemExit("link_ceiling.py needs at least 2 GPUs")
 nbytes = args.mib << 20
-src = [torch.ones(nbytes, dtype=torch.uint8, device=f"cuda:{d}") for d in range(n)]
-dst = {(a, b): torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{b}")
-       for a, b in itertools.permutations(range(n), 2)}
-streams = {pair: torch.cuda.Stream(device=f"cuda:{pair[0]}") for pair in dst}
+pairs_all = list(itertools.permutations(range(n), 2))
+src, dst, streams = {}, {}, {}
+for a in range(n):
+    with cupy.cuda.Device(a):
+        for b in range(n):
+            if b != a and runtime.deviceCanAccessPeer(a, b):
+                runtime.deviceEnablePeerAccess(b)
+        src[a] = cupy.ones(nbytes, dtype=cupy.uint8)
+for a, b in pairs_all:
+    with cupy.cuda.Device(b):
+        dst[a, b] = cupy.empty(nbytes, dtype=cupy.uint8)
+    with cupy.cuda.Device(a):
+        streams[a, b] = cupy.cuda.Stream(non_blocking=True)
 
 
 def timed(pairs: list[tuple[int, int]]) -> float:
-    """Seconds for every copy of `pairs` to finish, all started together (best of --repeat)."""
+    """Seconds for every copy of `pairs` to finish, all queued together (best of --repeat): each
+    copy is cudaMemcpyPeerAsync on a stream of its own on the source GPU."""
     best = float("inf")
     for _ in range(args.repeat + 1):          # the first round warms up
         for d in range(n):
-            torch.cuda.synchronize(d)
-        starts, ends = {}, {}
-        for pair in pairs:
-            s = streams[pair]
-            starts[pair] = torch.cuda.Event(enable_timing=True)
-            ends[pair] = torch.cuda.Event(enable_timing=True)
-            starts[pair].record(s)
-        for pair in pairs:
-            with torch.cuda.stream(streams[pair]):
-                dst[pair].copy_(src[pair[0]], non_blocking=True)
-            ends[pair].record(streams[pair])
+            with cupy.cuda.Device(d):
+                runtime.deviceSynchronize()
+        marks = {}
+        for a, b in pairs:
+            with cupy.cuda.Device(a):
+                begin, end = cupy.cuda.Event(), cupy.cuda.Event()
+                begin.record(streams[a, b])
+                runtime.memcpyPeerAsync(dst[a, b].data.ptr, b, src[a].data.ptr, a, nbytes,
+                                        streams[a, b].ptr)
+                end.record(streams[a, b])
+                marks[a, b] = (begin, end)
         for d in range(n):
-            torch.cuda.synchronize(d)
-        # the copies began together on the host; the longest one bounds them all
-        took = max(starts[p].elapsed_time(ends[p]) for p in pairs) / 1e3
+            with cupy.cuda.Device(d):
+                runtime.deviceSynchronize()
+        # queued within microseconds of each other; the longest copy bounds them all
+        took = max(cupy.cuda.get_elapsed_time(b0, b1) for b0, b1 in marks.values()) / 1e3
         best = min(best, took)
     return best
 
@@ -63,9 +75,9 @@ rows = [("one way (0 -> 1)", [(0, 1)], 1),
 if n > 2:
     rows.append((f"fan out (0 -> {n - 1} others), GPU 0 egress", [(0, b) for b in range(1, n)],
                  n - 1))
-    rows.append((f"all pairs ({n} GPUs), per GPU egress", list(dst), n - 1))
-print(f"{n} GPUs: {torch.cuda.get_device_name(0)}; {args.mib} MiB per copy, copy engines "
-      f"(torch peer copies), best of {args.repeat}")
+    rows.append((f"all pairs ({n} GPUs), per GPU egress", pairs_all, n - 1))
+print(f"{n} GPUs: {runtime.getDeviceProperties(0)['name'].decode()}; {args.mib} MiB per copy, "
+      f"copy engines (cudaMemcpyPeerAsync, peer access on), best of {args.repeat}")
 for label, pairs, per_gpu in rows:
     seconds = timed(pairs)
     print(f"  {label:<44} {nbytes * per_gpu / seconds / 1e9:8.1f} GB/s", flush=True)
