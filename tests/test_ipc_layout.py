@@ -10,7 +10,7 @@ import re
 import pytest
 
 from anyccl.backends.ipc import compiler
-from anyccl.backends.ipc.backend import AUTO_IPC_RANGES, routes_to_ipc
+from anyccl.backends.ipc.backend import AUTO_IPC_RANGES, auto_ranges, routes_to_ipc
 from anyccl.backends.ipc.memory import MAX_RANKS, TILE_BYTES, KernelArgs, Layout
 
 _C_TYPES = {"u64": ctypes.c_uint64, "float": ctypes.c_float, "int": ctypes.c_int}
@@ -65,16 +65,24 @@ def test_buffer_sizes_follow_the_environment(monkeypatch):
     assert (lay.slot_bytes, lay.slots, lay.tile_bytes) == (512 << 10, 4, 128 << 10)
 
 
-def test_routing_depends_only_on_policy_op_and_size():
-    for op in AUTO_IPC_RANGES:
+def test_routing_depends_only_on_policy_op_size_and_rank_count(monkeypatch):
+    for op in AUTO_IPC_RANGES[2]:
         assert routes_to_ipc("ipc", op, 0) and routes_to_ipc("ipc", op, 1 << 40)
-    assert routes_to_ipc("auto", "all_reduce", 8) and routes_to_ipc("auto", "all_reduce", 1 << 30)
+    assert routes_to_ipc("auto", "all_reduce", 8) and routes_to_ipc("auto", "all_reduce", 256 << 20)
+    assert not routes_to_ipc("auto", "all_reduce", 1 << 30)   # within 3% of NCCL there
     assert routes_to_ipc("auto", "broadcast", 8 << 20) and \
         not routes_to_ipc("auto", "broadcast", 16 << 20)
     assert not routes_to_ipc("auto", "reduce_scatter", 8 << 20) and \
         routes_to_ipc("auto", "reduce_scatter", 32 << 20)
     assert not routes_to_ipc("auto", "send", 1 << 20) and routes_to_ipc("auto", "recv", 1 << 30)
     assert not routes_to_ipc("auto", "gather", 1 << 20)       # the kernels have no gather
+    # a rank count not measured takes the table of the most ranks measured below it
+    monkeypatch.setitem(AUTO_IPC_RANGES, 4, {"all_reduce": [(0, 1 << 20)]})
+    assert auto_ranges(3) is AUTO_IPC_RANGES[2] and auto_ranges(8) is AUTO_IPC_RANGES[4]
+    assert auto_ranges(1) is AUTO_IPC_RANGES[2]
+    assert routes_to_ipc("auto", "all_reduce", 1 << 20, 8)
+    assert not routes_to_ipc("auto", "all_reduce", 2 << 20, 8)
+    assert not routes_to_ipc("auto", "broadcast", 8, 4)
 
 
 def test_compiled_kernels_are_cached_under_anyccl_cache_dir(monkeypatch, tmp_path):

@@ -41,29 +41,37 @@ _TAG_BITS = 24  # the part of a tag a message carries (kernels.cu: meta_of)
 
 # policy="auto": the sizes (bytes of each rank's array: the input of all_reduce, broadcast,
 # all_gather and messages, the output of reduce_scatter) that run on the ipc kernels, as ranges
-# (above, at most]; every other size runs on NCCL. Only where the kernels were measured faster
-# than NCCL, same run: benchmarks/results/2026-11-22-h200x2-ipc-vs-nccl.md (2 x H200, NV18).
-_EVERY = (0, 1 << 62)
-AUTO_IPC_RANGES: dict[str, list[tuple[int, int]]] = {
-    # 8 B-8 MiB 1.4-2.5x faster (graphs), 16 MiB-1 GiB 1.01-1.25x
-    "all_reduce": [_EVERY],
-    # 8 B-8 MiB 1.4-2.0x; 16 MiB-1 GiB 0.96-1.05x
-    "broadcast": [(0, 8 << 20)],
-    # 8-512 MiB per rank 1.00-1.26x (smaller: not measured)
-    "all_gather": [(4 << 20, 1 << 62)],
-    # 32 and 128 MiB per rank 1.21x, 1.13x; 8 MiB 0.69x, 512 MiB 0.97x
-    "reduce_scatter": [(8 << 20, 128 << 20)],
-    # 16 MiB-1 GiB 1.00-1.04x; 1-4 MiB 0.76-0.79x
-    "send": [(8 << 20, 1 << 62)],
-    "recv": [(8 << 20, 1 << 62)],
+# (above, at most], by the number of ranks they were measured on; every other size runs on NCCL.
+# Only where the kernels were measured faster than NCCL by 3% or more in the same run, derived by
+# benchmarks/auto_table.py from the runs named (GPU time: CUDA-graph timing for small sizes).
+AUTO_IPC_RANGES: dict[int, dict[str, list[tuple[int, int]]]] = {
+    # 2 x H200 (NV18): 2026-11-22-h200x2-ipc-vs-nccl-small-graph.json and -large.json; messages
+    # from benchmarks/ipc_p2p.py (16 MiB-1 GiB 1.00-1.04x, 1-4 MiB 0.76-0.79x)
+    2: {
+        "all_reduce": [(0, 256 << 20)],
+        "broadcast": [(0, 8 << 20), (16 << 20, 64 << 20)],
+        "all_gather": [(8 << 20, 128 << 20)],
+        "reduce_scatter": [(8 << 20, 128 << 20)],
+        "send": [(8 << 20, 1 << 62)],
+        "recv": [(8 << 20, 1 << 62)],
+    },
 }
 POLICIES = ("ipc", "auto")
 
 
-def routes_to_ipc(policy: str, op: str, nbytes: int) -> bool:
-    """Whether `op` on arrays of `nbytes` runs on the kernels (else NCCL) under `policy`; the
-    same answer on every rank, since every rank passes the same op and size."""
-    return policy == "ipc" or any(lo < nbytes <= hi for lo, hi in AUTO_IPC_RANGES.get(op, ()))
+def auto_ranges(nranks: int) -> dict[str, list[tuple[int, int]]]:
+    """The table measured on the most ranks not above `nranks` (else on the fewest)."""
+    measured = sorted(AUTO_IPC_RANGES)
+    below = [m for m in measured if m <= nranks]
+    return AUTO_IPC_RANGES[below[-1] if below else measured[0]]
+
+
+def routes_to_ipc(policy: str, op: str, nbytes: int, nranks: int = 2) -> bool:
+    """Whether `op` on arrays of `nbytes` runs on the kernels (else NCCL) under `policy` among
+    `nranks` ranks; the same answer on every rank, since every rank passes the same op, size
+    and rank count."""
+    return policy == "ipc" or any(lo < nbytes <= hi
+                                  for lo, hi in auto_ranges(nranks).get(op, ()))
 
 
 def _env_int(name: str, default: int) -> int:
@@ -164,7 +172,7 @@ class IpcBackend:
 
     # ---- routing ---------------------------------------------------------------------------------
     def _ipc(self, op: str, nbytes: int) -> bool:
-        return routes_to_ipc(self.policy, op, nbytes)
+        return routes_to_ipc(self.policy, op, nbytes, self.size)
 
     def _blocks(self, nbytes: int) -> int:
         """Blocks for a kernel whose blocks share `nbytes`, and the tile (bytes between two

@@ -1,0 +1,100 @@
+"""The `auto` routing table (`AUTO_IPC_RANGES` in src/anyccl/backends/ipc/backend.py) derived
+from measurements: for each op, the per-rank array sizes where anyccl's ipc kernels were faster
+than anyccl on NCCL in the same run.
+
+    python benchmarks/auto_table.py RUN.json [RUN.json ...] [--margin 0.03]
+
+Each RUN.json is written by `anyccl bench --device cuda --json`, with the ipc kernels either the
+main backend (`--backend ipc --compare nccl`) or a peer (`--backend auto --compare ipc,nccl`).
+Several files (e.g. a small-size and a large-size sweep) merge; they must have one rank count.
+A size goes to ipc when its time is below NCCL's by more than --margin (a fraction); sizes
+between two measured ones go with the larger one's winner. Prints a Python literal to paste,
+and a table of the ratios it was decided on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+
+# nccl-tests' size (bytes) -> the size routes_to_ipc decides on (each rank's array)
+PER_RANK = {"all_reduce": lambda size, n: size, "broadcast": lambda size, n: size,
+            "all_gather": lambda size, n: size // n, "reduce_scatter": lambda size, n: size // n,
+            "sendrecv": lambda size, n: size}
+VARIANT = {"all_reduce": "in-place", "broadcast": "in-place"}  # else out-of-place
+NO_END = 1 << 62
+
+
+def load(paths: list[str]) -> tuple[int, dict[str, dict[int, dict[str, float]]]]:
+    """(ranks, {op: {per-rank bytes: {"ipc": us, "nccl": us}}}) from the runs."""
+    ranks, table = None, defaultdict(lambda: defaultdict(dict))
+    for path in paths:
+        run = json.load(open(path))
+        n = run["meta"]["ranks"]
+        if ranks not in (None, n):
+            raise SystemExit(f"{path}: {n} ranks, but an earlier file has {ranks}")
+        ranks = n
+        main_is_ipc = run["meta"]["backend"].endswith("cuda:ipc")
+        for row in run["rows"]:
+            op, lib = row["op"], row["library"]
+            kind = ("ipc" if lib == "anyccl-ipc" or (lib == "anyccl" and main_is_ipc) else
+                    "nccl" if lib == "anyccl-nccl" else None)
+            if (kind is None or op not in PER_RANK or row["time_us"] is None
+                    or row["variant"] != VARIANT.get(op, "out-of-place")):
+                continue
+            table[op][PER_RANK[op](row["size"], n)][kind] = row["time_us"]
+    if ranks is None:
+        raise SystemExit("no runs given")
+    return ranks, table
+
+
+def ranges(sizes: dict[int, dict[str, float]], margin: float) -> list[tuple[int, int]]:
+    """(above, at most] ranges of per-rank bytes that go to ipc: each measured size decides for
+    the sizes above the measured size below it; the largest also for every larger size."""
+    measured = sorted(s for s, t in sizes.items() if "ipc" in t and "nccl" in t)
+    spans: list[tuple[int, int]] = []
+    for i, size in enumerate(measured):
+        if sizes[size]["ipc"] >= sizes[size]["nccl"] * (1 - margin):
+            continue
+        lo = measured[i - 1] if i else 0
+        hi = size if i + 1 < len(measured) else NO_END
+        if spans and spans[-1][1] == lo:
+            spans[-1] = (spans[-1][0], hi)
+        else:
+            spans.append((lo, hi))
+    return spans
+
+
+def _bytes(v: int) -> str:
+    if v >= NO_END:
+        return "1 << 62"
+    for shift in (30, 20, 10):
+        if v and v % (1 << shift) == 0:
+            return f"{v >> shift} << {shift}"
+    return str(v)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("runs", nargs="+")
+    p.add_argument("--margin", type=float, default=0.03)
+    a = p.parse_args()
+    n, table = load(a.runs)
+    print(f"# {n} ranks; ratio = ipc time / nccl time (below {1 - a.margin:.2f}: ipc)")
+    for op, sizes in table.items():
+        cells = [f"{s}:{t['ipc'] / t['nccl']:.2f}" for s, t in sorted(sizes.items())
+                 if "ipc" in t and "nccl" in t]
+        print(f"#   {op:<15} " + " ".join(cells))
+    print(f"    {n}: {{")
+    for op, sizes in table.items():
+        name = "send" if op == "sendrecv" else op
+        spans = ", ".join(f"({_bytes(lo)}, {_bytes(hi)})" for lo, hi in ranges(sizes, a.margin))
+        print(f'        "{name}": [{spans}],')
+        if op == "sendrecv":
+            print(f'        "recv": [{spans}],')
+    print("    },")
+
+
+if __name__ == "__main__":
+    main()
