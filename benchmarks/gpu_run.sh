@@ -9,7 +9,7 @@
 # sanitizer (compute-sanitizer on a small ipc run), ipcsmall / ipclarge (anyccl bench: ipc vs
 # anyccl-nccl vs torch), ipcp2p (one-way send/recv bandwidth), scale (five collectives, MIN to
 # MAX: anyccl auto beside anyccl ipc, anyccl nccl and torch, on every GPU), links (copy-engine
-# rates between the GPUs: the rooflines).
+# rates between the GPUs: the rooflines), pack (everything in $OUT into one gpu-out.tgz: last).
 # N=k runs the multi-rank steps on k ranks (default: one per visible GPU); K=expr selects ipc tests.
 # Logs go to $OUT (or ./gpu-out). NVLink multicast stays off (shared machines).
 set -uo pipefail
@@ -92,7 +92,10 @@ for what in "$@"; do
         --backend auto --compare ipc,nccl,torch \
         --op "${OPS:-all_reduce,all_gather,reduce_scatter,broadcast,all_to_all}" \
         --min "${MIN:-16}" --max "${MAX:-1G}" --factor 4 ${GRAPH:+--graph} \
-        --json "$OUT/$name.json" 2>&1 | tee "$OUT/$name.txt" | grep -v '^ *[0-9]' | tail -80 ;;
+        --json "$OUT/$name.json" 2>&1 | tee "$OUT/$name.txt" \
+        | awk '/busbw \(GB\/s/,/latency at the smallest/' | tail -100 ;;
+  pack) step pack  # the device tool brings back few files: one archive of them all
+    tar czf /tmp/gpu-out.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/gpu-out.tgz "$OUT/" ;;
   *) echo "unknown step $what"; exit 2 ;;
   esac
 done

@@ -647,14 +647,14 @@ def _bench(ns: argparse.Namespace, s: Settings, compare: list[str]) -> int:
             print_comparison(out, op, [r for r in rows if r.op == op],
                              [p.name for p in peers])
             out.flush()
-    wrong = sum(r.wrong or 0 for r in rows)
-    if lead:
-        if ns.json:
+        if lead and ns.json:  # after every op: a run cut short keeps what it measured
             meta = {"ranks": comm.size, "backend": comm.backend, "memory_copy_gbs": membw,
                     "libraries": _versions(compare, where.device), "device": where.device,
                     "host": socket.gethostname()}
             with open(ns.json, "w") as f:
                 json.dump({"meta": meta, "rows": [asdict(r) for r in rows]}, f, indent=1)
+    wrong = sum(r.wrong or 0 for r in rows)
+    if lead:
         if ns.plot:
             plot(rows, ns.plot, f"anyccl bench, {comm.size} ranks, {s.dtype.name}")
     for peer in peers:
