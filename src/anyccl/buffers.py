@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import sys
-from dataclasses import dataclass
 from typing import Any, Union
 
 import ml_dtypes
@@ -111,22 +110,26 @@ def as_numpy(x: Any, name: str, *, writable: bool) -> np.ndarray:
 _KDL_CUDA = 2  # DLPack's device type of CUDA memory
 
 
-@dataclass(frozen=True)
 class GpuArray:
     """A contiguous run of `size` elements of `dtype` at device pointer `ptr` on `device`.
 
     `stream` is the stream the array's producer works on now (its framework's current stream), or
     None when the framework has no stream to order after (JAX): then anyccl synchronises on the
     host before and after the operation. `owner` keeps the user's array alive while in use.
+    A value: never changed after it is made (a plain slotted class, not a frozen dataclass,
+    because every GPU call makes several and a frozen dataclass takes five times as long).
     """
 
-    ptr: int
-    size: int
-    dtype: np.dtype
-    device: int
-    stream: int | None
-    kind: str
-    owner: Any
+    __slots__ = ("ptr", "size", "dtype", "device", "stream", "kind", "owner")
+
+    def __init__(self, ptr: int, size: int, dtype: np.dtype, device: int, stream: int | None,
+                 kind: str, owner: Any) -> None:
+        self.ptr, self.size, self.dtype, self.device = ptr, size, dtype, device
+        self.stream, self.kind, self.owner = stream, kind, owner
+
+    def __repr__(self) -> str:
+        return (f"GpuArray(ptr={self.ptr:#x}, size={self.size}, dtype={self.dtype}, "
+                f"device={self.device}, stream={self.stream}, kind={self.kind!r})")
 
     @property
     def nbytes(self) -> int:

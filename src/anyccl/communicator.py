@@ -165,7 +165,9 @@ class Communicator:
             if whole.size != self.size * like.size:
                 raise self._fail(op, f"{name} has {whole.size} elements; expected {self.size} x "
                                      f"{like.size} = {self.size * like.size} (one piece per rank)")
-            pieces = [whole[i * like.size:(i + 1) * like.size] for i in range(self.size)]
+            if whole.dtype != like.dtype:  # every piece alike: one dtype check for all
+                self._same(op, whole, like, name)
+            return _Pieces(whole, like.size, self.size)
         for i, piece in enumerate(pieces):
             self._same(op, piece, like, f"{name}[{i}]")
         return pieces
@@ -193,6 +195,8 @@ class Communicator:
     def _others_disjoint(self, op: str, pieces: list[Array], name: str, x: Array,
                          x_name: str) -> None:
         """Only this rank's own piece may share memory with `x` (the in-place form)."""
+        if isinstance(pieces, _Pieces) and not overlaps(pieces.whole, x):
+            return  # one check for the common case: pieces of one array apart from x
         for i, piece in enumerate(pieces):
             if i != self.rank:
                 self._disjoint(op, piece, f"{name}[{i}]", x, x_name)
@@ -768,7 +772,19 @@ def _shape(x: Array) -> str:
     return f"{_DTYPE_NAMES.get(x.dtype) or x.dtype.name} x {x.size}"
 
 
+class _Pieces(list):
+    """The `size` consecutive pieces of one array `whole` (alike by construction)."""
+
+    def __init__(self, whole: Array, count: int, size: int) -> None:
+        super().__init__(whole[i * count:(i + 1) * count] for i in range(size))
+        self.whole = whole
+
+
 def _named(name: str, pieces: Sequence[Array]) -> list[tuple[str, Array]]:
+    """The arrays a call reads or writes, named for messages: one array split into pieces is
+    itself (its pieces share its device and stream), else each piece."""
+    if isinstance(pieces, _Pieces):
+        return [(name, pieces.whole)]
     return [(f"{name}[{i}]", p) for i, p in enumerate(pieces)]
 
 
