@@ -1,0 +1,55 @@
+"""reduce_scatter of 16 MiB on 2 GPUs, eager: anyccl on the caller's (default) stream, anyccl on a
+side stream, and torch, alternating rounds (median).
+
+    anyccl run -n 2 benchmarks/host_probe.py
+"""
+import statistics
+import time
+
+import torch
+
+import anyccl
+from anyccl.tools.peers import TorchPeer
+
+comm = anyccl.init(backend="nccl")
+dev = torch.device(f"cuda:{comm.device}")
+torch.cuda.set_device(dev)
+peer = TorchPeer(comm, str(dev))
+dist = peer.dist
+n = comm.size
+inp = torch.ones(4 << 20, device=dev)
+out = torch.empty((4 << 20) // n, device=dev)
+side = torch.cuda.Stream(dev)
+
+
+def on_side():
+    with torch.cuda.stream(side):
+        comm.reduce_scatter(out, inp)
+
+
+runs = {"anyccl default stream": lambda: comm.reduce_scatter(out, inp),
+        "anyccl side stream": on_side,
+        "torch": lambda: dist.reduce_scatter_tensor(out, inp),
+        "anyccl all_reduce 16M": lambda: comm.all_reduce(inp),
+        "torch all_reduce 16M": lambda: dist.all_reduce(inp)}
+times = {k: [] for k in runs}
+for f in runs.values():
+    for _ in range(20):
+        f()
+torch.cuda.synchronize()
+for _ in range(5):
+    for name, f in runs.items():
+        dist.barrier()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(500):
+            f()
+        host = time.perf_counter() - t0
+        torch.cuda.synchronize()
+        times[name].append(((time.perf_counter() - t0) / 500, host / 500))
+if comm.rank == 0:
+    for name, ts in times.items():
+        print(f"{name:<24} {statistics.median(t for t, _ in ts) * 1e6:7.1f} us per call "
+              f"(host loop {statistics.median(h for _, h in ts) * 1e6:6.1f} us)", flush=True)
+dist.destroy_process_group()
+comm.close()
