@@ -4,10 +4,11 @@ the array adapter, the routing, the op record and the queueing -- the part of an
 host time that is anyccl's code. `benchmarks/gpu_overhead.py` measures the whole on a GPU.
 
     python benchmarks/host_path.py [--op all_reduce|all_gather|reduce_scatter|broadcast]
-                                   [--calls 20000] [--profile]
+                                   [--backend nccl|ipc] [--calls 20000] [--profile]
 """
 
 import argparse
+import collections
 import cProfile
 import pstats
 import time
@@ -21,6 +22,8 @@ from anyccl.backends import nccl as nccl_module
 parser = argparse.ArgumentParser()
 parser.add_argument("--op", default="all_reduce",
                     choices=("all_reduce", "all_gather", "reduce_scatter", "broadcast"))
+parser.add_argument("--backend", default="nccl", choices=("nccl", "ipc"),
+                    help="ipc: the kernels' path (launches stubbed) in front of stubbed NCCL")
 parser.add_argument("--calls", type=int, default=20000)
 parser.add_argument("--profile", action="store_true")
 args = parser.parse_args()
@@ -63,6 +66,22 @@ backend.__dict__.update(dict(
     _more_health=[], _more_aborts=[]))
 backend._watch = lambda item: None  # no thread: this measures the caller's side only
 
+if args.backend == "ipc":  # the kernels' side: real argument block and routing, no launches
+    from types import SimpleNamespace
+
+    from anyccl.backends.ipc import backend as ipc_module
+    from anyccl.backends.ipc.memory import KernelArgs, Layout
+
+    gpu.launch = lambda *a: None
+    ipc = ipc_module.IpcBackend.__new__(ipc_module.IpcBackend)
+    ipc.__dict__.update(dict(
+        nccl=backend, policy="ipc", rank=0, size=2, device=0, layout=Layout(2),
+        memory=SimpleNamespace(error=lambda: (0, 0, 0, 0)), _status=np.zeros(8, np.uint64),
+        _kernels=collections.defaultdict(int), _args=KernelArgs(), max_blocks=128,
+        ll_bytes=1 << 20, one_shot_bytes=2 << 20, _side=[], _fork=0))
+    ipc._params_address = 0
+    backend = ipc
+
 comm = anyccl.init("shm")
 comm._device, comm._gpu = 0, backend
 comm.size = 2  # the communicator's view: two ranks (pieces, roots), while NCCL is stubbed
@@ -76,7 +95,8 @@ started = time.perf_counter()
 for _ in range(args.calls):
     call()
 took = (time.perf_counter() - started) / args.calls
-print(f"anyccl.{args.op} on a GPU array, CUDA and NCCL stubbed: {took * 1e6:.2f} us of Python "
+print(f"anyccl.{args.op} on a GPU array ({args.backend}), CUDA and NCCL stubbed: "
+      f"{took * 1e6:.2f} us of Python "
       f"per call ({args.calls} calls, {np.__name__} {np.__version__})")
 if args.profile:
     cProfile.run("for _ in range(5000): call()", "/tmp/host_path.prof")
