@@ -142,6 +142,7 @@ def test_what_the_kernels_do_not_serve_goes_to_nccl(launches):
     assert b.reduce(arr(4096, 10), 0, ReduceOp.SUM) == ("nccl", "reduce")
     assert b.all_to_all([arr(0, 1)] * 2, [arr(8, 1)] * 2) == ("nccl", "all_to_all")
     auto = make_backend(names, policy="auto")
+    assert (b.name, auto.name) == ("ipc", "auto")  # what comm.backend reports: cuda:ipc / :auto
     assert auto.broadcast(arr(4096, 16 << 18), 0) == ("nccl", "broadcast")   # 16 MiB
     assert callable(auto.broadcast(arr(4096, 1 << 10), 0))                  # 4 KiB: kernels
 

@@ -82,8 +82,6 @@ def _env_int(name: str, default: int) -> int:
 class IpcBackend:
     """anyccl's peer-memory kernels on one GPU per rank, with an NCCL communicator for the rest."""
 
-    name = "ipc"
-
     def __init__(self, nccl: NcclBackend, memory: PeerMemory, policy: str) -> None:
         if policy not in POLICIES:
             raise UnsupportedError(f"ipc policy {policy!r} is unknown; expected one of "
@@ -132,6 +130,11 @@ class IpcBackend:
             memory.close()
             nccl.close()
             raise
+
+    @property
+    def name(self) -> str:
+        """"ipc" (every op the kernels serve runs on them) or "auto" (the measured routes)."""
+        return self.policy
 
     # ---- the queue: NCCL's -----------------------------------------------------------------------
     @property
