@@ -35,7 +35,8 @@ def load(paths: list[str]) -> tuple[int, dict[str, dict[int, dict[str, float]]]]
         if ranks not in (None, n):
             raise SystemExit(f"{path}: {n} ranks, but an earlier file has {ranks}")
         ranks = n
-        main_is_ipc = run["meta"]["backend"].endswith("cuda:ipc")
+        has_peer = any(row["library"] == "anyccl-ipc" for row in run["rows"])
+        main_is_ipc = run["meta"]["backend"].endswith("cuda:ipc") and not has_peer
         for row in run["rows"]:
             op, lib = row["op"], row["library"]
             kind = ("ipc" if lib == "anyccl-ipc" or (lib == "anyccl" and main_is_ipc) else
