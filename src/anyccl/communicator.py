@@ -301,6 +301,9 @@ class Communicator:
                                   _DTYPE_CODES[like.dtype] if like is not None else -1,
                                   like.size if like is not None else -1, root,
                                   _REDOP_CODES.index(op) if op is not None else -1], np.int64)
+        elif enqueue is not None:  # the GPU path: nothing runs on the host engine
+            return self._queue_on_gpu(record, [entry], enqueue, [a for _, a in arrays],
+                                      async_op, stream)
 
         def task(_: Work | None = None) -> None:
             FlightRecorder.started(entry)
