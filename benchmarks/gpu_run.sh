@@ -9,7 +9,8 @@
 # sanitizer (compute-sanitizer on a small ipc run), ipcsmall / ipclarge (anyccl bench: ipc vs
 # anyccl-nccl vs torch), ipcp2p (one-way send/recv bandwidth), scale (five collectives, MIN to
 # MAX: anyccl auto beside anyccl ipc, anyccl nccl and torch, on every GPU), links (copy-engine
-# rates between the GPUs: the rooflines), ce (a copy-engine two-shot all_reduce: an experiment), pack (everything in $OUT into one gpu-out.tgz: last).
+# rates between the GPUs: the rooflines), ce (a copy-engine two-shot all_reduce: an
+# experiment), pack (everything in $OUT into one gpu-out.tgz: last).
 # N=k runs the multi-rank steps on k ranks (default: one per visible GPU); K=expr selects ipc tests.
 # Logs go to $OUT (or ./gpu-out). NVLink multicast stays off (shared machines).
 set -uo pipefail
