@@ -75,6 +75,11 @@ def test_bad_options_are_refused_clearly():
     assert proc.returncode != 0 and "--op all_sum: expected one of" in proc.stderr
     proc = _bench("--max", "lots")
     assert proc.returncode != 0 and "--max='lots' is not a size" in proc.stderr
+    proc = _bench("--compare", "gloo")
+    assert proc.returncode != 0 and "--compare gloo: expected some of torch, mpi, shm, nccl, " \
+        "ipc, auto" in proc.stderr
+    proc = _bench("--rounds", "0")
+    assert proc.returncode != 0 and "--rounds 0: expected at least 1" in proc.stderr
 
 
 class _Recording:
