@@ -1,7 +1,8 @@
 """Eager calls of 16 MiB on 2 GPUs, host loop time against time per call: reduce_scatter and
 all_gather by anyccl on the caller's (legacy default) stream, on a side stream given as stream=
 (no torch stream context: isolates the stream NCCL is handed), inside torch.cuda.stream(...), and
-by torch; all_reduce by both. Alternating rounds, medians.
+by torch; all_reduce by both; and 8-byte all_reduces on nccl, ipc and torch (is an eager ipc call
+slower on the host or on the GPU?). Alternating rounds, medians.
 
     anyccl run -n 2 benchmarks/host_probe.py
 """
@@ -14,6 +15,7 @@ import anyccl
 from anyccl.tools.peers import TorchPeer
 
 comm = anyccl.init(backend="nccl")
+kernels = anyccl.init(backend="ipc")
 dev = torch.device(f"cuda:{comm.device}")
 torch.cuda.set_device(dev)
 peer = TorchPeer(comm, str(dev))
@@ -21,6 +23,7 @@ dist = peer.dist
 n = comm.size
 inp = torch.ones(4 << 20, device=dev)
 out = torch.empty((4 << 20) // n, device=dev)
+tiny = torch.ones(2, device=dev)
 side = torch.cuda.Stream(dev)
 
 
@@ -38,7 +41,10 @@ runs = {"anyccl reduce_scatter": lambda: comm.reduce_scatter(out, inp),
         "torch all_gather": lambda: dist.all_gather_into_tensor(inp, out),
         "anyccl all_reduce": lambda: comm.all_reduce(inp),
         "anyccl all_reduce stream=": lambda: comm.all_reduce(inp, stream=side),
-        "torch all_reduce": lambda: dist.all_reduce(inp)}
+        "torch all_reduce": lambda: dist.all_reduce(inp),
+        "anyccl all_reduce 8 B": lambda: comm.all_reduce(tiny),
+        "anyccl-ipc all_reduce 8 B": lambda: kernels.all_reduce(tiny),
+        "torch all_reduce 8 B": lambda: dist.all_reduce(tiny)}
 times = {k: [] for k in runs}
 for f in runs.values():
     for _ in range(20):
@@ -61,4 +67,5 @@ if comm.rank == 0:
         print(f"{name:<34} {statistics.median(t for t, _ in ts) * 1e6:7.1f} us per call "
               f"(host loop {statistics.median(h for _, h in ts) * 1e6:6.1f} us)", flush=True)
 dist.destroy_process_group()
+kernels.close()
 comm.close()
