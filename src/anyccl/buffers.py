@@ -256,7 +256,7 @@ def gpu_array(x: Any, name: str) -> GpuArray | None:
     module = type(x).__module__
     torch = _torch_module()
     if torch is not None and module.startswith("torch") and isinstance(x, torch.Tensor):
-        return _from_torch(x, name) if x.device.type == "cuda" else None
+        return _from_torch(x, name) if x.is_cuda else None
     if module.startswith("cupy"):
         return _from_cupy(x, name)
     if module.startswith("jax") or module.startswith("jaxlib"):
