@@ -10,7 +10,7 @@
 # anyccl-nccl vs torch), ipcp2p (one-way send/recv bandwidth), scale (five collectives, MIN to
 # MAX: anyccl auto beside anyccl ipc, anyccl nccl and torch, on every GPU), links (copy-engine
 # rates between the GPUs: the rooflines), ce (a copy-engine two-shot all_reduce: an
-# experiment), pack (everything in $OUT into one gpu-out.tgz: last).
+# experiment), probe (eager host loops, anyccl vs torch: host_probe.py), pack (everything in $OUT into one gpu-out.tgz: last).
 # N=k runs the multi-rank steps on k ranks (default: one per visible GPU); K=expr selects ipc tests.
 # Logs go to $OUT (or ./gpu-out). NVLink multicast stays off (shared machines).
 set -uo pipefail
@@ -85,6 +85,9 @@ for what in "$@"; do
   ipcp2p) step ipcp2p
     timeout 150 python3 -m anyccl run -n 2 benchmarks/ipc_p2p.py 2>&1 \
         | tee "$OUT/ipc-p2p.txt" | tail -12 ;;
+  probe) step probe
+    timeout 150 python3 -m anyccl run -n 2 benchmarks/host_probe.py 2>&1 | grep -v Warning \
+        | tee "$OUT/host-probe.txt" | tail -16 ;;
   ce) step ce
     timeout 120 python3 benchmarks/ce_allreduce.py 2>&1 | tee "$OUT/ce-allreduce.txt" | tail -8 ;;
   links) step links
