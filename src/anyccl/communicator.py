@@ -293,7 +293,6 @@ class Communicator:
                 raise type(exc)(f"rank {self.rank}: {name}: {exc}") from None
         self._seq += 1
         record = OpRecord(name, self._seq, args, nbytes)
-        backend, timeout_s = self._backend, self.timeout_s
         entry = self.flight_recorder.queued(record)
         signature = None
         if self.debug:
@@ -301,9 +300,23 @@ class Communicator:
                                   _DTYPE_CODES[like.dtype] if like is not None else -1,
                                   like.size if like is not None else -1, root,
                                   _REDOP_CODES.index(op) if op is not None else -1], np.int64)
-        elif enqueue is not None:  # the GPU path: nothing runs on the host engine
+        if enqueue is not None:  # the GPU path: the host engine only runs debug mode's check
+            if signature is not None:
+                self._engine.call(self._host_task(record, entry, signature, None),
+                                  Work(record, self.rank))
             return self._queue_on_gpu(record, [entry], enqueue, [a for _, a in arrays],
                                       async_op, stream)
+        task, work = self._host_task(record, entry, signature, call), Work(record, self.rank)
+        if async_op:
+            return self._engine.submit(task, work)
+        self._engine.call(task, work)
+        return None
+
+    def _host_task(self, record: OpRecord, entry: dict, signature: np.ndarray | None,
+                   call: Callable[[Any], Any] | None) -> Callable[[Work | None], None]:
+        """What the host engine runs for one operation: debug mode's agreement check (if
+        `signature`), then `call(backend)` (None: the operation itself is queued on a GPU)."""
+        backend, timeout_s = self._backend, self.timeout_s
 
         def task(_: Work | None = None) -> None:
             FlightRecorder.started(entry)
@@ -311,26 +324,16 @@ class Communicator:
             try:
                 if signature is not None:
                     self._check_agreement(record, signature)
-                if enqueue is None:
+                if call is not None:
                     call(backend)
             except BaseException as exc:
                 FlightRecorder.ended(entry, exc)
                 self._post_mortem(exc)
                 raise
-            if enqueue is None:
+            if call is not None:
                 FlightRecorder.ended(entry)
             backend.end(record)
-
-        if enqueue is not None:
-            if signature is not None:
-                self._engine.call(task, Work(record, self.rank))
-            return self._queue_on_gpu(record, [entry], enqueue, [a for _, a in arrays],
-                                      async_op, stream)
-        work = Work(record, self.rank)
-        if async_op:
-            return self._engine.submit(task, work)
-        self._engine.call(task, work)
-        return None
+        return task
 
     def _queue_on_gpu(self, record: OpRecord, entries: list[dict],
                       enqueue: Callable[[int], None], arrays: list[GpuArray], async_op: bool,
