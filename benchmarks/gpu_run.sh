@@ -10,7 +10,8 @@
 # anyccl-nccl vs torch), ipcp2p (one-way send/recv bandwidth), scale (five collectives, MIN to
 # MAX: anyccl auto beside anyccl ipc, anyccl nccl and torch, on every GPU), links (copy-engine
 # rates between the GPUs: the rooflines), ce (a copy-engine two-shot all_reduce: an
-# experiment), probe (eager host loops, anyccl vs torch: host_probe.py), pack (everything in $OUT into one gpu-out.tgz: last).
+# experiment), probe (eager host loops, anyccl vs torch: host_probe.py), pack (everything in
+# $OUT into one gpu-out.tgz: last).
 # N=k runs the multi-rank steps on k ranks (default: one per visible GPU); K=expr selects ipc tests.
 # Logs go to $OUT (or ./gpu-out). NVLink multicast stays off (shared machines).
 set -uo pipefail
@@ -27,6 +28,16 @@ anyccl() { python3 -m anyccl "$@"; }
 } > "$OUT/info.txt" 2>&1
 n=${N:-$(python3 -c 'import torch; print(torch.cuda.device_count())')}
 step() { echo "=== $1 ($(date +%T))"; }
+# anyccl bench on the GPUs: bench NAME TIMEOUT BACKEND COMPARE OPS MIN MAX; $FACTOR (4) and $GRAPH
+# apply; writes $OUT/NAME.json and NAME.txt and prints the comparison tables
+bench() {
+  local name=$1 limit=$2 backend=$3 compare=$4 ops=$5 min=$6 max=$7
+  timeout "$limit" python3 -m anyccl bench -n "$n" --device cuda --backend "$backend" \
+      --compare "$compare" --op "$ops" --min "$min" --max "$max" --factor "${FACTOR:-4}" \
+      ${GRAPH:+--graph} --json "$OUT/$name.json" 2>&1 | tee "$OUT/$name.txt" \
+      | awk '/busbw \(GB\/s/,/latency at the smallest/' | tail -100
+}
+FOUR=all_reduce,all_gather,reduce_scatter,broadcast
 for what in "$@"; do
   case $what in
   tests) step tests
@@ -53,14 +64,9 @@ for what in "$@"; do
   examples) step examples
     timeout 240 bash benchmarks/gpu_examples.sh "$n" 2>&1 | tee "$OUT/examples.txt" | tail -40 ;;
   small) step small
-    timeout 100 python3 -m anyccl bench -n "$n" --device cuda --op all_reduce --min 8 --max 8M \
-        --factor 4 --compare torch --json "$OUT/bench-small.json" 2>&1 \
-        | tee "$OUT/bench-small.txt" | grep -v '^#  *[0-9]' | tail -30 ;;
+    bench bench-small 100 nccl torch all_reduce 8 8M ;;
   large) step large
-    timeout "${BENCH_TIMEOUT:-240}" python3 -m anyccl bench -n "$n" --device cuda \
-        --op "${OPS:-all_reduce,all_gather,reduce_scatter,broadcast}" --min 16M --max 1G \
-        --factor "${FACTOR:-4}" --compare torch --json "$OUT/bench-large.json" 2>&1 \
-        | tee "$OUT/bench-large.txt" | tail -40 ;;
+    bench bench-large "${BENCH_TIMEOUT:-240}" nccl torch "${OPS:-$FOUR}" 16M 1G ;;
   ipccheck) step ipccheck
     timeout "${CHECK_TIMEOUT:-240}" python3 -m anyccl run -n "$n" benchmarks/ipc_check.py \
         --iters "${ITERS:-1000}" 2>&1 | tee "$OUT/ipc-check.txt" | tail -25 ;;
@@ -72,16 +78,10 @@ for what in "$@"; do
           | tee "$OUT/sanitizer-$tool.txt" | tail -8
     done ;;
   ipcsmall) step ipcsmall
-    timeout 200 python3 -m anyccl bench -n "$n" --device cuda --backend "${IPC_BACKEND:-ipc}" \
-        --compare nccl,torch --op "${OPS:-all_reduce}" --min 8 --max "${SMALL_MAX:-8M}" \
-        --factor 4 ${GRAPH:+--graph} --json "$OUT/ipc-small${GRAPH:+-graph}.json" 2>&1 \
-        | tee "$OUT/ipc-small${GRAPH:+-graph}.txt" | grep -v '^ *[0-9]' | tail -45 ;;
+    bench "ipc-small${GRAPH:+-graph}" 200 "${IPC_BACKEND:-ipc}" nccl,torch "${OPS:-all_reduce}" 8 \
+        "${SMALL_MAX:-8M}" ;;
   ipclarge) step ipclarge
-    timeout "${BENCH_TIMEOUT:-240}" python3 -m anyccl bench -n "$n" --device cuda \
-        --backend "${IPC_BACKEND:-ipc}" --compare nccl,torch \
-        --op "${OPS:-all_reduce,all_gather,reduce_scatter,broadcast}" --min 16M --max 1G \
-        --factor "${FACTOR:-4}" --json "$OUT/ipc-large.json" 2>&1 | tee "$OUT/ipc-large.txt" \
-        | grep -v '^ *[0-9]' | tail -60 ;;
+    bench ipc-large "${BENCH_TIMEOUT:-240}" "${IPC_BACKEND:-ipc}" nccl,torch "${OPS:-$FOUR}" 16M 1G ;;
   ipcp2p) step ipcp2p
     timeout 150 python3 -m anyccl run -n 2 benchmarks/ipc_p2p.py 2>&1 \
         | tee "$OUT/ipc-p2p.txt" | tail -12 ;;
@@ -93,13 +93,8 @@ for what in "$@"; do
   links) step links
     timeout 120 python3 benchmarks/link_ceiling.py 2>&1 | tee "$OUT/link-ceiling.txt" | tail -8 ;;
   scale) step scale
-    name="scale-$n-${MIN:-16}-${MAX:-1G}${GRAPH:+-graph}"
-    timeout "${BENCH_TIMEOUT:-500}" python3 -m anyccl bench -n "$n" --device cuda \
-        --backend auto --compare ipc,nccl,torch \
-        --op "${OPS:-all_reduce,all_gather,reduce_scatter,broadcast,all_to_all}" \
-        --min "${MIN:-16}" --max "${MAX:-1G}" --factor 4 ${GRAPH:+--graph} \
-        --json "$OUT/$name.json" 2>&1 | tee "$OUT/$name.txt" \
-        | awk '/busbw \(GB\/s/,/latency at the smallest/' | tail -100 ;;
+    bench "scale-$n-${MIN:-16}-${MAX:-1G}${GRAPH:+-graph}" "${BENCH_TIMEOUT:-500}" auto \
+        ipc,nccl,torch "${OPS:-$FOUR,all_to_all}" "${MIN:-16}" "${MAX:-1G}" ;;
   pack) step pack  # the device tool brings back few files: one archive of them all
     tar czf /tmp/gpu-out.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/gpu-out.tgz "$OUT/" ;;
   *) echo "unknown step $what"; exit 2 ;;
