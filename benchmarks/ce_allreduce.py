@@ -2,9 +2,10 @@
 the data instead of SM stores? One process drives both GPUs (CuPy); a two-shot all_reduce in
 --chunks pieces, pipelined over two streams per GPU:
 
-  1. GPU g copies (cudaMemcpyPeerAsync) its values of the peer's half into the peer's scratch;
+  1. GPU g copies (cudaMemcpyPeerAsync) its values of the peer's half into the peer's scratch
+     (a stream of its own for these pushes, so they never queue behind step 3);
   2. the peer adds them into its own half (an elementwise kernel: local reads and writes);
-  3. the peer copies its reduced chunk back into g's array.
+  3. the peer copies its reduced chunk back into g's array (its "back" stream).
 
 Prints busbw (= S / time for 2 GPUs) for each size, checked against the expected sums, beside
 the copy engines' both-ways rate (link_ceiling.py) that bounds it. Not anyccl's code path: a
@@ -22,7 +23,7 @@ from cupy.cuda import runtime
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--mib", type=int, nargs="+", default=[256, 1024])
-parser.add_argument("--chunks", type=int, nargs="+", default=[1, 4, 16])
+parser.add_argument("--chunks", type=int, nargs="+", default=[1, 4, 16, 64])
 parser.add_argument("--repeat", type=int, default=5)
 args = parser.parse_args()
 
@@ -32,6 +33,11 @@ for a, b in ((0, 1), (1, 0)):
     with cupy.cuda.Device(a):
         if runtime.deviceCanAccessPeer(a, b):
             runtime.deviceEnablePeerAccess(b)
+# holds device 0's first stream while the host queues a whole run (timing the GPU, not the host)
+_sleep = cupy.RawKernel(r"""
+extern "C" __global__ void hold(long long ns) {
+    for (long long t = 0; t < ns; t += 1000000) __nanosleep(1000000);
+}""", "hold")
 
 
 def run(mib: int, chunks: int) -> tuple[float, bool]:
@@ -39,13 +45,14 @@ def run(mib: int, chunks: int) -> tuple[float, bool]:
     n = (mib << 20) // 4
     half = n // 2
     per = half // chunks
-    x, scratch, copy_s, add_s = [], [], [], []
+    x, scratch, copy_s, add_s, back_s = [], [], [], [], []
     for g in range(2):
         with cupy.cuda.Device(g):
             x.append(cupy.empty(n, dtype=cupy.float32))
             scratch.append(cupy.empty(half, dtype=cupy.float32))
             copy_s.append(cupy.cuda.Stream(non_blocking=True))
             add_s.append(cupy.cuda.Stream(non_blocking=True))
+            back_s.append(cupy.cuda.Stream(non_blocking=True))
     best = float("inf")
     for _ in range(args.repeat + 1):
         for g in range(2):
@@ -54,9 +61,12 @@ def run(mib: int, chunks: int) -> tuple[float, bool]:
                 runtime.deviceSynchronize()
         with cupy.cuda.Device(0):
             begin, end = cupy.cuda.Event(), cupy.cuda.Event()
+            _sleep((1,), (1,), (cupy.int64(30_000_000),), stream=copy_s[0])  # 30 ms
             begin.record(copy_s[0])
-        with cupy.cuda.Device(1):
-            copy_s[1].wait_event(begin)
+        for g in range(2):
+            with cupy.cuda.Device(g):
+                for s in (copy_s[g], back_s[g]):
+                    s.wait_event(begin)
         for k in range(chunks):
             for g in range(2):                       # 1: my values of the peer's half, to it
                 p = 1 - g
@@ -73,14 +83,16 @@ def run(mib: int, chunks: int) -> tuple[float, bool]:
                         mine += scratch[p][k * per:(k + 1) * per]
                     reduced = cupy.cuda.Event(disable_timing=True)
                     reduced.record(add_s[p])
-                    copy_s[p].wait_event(reduced)    # 3: and sends it back to g
+                    back_s[p].wait_event(reduced)    # 3: and sends it back to g
                     runtime.memcpyPeerAsync(x[g].data.ptr + lo * 4, g, x[p].data.ptr + lo * 4,
-                                            p, per * 4, copy_s[p].ptr)
-        with cupy.cuda.Device(1):
-            done1 = cupy.cuda.Event(disable_timing=True)
-            done1.record(copy_s[1])
+                                            p, per * 4, back_s[p].ptr)
+        for g in range(2):
+            with cupy.cuda.Device(g):
+                done = cupy.cuda.Event(disable_timing=True)
+                done.record(back_s[g])
+            with cupy.cuda.Device(0):
+                copy_s[0].wait_event(done)
         with cupy.cuda.Device(0):
-            copy_s[0].wait_event(done1)
             end.record(copy_s[0])
             end.synchronize()
             best = min(best, cupy.cuda.get_elapsed_time(begin, end) / 1e3)

@@ -10,8 +10,10 @@
 # anyccl-nccl vs torch), ipcp2p (one-way send/recv bandwidth), scale (five collectives, MIN to
 # MAX: anyccl auto beside anyccl ipc, anyccl nccl and torch, on every GPU), links (copy-engine
 # rates between the GPUs: the rooflines), ce (a copy-engine two-shot all_reduce: an
-# experiment), probe (eager host loops, anyccl vs torch: host_probe.py), pack (everything in
+# experiment), probe (eager host loops, anyccl vs torch: host_probe.py), calls (host time of
+# the driver calls each operation makes: cuda_call_cost.py), pack (everything in
 # $OUT into one gpu-out.tgz: last).
+# MIN/MAX change small's, large's and scale's sizes, ROUNDS the bench rounds (3).
 # N=k runs the multi-rank steps on k ranks (default: one per visible GPU); K=expr selects ipc tests.
 # Logs go to $OUT (or ./gpu-out). NVLink multicast stays off (shared machines).
 set -uo pipefail
@@ -28,13 +30,13 @@ anyccl() { python3 -m anyccl "$@"; }
 } > "$OUT/info.txt" 2>&1
 n=${N:-$(python3 -c 'import torch; print(torch.cuda.device_count())')}
 step() { echo "=== $1 ($(date +%T))"; }
-# anyccl bench on the GPUs: bench NAME TIMEOUT BACKEND COMPARE OPS MIN MAX; $FACTOR (4) and $GRAPH
-# apply; writes $OUT/NAME.json and NAME.txt and prints the comparison tables
+# anyccl bench on the GPUs: bench NAME TIMEOUT BACKEND COMPARE OPS MIN MAX; $FACTOR (4), $ROUNDS
+# and $GRAPH apply; writes $OUT/NAME.json and NAME.txt and prints the comparison tables
 bench() {
   local name=$1 limit=$2 backend=$3 compare=$4 ops=$5 min=$6 max=$7
   timeout "$limit" python3 -m anyccl bench -n "$n" --device cuda --backend "$backend" \
       --compare "$compare" --op "$ops" --min "$min" --max "$max" --factor "${FACTOR:-4}" \
-      ${GRAPH:+--graph} --json "$OUT/$name.json" 2>&1 | tee "$OUT/$name.txt" \
+      ${ROUNDS:+--rounds "$ROUNDS"} ${GRAPH:+--graph} --json "$OUT/$name.json" 2>&1 | tee "$OUT/$name.txt" \
       | awk '/busbw \(GB\/s/,/latency at the smallest/' | tail -100
 }
 FOUR=all_reduce,all_gather,reduce_scatter,broadcast
@@ -64,9 +66,10 @@ for what in "$@"; do
   examples) step examples
     timeout 240 bash benchmarks/gpu_examples.sh "$n" 2>&1 | tee "$OUT/examples.txt" | tail -40 ;;
   small) step small
-    bench bench-small 100 nccl torch all_reduce 8 8M ;;
+    bench bench-small 100 nccl torch all_reduce "${MIN:-8}" "${MAX:-8M}" ;;
   large) step large
-    bench bench-large "${BENCH_TIMEOUT:-240}" nccl torch "${OPS:-$FOUR}" 16M 1G ;;
+    bench "bench-large-${MIN:-16M}-${MAX:-1G}" "${BENCH_TIMEOUT:-240}" nccl torch "${OPS:-$FOUR}" \
+        "${MIN:-16M}" "${MAX:-1G}" ;;
   ipccheck) step ipccheck
     timeout "${CHECK_TIMEOUT:-240}" python3 -m anyccl run -n "$n" benchmarks/ipc_check.py \
         --iters "${ITERS:-1000}" 2>&1 | tee "$OUT/ipc-check.txt" | tail -25 ;;
@@ -85,6 +88,8 @@ for what in "$@"; do
   ipcp2p) step ipcp2p
     timeout 150 python3 -m anyccl run -n 2 benchmarks/ipc_p2p.py 2>&1 \
         | tee "$OUT/ipc-p2p.txt" | tail -12 ;;
+  calls) step calls
+    timeout 60 python3 benchmarks/cuda_call_cost.py 2>&1 | tee "$OUT/cuda-call-cost.txt" | tail -8 ;;
   probe) step probe
     timeout 150 python3 -m anyccl run -n 2 benchmarks/host_probe.py 2>&1 | grep -v Warning \
         | tee "$OUT/host-probe.txt" | tail -16 ;;

@@ -2,7 +2,9 @@
 all_gather by anyccl on the caller's (legacy default) stream, on a side stream given as stream=
 (no torch stream context: isolates the stream NCCL is handed), inside torch.cuda.stream(...), and
 by torch; all_reduce by both; and 8-byte all_reduces on nccl, ipc and torch (is an eager ipc call
-slower on the host or on the GPU?). Alternating rounds, medians.
+slower on the host or on the GPU?). "raw" rows call the backend's enqueue function straight on the
+stream, without the communicator (no checks, no op record, no watchdog): the floor that
+anyccl's Python sits on. Alternating rounds, medians.
 
     anyccl run -n 2 benchmarks/host_probe.py
 """
@@ -12,6 +14,8 @@ import time
 import torch
 
 import anyccl
+from anyccl.buffers import gpu_array
+from anyccl.ops import ReduceOp
 from anyccl.tools.peers import TorchPeer
 
 comm = anyccl.init(backend="nccl")
@@ -25,6 +29,14 @@ inp = torch.ones(4 << 20, device=dev)
 out = torch.empty((4 << 20) // n, device=dev)
 tiny = torch.ones(2, device=dev)
 side = torch.cuda.Stream(dev)
+comm.all_reduce(tiny)
+kernels.all_reduce(tiny)   # both backends made
+stream = torch.cuda.current_stream(dev).cuda_stream
+g_inp, g_out, g_tiny = (gpu_array(t, "x") for t in (inp, out, tiny))
+raw_rs = comm._gpu.reduce_scatter(g_out, [g_inp[i * g_out.size:(i + 1) * g_out.size]
+                                          for i in range(n)], ReduceOp.SUM)
+raw_nccl_tiny = comm._gpu.all_reduce(g_tiny, ReduceOp.SUM)
+raw_ipc_tiny = kernels._gpu.all_reduce(g_tiny, ReduceOp.SUM)
 
 
 def on_side():
@@ -44,7 +56,10 @@ runs = {"anyccl reduce_scatter": lambda: comm.reduce_scatter(out, inp),
         "torch all_reduce": lambda: dist.all_reduce(inp),
         "anyccl all_reduce 8 B": lambda: comm.all_reduce(tiny),
         "anyccl-ipc all_reduce 8 B": lambda: kernels.all_reduce(tiny),
-        "torch all_reduce 8 B": lambda: dist.all_reduce(tiny)}
+        "torch all_reduce 8 B": lambda: dist.all_reduce(tiny),
+        "raw nccl reduce_scatter": lambda: raw_rs(stream),
+        "raw nccl all_reduce 8 B": lambda: raw_nccl_tiny(stream),
+        "raw ipc all_reduce 8 B": lambda: raw_ipc_tiny(stream)}
 times = {k: [] for k in runs}
 for f in runs.values():
     for _ in range(20):
@@ -62,10 +77,17 @@ for _ in range(5):
         torch.cuda.synchronize()
         side.synchronize()
         times[name].append(((time.perf_counter() - t0) / 500, host / 500))
+import numpy as np  # noqa: E402
+
+mine = np.array([statistics.median(h for _, h in ts) for ts in times.values()])
+hosts = np.zeros(n * len(mine))
+comm.all_gather(hosts, mine)   # every rank's host loop: the slowest one paces a collective
+hosts = hosts.reshape(n, -1)
 if comm.rank == 0:
-    for name, ts in times.items():
+    for j, (name, ts) in enumerate(times.items()):
+        loops = ", ".join(f"{h * 1e6:5.1f}" for h in hosts[:, j])
         print(f"{name:<34} {statistics.median(t for t, _ in ts) * 1e6:7.1f} us per call "
-              f"(host loop {statistics.median(h for _, h in ts) * 1e6:6.1f} us)", flush=True)
+              f"(host loop by rank: {loops} us)", flush=True)
 dist.destroy_process_group()
 kernels.close()
 comm.close()

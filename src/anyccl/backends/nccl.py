@@ -468,6 +468,8 @@ class NcclBackend:
 
 
 def _consecutive(pieces: list[GpuArray]) -> bool:
+    if getattr(pieces, "whole", None) is not None:
+        return True  # the pieces of one array (the communicator's _Pieces): by construction
     return all(b.ptr == a.ptr + a.nbytes for a, b in zip(pieces, pieces[1:]))
 
 
