@@ -78,7 +78,7 @@ if args.backend == "ipc":  # the kernels' side: real argument block and routing,
         nccl=backend, policy="ipc", rank=0, size=2, device=0, layout=Layout(2),
         memory=SimpleNamespace(error=lambda: (0, 0, 0, 0)), _status=np.zeros(8, np.uint64),
         _kernels=collections.defaultdict(int), _args=KernelArgs(), max_blocks=128,
-        ll_bytes=1 << 20, one_shot_bytes=2 << 20, _side=[], _fork=0))
+        ll_bytes=1 << 20, one_shot_bytes=2 << 20, ce_bytes=1 << 62, _side=[], _fork=0))
     ipc._params_address = 0
     backend = ipc
 

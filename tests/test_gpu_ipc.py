@@ -1,7 +1,7 @@
 """GPU arrays on the ipc backend (anyccl's kernels over CUDA IPC peer memory) on 1, 2, 4 and 8 GPUs
 (as many as are visible): every op the kernels serve x float32/float16/bfloat16 x
-SUM/AVG/MIN/MAX against a float64 reference, through the one-shot, two-shot and several-kernel
-paths (small buffers force them), unaligned views, tagged messages and batched rings larger than
+SUM/AVG/MIN/MAX against a float64 reference, through the one-shot, two-shot, several-kernel and
+copy-engine paths (small buffers and thresholds force them), unaligned views, tagged messages and batched rings larger than
 the message ring, what the kernels do not serve falling to NCCL, a CUDA graph replaying a
 captured all_reduce, and a deadline that stops spinning kernels. Needs CUDA GPUs, NVRTC and
 nccl4py; skipped without."""
@@ -20,13 +20,14 @@ from test_gpu import check_timeout, two_gpus, world_sizes
 pytestmark = pytest.mark.gpu
 
 # small buffers: 2 MiB halves (256 KiB-1 MiB slots); data+flag words up to 16 KiB, one shot up
-# to 256 KiB, two shots above; a 4-slot message ring
+# to 256 KiB, two shots above, copy engines from 1 MiB (a 1 MiB area: chunks of 64-512 KiB
+# taking turns in its positions); a 4-slot message ring
 IPC_ENV = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", "NCCL_NVLS_ENABLE": "0",
            "ANYCCL_TIMEOUT": "60", "ANYCCL_BACKEND": "cpu:shm,cuda:ipc",
            "ANYCCL_IPC_HALF_MB": "2", "ANYCCL_IPC_LL_KB": "16", "ANYCCL_IPC_ONE_SHOT_KB": "256",
-           "ANYCCL_IPC_RING_MB": "4"}
+           "ANYCCL_IPC_CE_MB": "1", "ANYCCL_IPC_CE_KB": "1024", "ANYCCL_IPC_RING_MB": "4"}
 TOLERANCE = {"float32": 1e-6, "float16": 2e-3, "bfloat16": 1.6e-2}
-COUNTS = [1, 7, 1000, 16387, 65536 * 3 + 5, 1 << 20]   # up to 4 MiB: several kernels
+COUNTS = [1, 7, 1000, 16387, 65536 * 3 + 5, 1 << 20]   # 4 MiB: several kernels or copy engines
 
 
 def _inputs(torch, comm, seed, count, dtype):
@@ -164,9 +165,13 @@ def test_ipc_messages_check_tags_and_batched_rings_do_not_deadlock():
 
 
 @two_gpus()
-def test_an_ipc_kernel_past_its_deadline_is_stopped_and_the_next_call_names_it():
-    waited = run_ranks(check_timeout, 2, env={**IPC_ENV, "ANYCCL_TIMEOUT": "3"},
-                       deadline_s=60)[0]
+@pytest.mark.parametrize("path", ["kernels", "copy engines"])
+def test_an_ipc_operation_past_its_deadline_is_stopped_and_the_next_call_names_it(path):
+    # check_timeout's 256 KiB all_reduce: a spinning two-shot kernel, or streams waiting on
+    # copy-engine flags (released when the communicator is aborted)
+    env = {**IPC_ENV, "ANYCCL_TIMEOUT": "3",
+           "ANYCCL_IPC_CE_KB": "128" if path == "copy engines" else "1024"}
+    waited = run_ranks(check_timeout, 2, env=env, deadline_s=60)[0]
     assert waited < 6
 
 

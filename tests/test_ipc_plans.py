@@ -66,6 +66,7 @@ def make_backend(names, size=2, rank=0, policy="ipc", half_mb=2):
     b._params_address, b._side, b._fork = 0, [], 1
     b.max_blocks, b.ll_bytes, b.one_shot_bytes = 128, min(16 << 10, layout.slot_bytes // 2), \
         256 << 10
+    b.ce_bytes = 1 << 62  # the copy-engine path: tests/test_ipc_copy_engines.py
     kernels = ["all_gather", "broadcast", "barrier", "send", "recv"] + [
         f"{k}_{d}_{o}" for k in ("all_reduce_0", "all_reduce_2", "reduce_scatter")
         for d in ("float32", "float16", "bfloat16") for o in ("sum", "min", "max")]

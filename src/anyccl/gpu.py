@@ -232,9 +232,30 @@ def free_async(ptr: int, stream: int) -> None:
 
 
 def copy_async(dst: int, src: int, nbytes: int, stream: int) -> None:
+    """Queue a copy between device addresses, on this device or a peer's (mapped through CUDA
+    IPC or peer access): the copy engines move it."""
     rt = _rt()
-    _check(rt.cudaMemcpyAsync(dst, src, nbytes, rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice,
-                              stream), "cudaMemcpyAsync")
+    _check(rt.cudaMemcpyAsync(dst, src, nbytes, rt.cudaMemcpyKind.cudaMemcpyDefault, stream),
+           "cudaMemcpyAsync")
+
+
+def memset32_async(ptr: int, value: int, words: int, stream: int) -> None:
+    """Queue setting `words` 32-bit words at `ptr` to `value`."""
+    _check_driver(_drv().cuMemsetD32Async(ptr, value, words, stream)[0], "cuMemsetD32Async")
+
+
+def wait_value(stream: int, address: int, value: int) -> None:
+    """Work queued on `stream` from now on waits until the 32-bit word at device `address`
+    reaches `value` (a stream memory operation: compared as (int32)(word - value) >= 0)."""
+    _check_driver(_drv().cuStreamWaitValue32(stream, address, value, 0)[0],
+                  "cuStreamWaitValue32")
+
+
+def write_value(stream: int, address: int, value: int) -> None:
+    """Queue writing `value` to the 32-bit word at device `address` (on this GPU or a peer's),
+    after the stream's earlier work, whose writes it makes visible first (a memory fence)."""
+    _check_driver(_drv().cuStreamWriteValue32(stream, address, value, 0)[0],
+                  "cuStreamWriteValue32")
 
 
 # ---- what the ipc backend needs: modules, raw device memory, IPC handles, mapped host memory --

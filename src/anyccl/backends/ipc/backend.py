@@ -3,7 +3,8 @@
 Within one node, every rank maps the others' buffers (CUDA IPC, `memory.py`), and the kernels in
 `kernels.cu` push data into them and signal through flags, with no CPU in the loop once queued.
 It serves all_reduce (data and flags in one word for small arrays, one shot -- every rank
-pushes everything -- for medium, two shots -- reduce-scatter then all-gather -- for large) and
+pushes everything -- for medium, two shots -- reduce-scatter then all-gather -- for large, and
+for the largest the copy engines move the data while a kernel only reduces: `ce.py`) and
 reduce_scatter on float32/float16/bfloat16 (accumulated in float32) with SUM, AVG, MIN, MAX;
 all_gather, broadcast and messages (send/recv, tags checked) on any dtype. The rest (other
 dtypes and ops; reduce, gather, scatter, all_to_all) runs on the NCCL communicator this
@@ -31,7 +32,7 @@ from ...ops import ReduceOp
 from ...store import Store
 from ...trace import OpRecord
 from ..nccl import NcclBackend
-from . import compiler
+from . import ce, compiler
 from .memory import PeerMemory, describe_args
 
 THREADS = 512  # kernels.cu: THREADS
@@ -101,6 +102,11 @@ class IpcBackend:
         # all_reduce: data+flag words up to ll_bytes, one shot up to one_shot_bytes, else two
         self.ll_bytes = min(_env_int("ANYCCL_IPC_LL_KB", 1024) << 10, self.layout.slot_bytes // 2)
         self.one_shot_bytes = _env_int("ANYCCL_IPC_ONE_SHOT_KB", 2048) << 10
+        # copy engines from ce_bytes up (where the layout has their area, and there are peers)
+        self.ce_bytes = _env_int("ANYCCL_IPC_CE_KB", 64 << 10) << 10
+        if not self.layout.ce_slot_bytes or self.size == 1:
+            self.ce_bytes = 1 << 62
+        self._ce = ce.CopyEngineAllReduce(memory, self.device)
         self._side: list[tuple[int, int]] = []   # (stream, event) for batched messages
         self._fork = gpu.new_event(self.device)
         nccl.watch_also(health=self._health, abort=memory.aborted)
@@ -201,6 +207,8 @@ class IpcBackend:
         # one shot: reduce_scatter's kernel with every rank's piece the whole array
         one, two = f"reduce_scatter_{dtype}_{kind}", f"all_reduce_2_{dtype}_{kind}"
         total = x.size
+        if x.nbytes >= self.ce_bytes:   # largest: copy engines move, a kernel reduces
+            return self._all_reduce_ce(x, f"reduce_local_{dtype}_{kind}", scale)
         if x.nbytes <= self.ll_bytes:   # small: one kernel of data+flag words
             words, ll = -(-x.nbytes // 4), f"all_reduce_0_{dtype}_{kind}"
             blocks = max(1, min(self.max_blocks, -(-words // THREADS)))
@@ -228,6 +236,18 @@ class IpcBackend:
                 self._launch(kernel, self._blocks(per_block), stream)
                 start += count
         return enqueue
+
+    def _all_reduce_ce(self, x: GpuArray, kernel: str, scale: float) -> Callable[[int], None]:
+        size, a = x.dtype.itemsize, self._args
+        plan = ce.plan(x.size, size, self.size, self.layout.ce_slot_bytes)
+
+        def reduce(stream: int, arrays: list[int], count: int) -> None:
+            for q, ptr in enumerate(arrays):
+                a.ins[q] = a.outs[q] = ptr
+            a.count, a.scale = count, scale
+            self._launch(kernel, self._blocks(count * size), stream)
+
+        return lambda stream: self._ce.enqueue(stream, x.ptr, plan, size, reduce)
 
     def reduce_scatter(self, out: GpuArray, inputs: list[GpuArray],
                        op: ReduceOp) -> Callable[[int], None]:
@@ -365,4 +385,5 @@ class IpcBackend:
                 gpu.destroy_event(joined)
                 gpu.destroy_stream(side)
             gpu.destroy_event(self._fork)
+            self._ce.close()
             self.memory.close()

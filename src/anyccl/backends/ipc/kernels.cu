@@ -467,6 +467,26 @@ __device__ void reduce_scatter(const Args& a) {
     leave(a, epoch);
 }
 
+// ---- all_reduce by copy engines: the local step ---------------------------------------------
+// The copy engines move the data (backend.py queues them, with stream memory operations as
+// flags); this kernel only reduces what arrived, in local memory: element i of ins[0..nranks)
+// combined, written to every outs[0..nranks) (the output, and the slots the peers copy it back
+// from). ins[q] may be outs[q]: each thread reads an element's sources before writing it.
+template <typename T, int OP>
+__device__ void reduce_local(const Args& a) {
+    const u64 E = Elem<T>::SIZE, tile = a.tile_bytes / E, tiles = ceil_div(a.count, tile);
+    for (u64 t = blockIdx.x; t < tiles; t += gridDim.x) {
+        const u64 e0 = t * tile, e1 = umin(e0 + tile, a.count);
+        const char* src[MAX_RANKS];
+        char* dst[MAX_RANKS];
+        for (int q = 0; q < a.nranks; ++q) {
+            src[q] = a.ins[q] + e0 * E;
+            dst[q] = a.outs[q] + e0 * E;
+        }
+        block_reduce<T, OP>(src, a.nranks, dst, a.nranks, e1 - e0, a.scale);
+    }
+}
+
 // ---- all_gather (bytes): my piece goes to every peer's slot r; piece q lands in outs[q] ------
 extern "C" __global__ void __launch_bounds__(THREADS) all_gather(Args a) {
     const u64 epoch = enter(a);
@@ -588,6 +608,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) recv(Args a) {
     }                                                                                            \
     extern "C" __global__ void __launch_bounds__(THREADS) reduce_scatter_##TN##_##ON(Args a) {   \
         reduce_scatter<T, OP>(a);                                                                \
+    }                                                                                            \
+    extern "C" __global__ void __launch_bounds__(THREADS) reduce_local_##TN##_##ON(Args a) {     \
+        reduce_local<T, OP>(a);                                                                  \
     }
 #define ALL_OPS(T, TN) TYPED(T, TN, OP_SUM, sum) TYPED(T, TN, OP_MIN, min) TYPED(T, TN, OP_MAX, max)
 ALL_OPS(float, float32)

@@ -2,8 +2,10 @@
 other rank's process through CUDA IPC, and a few host-mapped status words per rank.
 
 A data buffer holds two halves (alternate collectives use alternate halves) of 2 x nranks slots
-each, then one ring of message slots per sending rank. The signal area holds the flags the
-kernels raise in each other's memory; it starts zeroed. `kernels.cu` describes both layouts.
+each, then one ring of message slots per sending rank, then the copy-engine area: one slot per
+peer, into which that peer's copy engine pushes (`ce.py`). The signal area holds the flags the
+kernels raise in each other's memory, then the copy-engine flags; it starts zeroed.
+`kernels.cu` describes the kernels' part of both layouts.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ MAX_RANKS = 8            # kernels.cu: MAX_RANKS
 TILE_BYTES = 64 << 10    # kernels.cu: MIN_TILE_BYTES (flags are sized for tiles this small)
 SIG_FLAGS = 64           # kernels.cu: SIG_FLAGS (u64 words before the flag arrays)
 STATUS_WORDS = 8         # kernels.cu: STATUS_* (abort, error, peer, expected, got)
+CE_POSITIONS = 64        # chunk positions in a copy-engine slot (flags are sized for this many)
 
 
 def _env_kib(name: str, default: int) -> int:
@@ -53,9 +56,16 @@ class Layout:
         self.chunk_bytes = 1 << 20
         self.slots = max(2, _env_mib("ANYCCL_IPC_RING_MB", 128) // self.chunk_bytes)
         self.p2p_offset = 2 * self.half_bytes
-        self.data_bytes = self.p2p_offset + nranks * self.slots * self.chunk_bytes
+        # ANYCCL_IPC_CE_MB: the copy-engine all_reduce's area, shared by the peers' slots (0:
+        # no copy-engine path); a slot under 128 KiB (two 64 KiB chunks) is none
+        ce = _env_mib("ANYCCL_IPC_CE_MB", 256) // max(1, nranks - 1)
+        self.ce_slot_bytes = ce // TILE_BYTES * TILE_BYTES if ce >= 2 * TILE_BYTES else 0
+        self.ce_offset = self.p2p_offset + nranks * self.slots * self.chunk_bytes
+        self.data_bytes = self.ce_offset + (nranks - 1) * self.ce_slot_bytes
         words = SIG_FLAGS + 2 * self.max_tiles * MAX_RANKS + 3 * MAX_RANKS * self.slots
-        self.sig_bytes = 8 * words
+        self.ce_sig_offset = 8 * words       # pushed [CE_POSITIONS][MAX_RANKS], then reduced
+        self.ce_flag_words = 2 * CE_POSITIONS * MAX_RANKS
+        self.sig_bytes = 8 * (words + self.ce_flag_words)
 
 
 class PeerMemory:
@@ -75,7 +85,9 @@ class PeerMemory:
         self.status_host, self.status_device = gpu.host_alloc_mapped(8 * STATUS_WORDS)
         ctypes.memset(self.status_host, 0, 8 * STATUS_WORDS)
         self.status = (ctypes.c_uint64 * STATUS_WORDS).from_address(self.status_host)
+        self._release_stream = 0
         try:
+            self._release_stream = gpu.new_stream(device)  # aborted() frees copy-engine waits
             gpu.memset(self.sig, 0, self.layout.sig_bytes)
             me = (socket.gethostname(), os.getpid(), gpu.ipc_handle(self.data),
                   gpu.ipc_handle(self.sig))
@@ -103,8 +115,30 @@ class PeerMemory:
             raise
 
     def aborted(self) -> None:
-        """Tell every kernel of this rank to return (status[0], read while they spin)."""
+        """Tell every kernel of this rank to return (status[0], read while they spin), and
+        release every stream waiting on a copy-engine flag (all raised, on a stream of its
+        own: the waiting ones are stuck)."""
         self.status[0] = 1
+        if self.sig and self.layout.ce_slot_bytes:
+            gpu.memset32_async(self.sig + self.layout.ce_sig_offset, 1,
+                               2 * self.layout.ce_flag_words, self._release_stream)
+
+    # ---- the copy-engine area (ce.py) ---------------------------------------------------------
+    def ce_slot(self, owner: int, sender: int) -> int:
+        """Where, in rank `owner`'s data buffer, rank `sender`'s copy engine pushes."""
+        index = sender if sender < owner else sender - 1
+        return self.datas[owner] + self.layout.ce_offset + index * self.layout.ce_slot_bytes
+
+    def pushed_flag(self, owner: int, position: int, sender: int) -> int:
+        """In `owner`'s signal area: `sender` pushed the chunk at `position` (cleared by the
+        owner when it takes it)."""
+        return self.sigs[owner] + self.layout.ce_sig_offset + 8 * (position * MAX_RANKS + sender)
+
+    def reduced_flag(self, owner: int, position: int, reducer: int) -> int:
+        """In `owner`'s signal area: `reducer` reduced the chunk at `position` into the slot
+        `owner` pushed it into (cleared by the owner when it copies the result back)."""
+        return self.sigs[owner] + self.layout.ce_sig_offset + 8 * (
+            (CE_POSITIONS + position) * MAX_RANKS + reducer)
 
     def error(self) -> tuple[int, int, int, int]:
         """(error code, peer, expected, got) a kernel reported; code 0 when none."""
@@ -118,6 +152,12 @@ class PeerMemory:
             except gpu.CudaError:
                 pass
         self._opened = []
+        if self._release_stream:
+            try:
+                gpu.destroy_stream(self._release_stream)
+            except gpu.CudaError:
+                pass
+            self._release_stream = 0
         for ptr, free in ((self.data, gpu.mem_free), (self.sig, gpu.mem_free),
                           (self.status_host, gpu.host_free)):
             if ptr:

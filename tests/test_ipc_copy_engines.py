@@ -1,0 +1,197 @@
+"""The copy-engine all_reduce (backends/ipc/ce.py), checked without a GPU: what each rank
+queues -- copies, flag writes, flag waits, events, the local reduction kernel -- is executed by a
+simulator of N ranks' streams in random orders (every order CUDA could choose), with several
+calls queued back to back as an eager program does. It must always finish (no wait that is
+never satisfied, also with every stream of a rank sharing one hardware queue) and every rank
+must end with the exact sum; the cut must cover every element once. The copy engines and
+kernels themselves are tested on GPUs (tests/test_gpu_ipc.py)."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from anyccl import ReduceOp, gpu
+from anyccl.backends.ipc import backend as ipc
+from anyccl.backends.ipc import ce
+from anyccl.backends.ipc.memory import KernelArgs, Layout, PeerMemory
+from anyccl.buffers import GpuArray
+
+
+@pytest.mark.parametrize("nranks", [2, 3, 4, 8])
+@pytest.mark.parametrize("itemsize", [2, 4])
+@pytest.mark.parametrize("count", [1, 7, 1000, 65536 * 5 + 3, 10_000_019, 300_000_001])
+@pytest.mark.parametrize("slot_mb", [1, 32, 256])
+def test_the_cut_covers_every_element_once_in_aligned_chunks_that_fit_the_slots(
+        nranks, itemsize, count, slot_mb):
+    slot = slot_mb << 20
+    p = ce.plan(count, itemsize, nranks, slot)
+    assert p.seg * itemsize % 16 == 0 and p.seg * nranks >= count
+    assert p.chunk * itemsize % (64 << 10) == 0 and 2 * p.chunk * itemsize <= slot
+    assert 2 <= p.positions <= ce.CE_POSITIONS and p.positions * p.chunk * itemsize <= slot
+    assert p.chunks * p.chunk >= p.seg
+    covered = 0
+    for q in range(nranks):
+        for k in range(p.chunks):
+            start, n = p.extent(q, k)
+            assert n == 0 or start == covered                       # in order, no gap
+            covered += n
+    assert covered == count
+    if ce.CHUNKS * ce.MIN_CHUNK_BYTES <= p.seg * itemsize <= ce.CHUNKS * (slot // 2):
+        assert p.chunks == ce.CHUNKS          # a quarter segment per chunk, where it fits
+
+
+class Simulator:
+    """N ranks' GPU streams: queues of operations, run one at a time in random order."""
+
+    def __init__(self, nranks: int, shared_queue: bool, seed: int) -> None:
+        self.heap = np.zeros(1 << 26, np.uint8)
+        self.top = 4096
+        self.queues: dict[tuple[int, int], list] = {}
+        self.rank = 0                      # whose calls are being queued
+        self.shared = shared_queue
+        self.random = random.Random(seed)
+        self.recorded: dict[int, int] = {}  # event -> the last record op queued
+        self.done: set[int] = set()         # record ops executed
+        self.ids = iter(range(10, 1 << 30))
+
+    def alloc(self, nbytes: int) -> int:
+        address = self.top
+        self.top += -(-nbytes // 4096) * 4096
+        assert self.top <= self.heap.size
+        return address
+
+    def view(self, address: int, nbytes: int) -> np.ndarray:
+        return self.heap[address:address + nbytes]
+
+    def word(self, address: int) -> np.ndarray:
+        return self.heap[address:address + 4].view(np.uint32)
+
+    def queue(self, stream: int, op: tuple) -> None:
+        key = (self.rank, 0 if self.shared else stream)
+        self.queues.setdefault(key, []).append(op)
+
+    # the gpu functions ce.py calls, queueing instead of running
+    def install(self, monkeypatch) -> None:
+        ids = self.ids
+        monkeypatch.setattr(gpu, "new_stream", lambda device: next(ids))
+        monkeypatch.setattr(gpu, "new_event", lambda device: next(ids))
+
+        def record(event, stream):
+            op = ("record", next(ids))
+            self.recorded[event] = op[1]
+            self.queue(stream, op)
+        monkeypatch.setattr(gpu, "record", record)
+        monkeypatch.setattr(gpu, "stream_wait", lambda stream, event: self.queue(
+            stream, ("after", self.recorded.get(event))))
+        monkeypatch.setattr(gpu, "copy_async", lambda dst, src, nbytes, stream: self.queue(
+            stream, ("copy", dst, src, nbytes)))
+        monkeypatch.setattr(gpu, "write_value", lambda stream, address, value: self.queue(
+            stream, ("write", address, value)))
+        monkeypatch.setattr(gpu, "wait_value", lambda stream, address, value: self.queue(
+            stream, ("wait", address, value)))
+
+    def runnable(self, op: tuple) -> bool:
+        if op[0] == "after":
+            return op[1] is None or op[1] in self.done
+        if op[0] == "wait":
+            diff = (int(self.word(op[1])[0]) - op[2]) & 0xFFFFFFFF   # CUDA: (int32)(word -
+            return diff < 1 << 31                                     # value) >= 0
+        return True
+
+    def run(self) -> None:
+        """Run everything queued; AssertionError if some stream can never go on."""
+        while any(self.queues.values()):
+            ready = [q for q in self.queues.values() if q and self.runnable(q[0])]
+            assert ready, "deadlock: " + str({k: q[0] for k, q in self.queues.items() if q})
+            op = self.random.choice(ready).pop(0)
+            kind = op[0]
+            if kind == "record":
+                self.done.add(op[1])
+            elif kind == "copy":
+                _, dst, src, nbytes = op
+                self.view(dst, nbytes)[...] = self.view(src, nbytes).copy()
+            elif kind == "write":
+                self.word(op[1])[0] = op[2]
+            elif kind == "kernel":
+                _, arrays, count, scale = op
+                views = [self.view(a, 4 * count).view(np.float32) for a in arrays]
+                total = np.sum([v.astype(np.float64) for v in views], axis=0) * scale
+                for v in views:
+                    v[...] = total
+
+
+def make_ranks(sim: Simulator, nranks: int, monkeypatch) -> list[ipc.IpcBackend]:
+    monkeypatch.setenv("ANYCCL_IPC_CE_MB", "1")   # small slots: chunks take turns in positions
+    layout = Layout(nranks)
+    ce_bases = [sim.alloc((nranks - 1) * layout.ce_slot_bytes) for _ in range(nranks)]
+    sig_bases = [sim.alloc(8 * layout.ce_flag_words) for _ in range(nranks)]
+    ranks = []
+    for r in range(nranks):
+        memory = PeerMemory.__new__(PeerMemory)
+        memory.layout, memory.rank, memory.size = layout, r, nranks
+        memory.datas = [base - layout.ce_offset for base in ce_bases]
+        memory.sigs = [base - layout.ce_sig_offset for base in sig_bases]
+        b = ipc.IpcBackend.__new__(ipc.IpcBackend)
+        b.policy, b.rank, b.size, b.device, b.layout = "ipc", r, nranks, 0, layout
+        b._args, b._params_address, b.max_blocks = KernelArgs(), 0, 128
+        b.ll_bytes, b.one_shot_bytes, b.ce_bytes = 16 << 10, 256 << 10, 1 << 20
+        b._kernels = {f"reduce_local_float32_{op}": 1 for op in ("sum", "min", "max")}
+        b._ce = ce.CopyEngineAllReduce(memory, 0)
+        ranks.append(b)
+
+    def launch(function, blocks, threads, stream, params):  # the kernel: run by the simulator
+        a = ranks[sim.rank]._args
+        sim.queue(stream, ("kernel", [a.ins[q] for q in range(nranks)], a.count, a.scale))
+    monkeypatch.setattr(gpu, "launch", launch)
+    return ranks
+
+
+@pytest.mark.parametrize("nranks", [2, 3, 4])
+@pytest.mark.parametrize("shared_queue", [False, True])
+@pytest.mark.parametrize("seed", range(4))
+def test_back_to_back_calls_finish_in_any_order_with_the_exact_sum(nranks, shared_queue, seed,
+                                                                   monkeypatch):
+    sim = Simulator(nranks, shared_queue, seed)
+    sim.install(monkeypatch)
+    ranks = make_ranks(sim, nranks, monkeypatch)
+    # per rank: a 4 MiB array (more chunks than positions: positions are reused) and an odd one
+    sizes = [1 << 20, 300_007]
+    arrays = [[sim.alloc(4 * n) for n in sizes] for _ in range(nranks)]
+    state = []                                 # what each array should hold, in float64
+    for i, n in enumerate(sizes):
+        values = [np.arange(n, dtype=np.float32) % 97 + r for r in range(nranks)]
+        for r in range(nranks):
+            sim.view(arrays[r][i], 4 * n).view(np.float32)[...] = values[r]
+        state.append(np.sum(values, axis=0, dtype=np.float64))   # after a first SUM
+    calls = [(0, ReduceOp.SUM), (1, ReduceOp.SUM), (0, ReduceOp.SUM), (0, ReduceOp.AVG)]
+    for i, op in calls[2:]:                    # the later calls, on every rank's equal values
+        state[i] = state[i] * nranks if op is ReduceOp.SUM else state[i]
+    for i, op in calls:                        # queued back to back, then run
+        for r, b in enumerate(ranks):
+            sim.rank = r
+            x = GpuArray(arrays[r][i], sizes[i], np.dtype(np.float32), 0, 7, "test", None)
+            b.all_reduce(x, op)(7)
+    sim.run()
+    for r in range(nranks):
+        for i, n in enumerate(sizes):
+            got = sim.view(arrays[r][i], 4 * n).view(np.float32)
+            np.testing.assert_allclose(got, state[i], rtol=1e-6, err_msg=f"rank {r}, array {i}")
+
+
+def test_every_flag_a_call_raises_is_cleared_when_it_ends(monkeypatch):
+    sim = Simulator(2, False, 0)
+    sim.install(monkeypatch)
+    ranks = make_ranks(sim, 2, monkeypatch)
+    x = [sim.alloc(4 << 20) for _ in range(2)]
+    for r, b in enumerate(ranks):
+        sim.rank = r
+        b.all_reduce(GpuArray(x[r], 1 << 20, np.dtype(np.float32), 0, 7, "test", None),
+                     ReduceOp.SUM)(7)
+    sim.run()
+    layout = ranks[0].layout
+    for m in (b._ce.memory for b in ranks):
+        flags = sim.view(m.sigs[m.rank] + layout.ce_sig_offset, 8 * layout.ce_flag_words)
+        assert not flags.any()                 # the next call (or a graph replay) starts clean
