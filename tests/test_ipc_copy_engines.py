@@ -138,6 +138,7 @@ def make_ranks(sim: Simulator, nranks: int, monkeypatch) -> list[ipc.IpcBackend]
         b.policy, b.rank, b.size, b.device, b.layout = "ipc", r, nranks, 0, layout
         b._args, b._params_address, b.max_blocks = KernelArgs(), 0, 128
         b.ll_bytes, b.one_shot_bytes, b.ce_bytes = 16 << 10, 256 << 10, 1 << 20
+        b.ce_chunks = ce.CHUNKS
         b._kernels = {f"reduce_local_float32_{op}": 1 for op in ("sum", "min", "max")}
         b._ce = ce.CopyEngineAllReduce(memory, 0)
         ranks.append(b)

@@ -63,14 +63,14 @@ class Plan:
         return start, max(0, end - start)
 
 
-def plan(count: int, itemsize: int, nranks: int, slot_bytes: int) -> Plan:
+def plan(count: int, itemsize: int, nranks: int, slot_bytes: int, chunks: int = CHUNKS) -> Plan:
     """The cut for `count` elements of `itemsize` bytes over `nranks` ranks with slots of
-    `slot_bytes` (a multiple of 64 KiB, at least two of them): chunks of a quarter segment, at
-    least MIN_CHUNK_BYTES, at most half a slot (so at least two positions alternate), in
-    64 KiB steps."""
+    `slot_bytes` (a multiple of 64 KiB, at least two of them): chunks of 1/`chunks` of a
+    segment, at least MIN_CHUNK_BYTES, at most half a slot (so at least two positions
+    alternate), in 64 KiB steps."""
     pack = 16 // itemsize
     seg = -(-(-(-count // nranks)) // pack) * pack
-    want = max(MIN_CHUNK_BYTES, -(-seg * itemsize // CHUNKS))
+    want = max(MIN_CHUNK_BYTES, -(-seg * itemsize // chunks))
     chunk_bytes = min(-(-want // TILE_BYTES) * TILE_BYTES,
                       slot_bytes // 2 // TILE_BYTES * TILE_BYTES)
     chunk = chunk_bytes // itemsize
