@@ -5,13 +5,15 @@ the data instead of SM stores? One process drives both GPUs (CuPy); a two-shot a
   1. GPU g copies (cudaMemcpyPeerAsync) its values of the peer's half into the peer's scratch
      (a stream of its own for these pushes, so they never queue behind step 3);
   2. the peer adds them into its own half (an elementwise kernel: local reads and writes);
-  3. the peer copies its reduced chunk back into g's array (its "back" stream).
+  3. the reduced chunk is copied back into g's array: pushed by the peer, or pulled by g
+     (--back; each GPU's "back" stream).
 
 Prints busbw (= S / time for 2 GPUs) for each size, checked against the expected sums, beside
 the copy engines' both-ways rate (link_ceiling.py) that bounds it. Not anyccl's code path: a
 measurement of what the copy-engine design would reach before building it.
 
-    python3 benchmarks/ce_allreduce.py [--mib 256 1024] [--chunks 1 4 16] [--repeat 5]
+    python3 benchmarks/ce_allreduce.py [--mib 256 1024] [--chunks 1 4 16 64] [--repeat 5]
+                                       [--back push pull]
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--mib", type=int, nargs="+", default=[256, 1024])
 parser.add_argument("--chunks", type=int, nargs="+", default=[1, 4, 16, 64])
 parser.add_argument("--repeat", type=int, default=5)
+parser.add_argument("--back", nargs="+", default=["push", "pull"], choices=["push", "pull"],
+                    help="step 3 queued on the reducing GPU (push) or on the receiving one "
+                         "(pull: its engine reads the peer's memory, as anyccl's ce.py does)")
 args = parser.parse_args()
 
 if runtime.getDeviceCount() < 2:
@@ -40,7 +45,7 @@ extern "C" __global__ void hold(long long ns) {
 }""", "hold")
 
 
-def run(mib: int, chunks: int) -> tuple[float, bool]:
+def run(mib: int, chunks: int, back: str) -> tuple[float, bool]:
     """(best seconds of --repeat, result correct) for an all_reduce of `mib` MiB of float32."""
     n = (mib << 20) // 4
     half = n // 2
@@ -83,9 +88,11 @@ def run(mib: int, chunks: int) -> tuple[float, bool]:
                         mine += scratch[p][k * per:(k + 1) * per]
                     reduced = cupy.cuda.Event(disable_timing=True)
                     reduced.record(add_s[p])
-                    back_s[p].wait_event(reduced)    # 3: and sends it back to g
+                returner = p if back == "push" else g   # 3: the chunk goes back to g
+                with cupy.cuda.Device(returner):
+                    back_s[returner].wait_event(reduced)
                     runtime.memcpyPeerAsync(x[g].data.ptr + lo * 4, g, x[p].data.ptr + lo * 4,
-                                            p, per * 4, back_s[p].ptr)
+                                            p, per * 4, back_s[returner].ptr)
         for g in range(2):
             with cupy.cuda.Device(g):
                 done = cupy.cuda.Event(disable_timing=True)
@@ -106,7 +113,7 @@ def run(mib: int, chunks: int) -> tuple[float, bool]:
 
 print(f"two-GPU all_reduce by copy engines (float32, best of {args.repeat}); busbw = S / time")
 for mib in args.mib:
-    for chunks in args.chunks:
-        seconds, ok = run(mib, chunks)
-        print(f"  {mib:5d} MiB  {chunks:3d} chunks  {seconds * 1e6:9.1f} us  "
+    for chunks, back in ((c, b) for c in args.chunks for b in args.back):
+        seconds, ok = run(mib, chunks, back)
+        print(f"  {mib:5d} MiB  {chunks:3d} chunks  back by {back:<4}  {seconds * 1e6:9.1f} us  "
               f"{(mib << 20) / seconds / 1e9:7.1f} GB/s  {'ok' if ok else 'WRONG'}", flush=True)

@@ -7,6 +7,8 @@ with CUDA events. One process drives every GPU.
 Prints, in GB/s (bytes moved / time, best of --repeat):
   one way      GPU 0 -> GPU 1 alone
   both ways    GPU 0 -> GPU 1 and GPU 1 -> GPU 0 at once (per direction)
+  pulled       the same two, each copy queued on the destination GPU (its engine reads the
+               peer's memory) instead of the source
   fan out      GPU 0 -> every other GPU at once (GPU 0's total egress)
   all pairs    every GPU -> every other GPU at once (per GPU's egress)
 These are the rooflines the bus-bandwidth model of each collective is held against.
@@ -37,16 +39,19 @@ for a in range(n):
             if b != a and runtime.deviceCanAccessPeer(a, b):
                 runtime.deviceEnablePeerAccess(b)
         src[a] = cupy.ones(nbytes, dtype=cupy.uint8)
+pulls = {}
 for a, b in pairs_all:
     with cupy.cuda.Device(b):
         dst[a, b] = cupy.empty(nbytes, dtype=cupy.uint8)
+        pulls[a, b] = cupy.cuda.Stream(non_blocking=True)
     with cupy.cuda.Device(a):
         streams[a, b] = cupy.cuda.Stream(non_blocking=True)
 
 
-def timed(pairs: list[tuple[int, int]]) -> float:
+def timed(pairs: list[tuple[int, int]], pull: bool = False) -> float:
     """Seconds for every copy of `pairs` to finish, all queued together (best of --repeat): each
-    copy is cudaMemcpyPeerAsync on a stream of its own on the source GPU."""
+    copy is cudaMemcpyPeerAsync on a stream of its own on the source GPU (on the destination
+    GPU with `pull`)."""
     best = float("inf")
     for _ in range(args.repeat + 1):          # the first round warms up
         for d in range(n):
@@ -54,12 +59,13 @@ def timed(pairs: list[tuple[int, int]]) -> float:
                 runtime.deviceSynchronize()
         marks = {}
         for a, b in pairs:
-            with cupy.cuda.Device(a):
+            stream = pulls[a, b] if pull else streams[a, b]
+            with cupy.cuda.Device(b if pull else a):
                 begin, end = cupy.cuda.Event(), cupy.cuda.Event()
-                begin.record(streams[a, b])
+                begin.record(stream)
                 runtime.memcpyPeerAsync(dst[a, b].data.ptr, b, src[a].data.ptr, a, nbytes,
-                                        streams[a, b].ptr)
-                end.record(streams[a, b])
+                                        stream.ptr)
+                end.record(stream)
                 marks[a, b] = (begin, end)
         for d in range(n):
             with cupy.cuda.Device(d):
@@ -71,13 +77,15 @@ def timed(pairs: list[tuple[int, int]]) -> float:
 
 
 rows = [("one way (0 -> 1)", [(0, 1)], 1),
-        ("both ways (0 <-> 1), per direction", [(0, 1), (1, 0)], 1)]
+        ("both ways (0 <-> 1), per direction", [(0, 1), (1, 0)], 1),
+        ("pulled one way (1 reads 0)", [(0, 1)], 1, True),
+        ("pulled both ways, per direction", [(0, 1), (1, 0)], 1, True)]
 if n > 2:
     rows.append((f"fan out (0 -> {n - 1} others), GPU 0 egress", [(0, b) for b in range(1, n)],
                  n - 1))
     rows.append((f"all pairs ({n} GPUs), per GPU egress", pairs_all, n - 1))
 print(f"{n} GPUs: {runtime.getDeviceProperties(0)['name'].decode()}; {args.mib} MiB per copy, "
       f"copy engines (cudaMemcpyPeerAsync, peer access on), best of {args.repeat}")
-for label, pairs, per_gpu in rows:
-    seconds = timed(pairs)
+for label, pairs, per_gpu, *pull in rows:
+    seconds = timed(pairs, bool(pull))
     print(f"  {label:<44} {nbytes * per_gpu / seconds / 1e9:8.1f} GB/s", flush=True)
