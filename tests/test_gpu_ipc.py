@@ -20,12 +20,12 @@ from test_gpu import check_timeout, two_gpus, world_sizes
 pytestmark = pytest.mark.gpu
 
 # small buffers: 2 MiB halves (256 KiB-1 MiB slots); data+flag words up to 16 KiB, one shot up
-# to 256 KiB, two shots above, copy engines from 1 MiB (a 2 MiB area: chunks of 64-512 KiB
+# to 256 KiB, two shots above, copy engines from 1 MiB (a 1 MiB area: chunks of 64-512 KiB
 # taking turns in its positions); a 4-slot message ring
 IPC_ENV = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", "NCCL_NVLS_ENABLE": "0",
            "ANYCCL_TIMEOUT": "60", "ANYCCL_BACKEND": "cpu:shm,cuda:ipc",
            "ANYCCL_IPC_HALF_MB": "2", "ANYCCL_IPC_LL_KB": "16", "ANYCCL_IPC_ONE_SHOT_KB": "256",
-           "ANYCCL_IPC_CE_MB": "2", "ANYCCL_IPC_CE_KB": "1024", "ANYCCL_IPC_RING_MB": "4"}
+           "ANYCCL_IPC_CE_MB": "1", "ANYCCL_IPC_CE_KB": "1024", "ANYCCL_IPC_RING_MB": "4"}
 TOLERANCE = {"float32": 1e-6, "float16": 2e-3, "bfloat16": 1.6e-2}
 COUNTS = [1, 7, 1000, 16387, 65536 * 3 + 5, 1 << 20]   # 4 MiB: several kernels or copy engines
 

@@ -126,7 +126,7 @@ class Simulator:
 def make_ranks(sim: Simulator, nranks: int, monkeypatch) -> list[ipc.IpcBackend]:
     monkeypatch.setenv("ANYCCL_IPC_CE_MB", "1")   # small slots: chunks take turns in positions
     layout = Layout(nranks)
-    ce_bases = [sim.alloc(2 * (nranks - 1) * layout.ce_slot_bytes) for _ in range(nranks)]
+    ce_bases = [sim.alloc((nranks - 1) * layout.ce_slot_bytes) for _ in range(nranks)]
     sig_bases = [sim.alloc(8 * layout.ce_flag_words) for _ in range(nranks)]
     ranks = []
     for r in range(nranks):

@@ -7,37 +7,28 @@ reach 371, and a two-shot all_reduce driven by them reached 367 GB/s busbw at 25
 1 GiB against 334 for the SM kernels (`benchmarks/ce_allreduce.py`, `link_ceiling.py`).
 
 The array is cut into `nranks` segments; rank q reduces segment q. Each segment is cut into
-chunks; chunk k goes through position k % positions of the slots (memory.py: each rank's
-copy-engine area has, for each peer, a slot for its contributions and one for its results).
-Only pushes cross the link: an engine reading a peer's memory while the peer's engine writes the
-other way was measured slower (ce_allreduce.py --back: 349 vs 372 GB/s at 256 MiB). For each
-chunk, on four streams of this rank:
+chunks; chunk k goes through position k % positions of the slots (memory.py: one slot per
+peer in each rank's copy-engine area). For each chunk, on three streams of this rank:
 
-  push (P):    my part of each peer q's segment chunk -> q's contribution slot for me; raise
-               pushed[position][me] at q
-  reduce (S):  wait for pushed[position][q] of every peer and clear them; reduce my segment's
-               chunk with the contributions into my array (the kernel `reduce_local`, local
-               memory only); raise reduced[position][me] at every peer
-  return (R):  after my reduction, and after each peer q raised reduced[position][q] (so q
-               took my contribution at this position and copied out my previous result there),
-               clear those flags; push my reduced chunk -> q's result slot for me; raise
-               returned[position][me] at q
-  local (L):   wait for returned[position][q] of every peer and clear them; copy q's result
-               from my result slot for q into my array (a local copy)
+  push (P):   my part of each peer q's segment chunk -> q's slot for me; then raise
+              pushed[position][me] in q's signal area
+  reduce (S): wait for pushed[position][q] of every peer and clear them; reduce my segment's
+              chunk with the slots into the output and into every slot (the kernel
+              `reduce_local`, local memory only); raise reduced[position][me] at every peer
+  pull (B):   wait for reduced[position][q] of every peer and clear them; copy each peer's
+              reduced chunk from its slot for me into the output
 
-S is the caller's stream; P, R and L fork from it and join it again at the end. A push into a
-contribution position waits (an event) until R saw every peer take the chunk there; a reduction
-into a position waits (an event) until L copied out the results at that position.
+S is the caller's stream; P and B fork from it and join it again at the end. A push into a
+position waits until this rank's pull from that position (chunk k - positions) finished.
 
 Flags are raised to 1 and cleared by the rank that waits on them, so every call queues the same
 values (a CUDA graph can replay it). No flag is raised again before it was cleared, and no slot
-written before it was read, by these chains: q pushes chunk k + positions (or the next call's
-chunk) after its R saw this rank's reduced flag for chunk k, raised after this rank took (and
-cleared) q's chunk k; q returns chunk k + positions after this rank's reduced flag for it, raised
-after this rank's reduction k + positions, which waited for L to copy out (and clear) chunk k.
-Each chunk's operations are queued in the order push, reduce, return, local: an order in which
-the whole could also run on one queue, so streams that share a hardware queue cannot deadlock
-(tests/test_ipc_copy_engines.py runs all of it in random orders, one queue or many).
+written before it was read: a rank pushes chunk k + positions (or the next call's chunk) only
+after pulling chunk k, which the peer reduced only after clearing the flag and reading the slot;
+a rank reduces only after every peer pushed the chunk, which each did only after pulling what
+this rank left in that position before. Each chunk's operations are queued in the order push,
+reduce, pull, an order in which the whole could also run on one queue, so streams that share a
+hardware queue cannot deadlock.
 """
 
 from __future__ import annotations
@@ -97,34 +88,29 @@ class CopyEngineAllReduce:
         self._made = False
 
     def _make(self) -> None:
-        new_stream, new_event = gpu.new_stream, gpu.new_event
-        self.push, self.back, self.local = (new_stream(self.device) for _ in range(3))
-        self.fork, *self.joins = (new_event(self.device) for _ in range(4))
-        self.reduced = [new_event(self.device) for _ in range(CE_POSITIONS)]
-        self.taken = [new_event(self.device) for _ in range(CE_POSITIONS)]
-        self.copied = [new_event(self.device) for _ in range(CE_POSITIONS)]
+        self.push, self.pull = gpu.new_stream(self.device), gpu.new_stream(self.device)
+        self.fork, self.pushed, self.pulled_all = (gpu.new_event(self.device) for _ in range(3))
+        self.pulled = [gpu.new_event(self.device) for _ in range(CE_POSITIONS)]
         self._made = True
 
     def enqueue(self, stream: int, ptr: int, p: Plan, itemsize: int,
                 reduce: Callable[[int, list[int], int], None]) -> None:
         """Queue the all_reduce of the `p.count` elements at `ptr` on `stream`.
-        `reduce(stream, [my chunk, then each peer's contribution], count)` queues the local
-        reduction of `count` elements into my chunk."""
+        `reduce(stream, [sources = destinations], count)` queues the local reduction of
+        `count` elements, this rank's first."""
         if not self._made:
             self._make()
         m, r, n = self.memory, self.memory.rank, self.memory.size
         peers = [(r + i) % n for i in range(1, n)]
         chunk_bytes = p.chunk * itemsize
-        sides = (self.push, self.back, self.local)
         gpu.record(self.fork, stream)
-        for side in sides:
-            gpu.stream_wait(side, self.fork)
+        gpu.stream_wait(self.push, self.fork)
+        gpu.stream_wait(self.pull, self.fork)
         for k in range(p.chunks):
             pos = k % p.positions
             offset = pos * chunk_bytes
-            reused = k >= p.positions
-            if reused:                        # every peer took my chunk k - positions here
-                gpu.stream_wait(self.push, self.taken[pos])
+            if k >= p.positions:              # this position's last pull finished
+                gpu.stream_wait(self.push, self.pulled[pos])
             for q in peers:                   # push: my part of q's segment, to q
                 start, count = p.extent(q, k)
                 if count:
@@ -135,44 +121,31 @@ class CopyEngineAllReduce:
                 flag = m.pushed_flag(r, pos, q)
                 gpu.wait_value(stream, flag, 1)
                 gpu.write_value(stream, flag, 0)
-            if reused:                        # results of chunk k - positions copied out
-                gpu.stream_wait(stream, self.copied[pos])
-            mine, count = p.extent(r, k)
+            start, count = p.extent(r, k)
             if count:
-                reduce(stream, [ptr + mine * itemsize] + [m.ce_slot(r, q) + offset
-                                                          for q in peers], count)
+                reduce(stream, [ptr + start * itemsize] + [m.ce_slot(r, q) + offset
+                                                           for q in peers], count)
             for q in peers:
                 gpu.write_value(stream, m.reduced_flag(q, pos, r), 1)
-            gpu.record(self.reduced[pos], stream)
-            gpu.stream_wait(self.back, self.reduced[pos])
-            for q in peers:                   # return: my result, to every peer
+            for q in peers:                   # pull: each peer's reduced chunk
                 flag = m.reduced_flag(r, pos, q)
-                gpu.wait_value(self.back, flag, 1)
-                gpu.write_value(self.back, flag, 0)
-            gpu.record(self.taken[pos], self.back)
-            for q in peers:
+                gpu.wait_value(self.pull, flag, 1)
+                gpu.write_value(self.pull, flag, 0)
+                start, count = p.extent(q, k)
                 if count:
-                    gpu.copy_async(m.ce_slot(q, r, returned=True) + offset,
-                                   ptr + mine * itemsize, count * itemsize, self.back)
-                gpu.write_value(self.back, m.returned_flag(q, pos, r), 1)
-            for q in peers:                   # local: every peer's result, into my array
-                flag = m.returned_flag(r, pos, q)
-                gpu.wait_value(self.local, flag, 1)
-                gpu.write_value(self.local, flag, 0)
-                start, theirs = p.extent(q, k)
-                if theirs:
-                    gpu.copy_async(ptr + start * itemsize, m.ce_slot(r, q, returned=True)
-                                   + offset, theirs * itemsize, self.local)
-            gpu.record(self.copied[pos], self.local)
-        for side, joined in zip(sides, self.joins):
-            gpu.record(joined, side)
-            gpu.stream_wait(stream, joined)
+                    gpu.copy_async(ptr + start * itemsize, m.ce_slot(q, r) + offset,
+                                   count * itemsize, self.pull)
+            gpu.record(self.pulled[pos], self.pull)
+        gpu.record(self.pushed, self.push)
+        gpu.record(self.pulled_all, self.pull)
+        gpu.stream_wait(stream, self.pushed)
+        gpu.stream_wait(stream, self.pulled_all)
 
     def close(self) -> None:
         if not self._made:
             return
-        for event in (self.fork, *self.joins, *self.reduced, *self.taken, *self.copied):
+        for event in (self.fork, self.pushed, self.pulled_all, *self.pulled):
             gpu.destroy_event(event)
-        for side in (self.push, self.back, self.local):
-            gpu.destroy_stream(side)
+        gpu.destroy_stream(self.push)
+        gpu.destroy_stream(self.pull)
         self._made = False

@@ -2,9 +2,8 @@
 other rank's process through CUDA IPC, and a few host-mapped status words per rank.
 
 A data buffer holds two halves (alternate collectives use alternate halves) of 2 x nranks slots
-each, then one ring of message slots per sending rank, then the copy-engine area: two slots per
-peer (its contributions, and the results it returns), into which that peer's copy engine
-pushes (`ce.py`). The signal area holds the flags the
+each, then one ring of message slots per sending rank, then the copy-engine area: one slot per
+peer, into which that peer's copy engine pushes (`ce.py`). The signal area holds the flags the
 kernels raise in each other's memory, then the copy-engine flags; it starts zeroed.
 `kernels.cu` describes the kernels' part of both layouts.
 """
@@ -57,16 +56,15 @@ class Layout:
         self.chunk_bytes = 1 << 20
         self.slots = max(2, _env_mib("ANYCCL_IPC_RING_MB", 128) // self.chunk_bytes)
         self.p2p_offset = 2 * self.half_bytes
-        # ANYCCL_IPC_CE_MB: the copy-engine all_reduce's area, shared by the peers' two slots
-        # each (0: no copy-engine path); a slot under 128 KiB (two 64 KiB chunks) is none
-        ce = _env_mib("ANYCCL_IPC_CE_MB", 512) // max(1, 2 * (nranks - 1))
+        # ANYCCL_IPC_CE_MB: the copy-engine all_reduce's area, shared by the peers' slots (0:
+        # no copy-engine path); a slot under 128 KiB (two 64 KiB chunks) is none
+        ce = _env_mib("ANYCCL_IPC_CE_MB", 256) // max(1, nranks - 1)
         self.ce_slot_bytes = ce // TILE_BYTES * TILE_BYTES if ce >= 2 * TILE_BYTES else 0
         self.ce_offset = self.p2p_offset + nranks * self.slots * self.chunk_bytes
-        self.data_bytes = self.ce_offset + 2 * (nranks - 1) * self.ce_slot_bytes
+        self.data_bytes = self.ce_offset + (nranks - 1) * self.ce_slot_bytes
         words = SIG_FLAGS + 2 * self.max_tiles * MAX_RANKS + 3 * MAX_RANKS * self.slots
-        # flags pushed, reduced, returned: each [CE_POSITIONS][MAX_RANKS]
-        self.ce_sig_offset = 8 * words
-        self.ce_flag_words = 3 * CE_POSITIONS * MAX_RANKS
+        self.ce_sig_offset = 8 * words       # pushed [CE_POSITIONS][MAX_RANKS], then reduced
+        self.ce_flag_words = 2 * CE_POSITIONS * MAX_RANKS
         self.sig_bytes = 8 * (words + self.ce_flag_words)
 
 
@@ -126,30 +124,21 @@ class PeerMemory:
                                2 * self.layout.ce_flag_words, self._release_stream)
 
     # ---- the copy-engine area (ce.py) ---------------------------------------------------------
-    def ce_slot(self, owner: int, sender: int, returned: bool = False) -> int:
-        """Where, in rank `owner`'s data buffer, rank `sender`'s copy engine pushes its
-        contributions to owner's segment (or, `returned`, the results of its own segment)."""
-        index = (sender if sender < owner else sender - 1) + (
-            self.size - 1 if returned else 0)
+    def ce_slot(self, owner: int, sender: int) -> int:
+        """Where, in rank `owner`'s data buffer, rank `sender`'s copy engine pushes."""
+        index = sender if sender < owner else sender - 1
         return self.datas[owner] + self.layout.ce_offset + index * self.layout.ce_slot_bytes
 
-    def _ce_flag(self, owner: int, kind: int, position: int, peer: int) -> int:
-        return self.sigs[owner] + self.layout.ce_sig_offset + 8 * (
-            (kind * CE_POSITIONS + position) * MAX_RANKS + peer)
-
     def pushed_flag(self, owner: int, position: int, sender: int) -> int:
-        """In `owner`'s signal area: `sender` pushed its contribution at `position` (cleared
-        by the owner when it takes it)."""
-        return self._ce_flag(owner, 0, position, sender)
+        """In `owner`'s signal area: `sender` pushed the chunk at `position` (cleared by the
+        owner when it takes it)."""
+        return self.sigs[owner] + self.layout.ce_sig_offset + 8 * (position * MAX_RANKS + sender)
 
     def reduced_flag(self, owner: int, position: int, reducer: int) -> int:
-        """In `owner`'s signal area: `reducer` reduced its chunk at `position` (so it took
-        owner's contribution there, and it may receive owner's result there)."""
-        return self._ce_flag(owner, 1, position, reducer)
-
-    def returned_flag(self, owner: int, position: int, reducer: int) -> int:
-        """In `owner`'s signal area: `reducer` pushed its result at `position`."""
-        return self._ce_flag(owner, 2, position, reducer)
+        """In `owner`'s signal area: `reducer` reduced the chunk at `position` into the slot
+        `owner` pushed it into (cleared by the owner when it copies the result back)."""
+        return self.sigs[owner] + self.layout.ce_sig_offset + 8 * (
+            (CE_POSITIONS + position) * MAX_RANKS + reducer)
 
     def error(self) -> tuple[int, int, int, int]:
         """(error code, peer, expected, got) a kernel reported; code 0 when none."""
