@@ -47,9 +47,11 @@ _TAG_BITS = 24  # the part of a tag a message carries (kernels.cu: meta_of)
 # benchmarks/auto_table.py from the runs named (GPU time: CUDA-graph timing for small sizes).
 AUTO_IPC_RANGES: dict[int, dict[str, list[tuple[int, int]]]] = {
     # 2 x H200 (NV18): 2026-11-22-h200x2-ipc-vs-nccl-small-graph.json and -large.json; messages
-    # from benchmarks/ipc_p2p.py (16 MiB-1 GiB 1.00-1.04x, 1-4 MiB 0.76-0.79x)
+    # from benchmarks/ipc_p2p.py (16 MiB-1 GiB 1.00-1.04x, 1-4 MiB 0.76-0.79x); all_reduce
+    # from 2026-11-23-h200x2-ipc-nccl-torch-large-ce.json (1 GiB by copy engines: 0.95x NCCL's
+    # time)
     2: {
-        "all_reduce": [(0, 256 << 20)],
+        "all_reduce": [(0, 1 << 62)],
         "broadcast": [(0, 8 << 20), (16 << 20, 64 << 20)],
         "all_gather": [(8 << 20, 128 << 20)],
         "reduce_scatter": [(8 << 20, 128 << 20)],

@@ -3,8 +3,11 @@ NVLink, a small kernel reduces what arrived in local memory, and stream memory o
 (write a flag in a peer's memory, wait for a flag in one's own) order the two across ranks.
 
 Why: on 2 x H200 (NV18) the copy engines move 392-396 GB/s per direction where SM stores
-reach 371, and a two-shot all_reduce driven by them reached 367 GB/s busbw at 256 MiB and 387 at
-1 GiB against 334 for the SM kernels (`benchmarks/ce_allreduce.py`, `link_ceiling.py`).
+reach 371, and a two-shot all_reduce driven by them from one process reached 349-372 GB/s
+busbw at 256 MiB and 381-387 at 1 GiB (results pulled or pushed back) against 334 for the SM
+kernels (`benchmarks/ce_allreduce.py`, `link_ceiling.py`). Between processes, with stream
+memory operations as flags, this module reaches 349-354 at 1 GiB (the SM kernels: 335), but not
+more than they do at 256 MiB (328-332), so it serves 512 MiB and up.
 
 The array is cut into `nranks` segments; rank q reduces segment q. Each segment is cut into
 chunks; chunk k goes through position k % positions of the slots (memory.py: one slot per
