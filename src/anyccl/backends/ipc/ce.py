@@ -91,7 +91,6 @@ class CopyEngineAllReduce:
     def __init__(self, memory: PeerMemory, device: int) -> None:
         self.memory = memory
         self.device = device
-        self.slot_bytes = memory.layout.ce_slot_bytes
         self._made = False
 
     def _make(self) -> None:

@@ -468,8 +468,8 @@ __device__ void reduce_scatter(const Args& a) {
 }
 
 // ---- all_reduce by copy engines: the local step ---------------------------------------------
-// The copy engines move the data (backend.py queues them, with stream memory operations as
-// flags); this kernel only reduces what arrived, in local memory: element i of ins[0..nranks)
+// The copy engines move the data (ce.py queues them, with stream memory operations as flags);
+// this kernel only reduces what arrived, in local memory: element i of ins[0..nranks)
 // combined, written to every outs[0..nranks) (the output, and the slots the peers copy it back
 // from). ins[q] may be outs[q]: each thread reads an element's sources before writing it.
 template <typename T, int OP>
