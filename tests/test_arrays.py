@@ -72,3 +72,17 @@ def test_segments_are_private_to_the_user():
         seg.close()
         seg.unlink()
     assert not os.path.exists(f"/dev/shm{seg.name}")
+
+
+def test_a_gpu_array_splits_into_consecutive_pieces_like_its_slices():
+    from anyccl.buffers import GpuArray
+
+    owner = object()
+    whole = GpuArray(1 << 32, 12, np.dtype(np.float16), 3, 77, "torch", owner)
+    pieces = whole.pieces(4, 3)
+    for i, piece in enumerate(pieces):
+        want = whole[i * 4:(i + 1) * 4]
+        assert (piece.ptr, piece.size, piece.dtype, piece.device, piece.stream, piece.kind) == \
+            (want.ptr, want.size, want.dtype, want.device, want.stream, want.kind)
+        assert piece.owner is owner                       # keeps the user's array alive
+    assert pieces[1].ptr == whole.ptr + 8                 # 4 float16 elements further

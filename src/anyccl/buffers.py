@@ -146,6 +146,13 @@ class GpuArray:
         return GpuArray(self.ptr + start * self.dtype.itemsize, stop - start, self.dtype,
                         self.device, self.stream, self.kind, self.owner)
 
+    def pieces(self, count: int, size: int) -> list[GpuArray]:
+        """The first `size` consecutive pieces of `count` elements (made directly: collectives
+        split an array into pieces on every call)."""
+        step = count * self.dtype.itemsize
+        return [GpuArray(self.ptr + i * step, count, self.dtype, self.device, self.stream,
+                         self.kind, self.owner) for i in range(size)]
+
     def synchronize_producer(self) -> None:
         """For arrays without a stream: wait on the host until their producer wrote them."""
         if self.stream is None and hasattr(self.owner, "block_until_ready"):

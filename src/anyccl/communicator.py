@@ -782,12 +782,8 @@ class _Pieces(list):
     """The `size` consecutive pieces of one array `whole` (alike by construction)."""
 
     def __init__(self, whole: Array, count: int, size: int) -> None:
-        if isinstance(whole, GpuArray):  # made directly: the hot path of reduce_scatter etc.
-            step, w = count * whole.dtype.itemsize, whole
-            super().__init__(GpuArray(w.ptr + i * step, count, w.dtype, w.device, w.stream,
-                                      w.kind, w.owner) for i in range(size))
-        else:
-            super().__init__(whole[i * count:(i + 1) * count] for i in range(size))
+        super().__init__(whole.pieces(count, size) if isinstance(whole, GpuArray) else
+                         (whole[i * count:(i + 1) * count] for i in range(size)))
         self.whole = whole
 
 
