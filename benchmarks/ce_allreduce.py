@@ -13,7 +13,12 @@ the copy engines' both-ways rate (link_ceiling.py) that bounds it. Not anyccl's 
 measurement of what the copy-engine design would reach before building it.
 
     python3 benchmarks/ce_allreduce.py [--mib 256 1024] [--chunks 1 4 16 64] [--repeat 5]
-                                       [--back push pull]
+                                       [--back push pull] [--sync events memops]
+
+--sync memops signals between the GPUs as anyccl's ce.py does between processes: the producing
+stream writes a flag into the other GPU's memory (cuStreamWriteValue32) and the consuming
+stream waits for it (cuStreamWaitValue32), instead of waiting on the producer's CUDA event:
+the difference is what those flags cost.
 """
 
 from __future__ import annotations
@@ -30,6 +35,9 @@ parser.add_argument("--repeat", type=int, default=5)
 parser.add_argument("--back", nargs="+", default=["push", "pull"], choices=["push", "pull"],
                     help="step 3 queued on the reducing GPU (push) or on the receiving one "
                          "(pull: its engine reads the peer's memory, as anyccl's ce.py does)")
+parser.add_argument("--sync", nargs="+", default=["events"], choices=["events", "memops"],
+                    help="how one GPU's stream waits for the other's: CUDA events, or flags "
+                         "by stream memory operations")
 args = parser.parse_args()
 
 if runtime.getDeviceCount() < 2:
@@ -45,21 +53,53 @@ extern "C" __global__ void hold(long long ns) {
 }""", "hold")
 
 
-def run(mib: int, chunks: int, back: str) -> tuple[float, bool]:
+def _driver():
+    from cuda.bindings import driver
+
+    return driver
+
+
+class Signal:
+    """`stream` (on GPU `src`) lets `waiter` (on GPU `dst`) go on: by an event, or by a flag
+    in GPU dst's memory written by one stream memory operation and waited on by another."""
+
+    def __init__(self, sync: str, flags: list, epoch: int) -> None:
+        self.sync, self.flags, self.epoch, self.used = sync, flags, epoch, 0
+
+    def __call__(self, src: int, stream, dst: int, waiter) -> None:
+        if self.sync == "events":
+            with cupy.cuda.Device(src):
+                event = cupy.cuda.Event(disable_timing=True)
+                event.record(stream)
+            with cupy.cuda.Device(dst):
+                waiter.wait_event(event)
+            return
+        address = self.flags[dst].data.ptr + 4 * self.used    # a flag of its own per signal
+        self.used += 1
+        driver = _driver()
+        with cupy.cuda.Device(src):
+            driver.cuStreamWriteValue32(stream.ptr, address, self.epoch, 0)
+        with cupy.cuda.Device(dst):
+            driver.cuStreamWaitValue32(waiter.ptr, address, self.epoch, 0)
+
+
+def run(mib: int, chunks: int, back: str, sync: str = "events") -> tuple[float, bool]:
     """(best seconds of --repeat, result correct) for an all_reduce of `mib` MiB of float32."""
     n = (mib << 20) // 4
     half = n // 2
     per = half // chunks
-    x, scratch, copy_s, add_s, back_s = [], [], [], [], []
+    x, scratch, copy_s, add_s, back_s, flags = [], [], [], [], [], []
     for g in range(2):
         with cupy.cuda.Device(g):
+            flags.append(cupy.zeros(4 * chunks, dtype=cupy.uint32))
             x.append(cupy.empty(n, dtype=cupy.float32))
             scratch.append(cupy.empty(half, dtype=cupy.float32))
             copy_s.append(cupy.cuda.Stream(non_blocking=True))
             add_s.append(cupy.cuda.Stream(non_blocking=True))
             back_s.append(cupy.cuda.Stream(non_blocking=True))
     best = float("inf")
-    for _ in range(args.repeat + 1):
+    for epoch in range(1, args.repeat + 2):
+        signal = Signal(sync, flags, epoch)   # flags only grow: epoch e waits for >= e
         for g in range(2):
             with cupy.cuda.Device(g):
                 x[g][...] = g + 1.0               # the sum everywhere is 3
@@ -79,18 +119,17 @@ def run(mib: int, chunks: int, back: str) -> tuple[float, bool]:
                 with cupy.cuda.Device(g):
                     runtime.memcpyPeerAsync(scratch[p].data.ptr + k * per * 4, p,
                                             x[g].data.ptr + lo * 4, g, per * 4, copy_s[g].ptr)
-                    sent = cupy.cuda.Event(disable_timing=True)
-                    sent.record(copy_s[g])
+                signal(g, copy_s[g], p, add_s[p])
                 with cupy.cuda.Device(p):            # 2: the peer reduces that chunk
-                    add_s[p].wait_event(sent)
                     with add_s[p]:
                         mine = x[p][lo:lo + per]
                         mine += scratch[p][k * per:(k + 1) * per]
-                    reduced = cupy.cuda.Event(disable_timing=True)
-                    reduced.record(add_s[p])
                 returner = p if back == "push" else g   # 3: the chunk goes back to g
+                if returner == p:                    # same GPU: an event
+                    Signal("events", flags, epoch)(p, add_s[p], p, back_s[p])
+                else:
+                    signal(p, add_s[p], g, back_s[g])
                 with cupy.cuda.Device(returner):
-                    back_s[returner].wait_event(reduced)
                     runtime.memcpyPeerAsync(x[g].data.ptr + lo * 4, g, x[p].data.ptr + lo * 4,
                                             p, per * 4, back_s[returner].ptr)
         for g in range(2):
@@ -113,7 +152,9 @@ def run(mib: int, chunks: int, back: str) -> tuple[float, bool]:
 
 print(f"two-GPU all_reduce by copy engines (float32, best of {args.repeat}); busbw = S / time")
 for mib in args.mib:
-    for chunks, back in ((c, b) for c in args.chunks for b in args.back):
-        seconds, ok = run(mib, chunks, back)
-        print(f"  {mib:5d} MiB  {chunks:3d} chunks  back by {back:<4}  {seconds * 1e6:9.1f} us  "
+    for chunks, back, sync in ((c, b, y) for c in args.chunks for b in args.back
+                               for y in args.sync):
+        seconds, ok = run(mib, chunks, back, sync)
+        print(f"  {mib:5d} MiB  {chunks:3d} chunks  back by {back:<4}  sync {sync:<7}  "
+              f"{seconds * 1e6:9.1f} us  "
               f"{(mib << 20) / seconds / 1e9:7.1f} GB/s  {'ok' if ok else 'WRONG'}", flush=True)

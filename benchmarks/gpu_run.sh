@@ -13,7 +13,8 @@
 # experiment), probe (eager host loops, anyccl vs torch: host_probe.py), calls (host time of
 # the driver calls each operation makes: cuda_call_cost.py), pack (everything in
 # $OUT into one gpu-out.tgz: last).
-# MIN/MAX change small's, large's and scale's sizes, ROUNDS the bench rounds (3).
+# MIN/MAX change small's, large's and scale's sizes, ROUNDS the bench rounds (3); CE_ARGS are
+# ce_allreduce.py's arguments (e.g. "--sync events memops").
 # N=k runs the multi-rank steps on k ranks (default: one per visible GPU); K=expr selects ipc tests.
 # Logs go to $OUT (or ./gpu-out). NVLink multicast stays off (shared machines).
 set -uo pipefail
@@ -94,7 +95,8 @@ for what in "$@"; do
     timeout 150 python3 -m anyccl run -n 2 benchmarks/host_probe.py 2>&1 | grep -v Warning \
         | tee "$OUT/host-probe.txt" | tail -16 ;;
   ce) step ce
-    timeout 120 python3 benchmarks/ce_allreduce.py 2>&1 | tee "$OUT/ce-allreduce.txt" | tail -8 ;;
+    timeout 120 python3 benchmarks/ce_allreduce.py ${CE_ARGS:-} 2>&1 | tee "$OUT/ce-allreduce.txt" \
+        | tail -20 ;;
   links) step links
     timeout 120 python3 benchmarks/link_ceiling.py 2>&1 | tee "$OUT/link-ceiling.txt" | tail -8 ;;
   scale) step scale
