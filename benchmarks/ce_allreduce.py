@@ -13,12 +13,16 @@ the copy engines' both-ways rate (link_ceiling.py) that bounds it. Not anyccl's 
 measurement of what the copy-engine design would reach before building it.
 
     python3 benchmarks/ce_allreduce.py [--mib 256 1024] [--chunks 1 4 16 64] [--repeat 5]
-                                       [--back push pull] [--sync events memops]
+                                       [--back push pull] [--sync events memops spin kernel kwait]
 
 --sync memops signals between the GPUs as anyccl's ce.py does between processes: the producing
 stream writes a flag into the other GPU's memory (cuStreamWriteValue32) and the consuming
 stream waits for it (cuStreamWaitValue32), instead of waiting on the producer's CUDA event:
-the difference is what those flags cost.
+the difference is what those flags cost. --sync spin writes the flag the same way but waits
+for it in a one-thread kernel that spins on it (as the SM kernels wait); --sync kernel also
+raises it from a one-thread kernel (a volatile store and a system fence) instead of a stream
+memory operation; --sync kwait raises it from the kernel and waits for it by a stream memory
+operation: which half of a stream-memop flag is slow.
 """
 
 from __future__ import annotations
@@ -35,9 +39,12 @@ parser.add_argument("--repeat", type=int, default=5)
 parser.add_argument("--back", nargs="+", default=["push", "pull"], choices=["push", "pull"],
                     help="step 3 queued on the reducing GPU (push) or on the receiving one "
                          "(pull: its engine reads the peer's memory, as anyccl's ce.py does)")
-parser.add_argument("--sync", nargs="+", default=["events"], choices=["events", "memops"],
-                    help="how one GPU's stream waits for the other's: CUDA events, or flags "
-                         "by stream memory operations")
+parser.add_argument("--sync", nargs="+", default=["events"],
+                    choices=["events", "memops", "spin", "kernel", "kwait"],
+                    help="how one GPU's stream waits for the other's: CUDA events, flags by "
+                         "stream memory operations, a memop write waited on by a spinning "
+                         "kernel, a kernel's write waited on by a spinning kernel or by a "
+                         "stream memory operation")
 args = parser.parse_args()
 
 if runtime.getDeviceCount() < 2:
@@ -51,6 +58,24 @@ _sleep = cupy.RawKernel(r"""
 extern "C" __global__ void hold(long long ns) {
     for (long long t = 0; t < ns; t += 1000000) __nanosleep(1000000);
 }""", "hold")
+_FLAGS = r"""
+extern "C" __global__ void spin(volatile unsigned int* flag, unsigned int value) {
+    while (*flag < value) __nanosleep(64);
+}
+extern "C" __global__ void raise_flag(volatile unsigned int* flag, unsigned int value) {
+    __threadfence_system();
+    *flag = value;
+    __threadfence_system();
+}"""
+_kernels: dict = {}
+
+
+def _flag_kernel(name: str, device: int):
+    """The flag kernel `name` compiled for GPU `device` (a module per device)."""
+    if (name, device) not in _kernels:
+        with cupy.cuda.Device(device):
+            _kernels[name, device] = cupy.RawKernel(_FLAGS, name)
+    return _kernels[name, device]
 
 
 def _driver():
@@ -78,9 +103,17 @@ class Signal:
         self.used += 1
         driver = _driver()
         with cupy.cuda.Device(src):
-            driver.cuStreamWriteValue32(stream.ptr, address, self.epoch, 0)
+            if self.sync in ("kernel", "kwait"):
+                _flag_kernel("raise_flag", src)((1,), (1,), (address, cupy.uint32(self.epoch)),
+                                                stream=stream)
+            else:
+                driver.cuStreamWriteValue32(stream.ptr, address, self.epoch, 0)
         with cupy.cuda.Device(dst):
-            driver.cuStreamWaitValue32(waiter.ptr, address, self.epoch, 0)
+            if self.sync in ("memops", "kwait"):
+                driver.cuStreamWaitValue32(waiter.ptr, address, self.epoch, 0)
+            else:
+                _flag_kernel("spin", dst)((1,), (1,), (address, cupy.uint32(self.epoch)),
+                                          stream=waiter)
 
 
 def run(mib: int, chunks: int, back: str, sync: str = "events") -> tuple[float, bool]:

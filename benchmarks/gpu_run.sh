@@ -10,7 +10,8 @@
 # anyccl-nccl vs torch), ipcp2p (one-way send/recv bandwidth), scale (five collectives, MIN to
 # MAX: anyccl auto beside anyccl ipc, anyccl nccl and torch, on every GPU), links (copy-engine
 # rates between the GPUs: the rooflines), ce (a copy-engine two-shot all_reduce: an
-# experiment), probe (eager host loops, anyccl vs torch: host_probe.py), calls (host time of
+# experiment), cemodes (anyccl's copy-engine all_reduce per flag mechanism and chunks, beside
+# the SM kernels and torch: ce_modes.py with CEMODES_ARGS), probe (eager host loops, anyccl vs torch: host_probe.py), calls (host time of
 # the driver calls each operation makes: cuda_call_cost.py), pack (everything in
 # $OUT into one gpu-out.tgz: last).
 # MIN/MAX change small's, large's and scale's sizes, ROUNDS the bench rounds (3); CE_ARGS are
@@ -97,6 +98,9 @@ for what in "$@"; do
   ce) step ce
     timeout 120 python3 benchmarks/ce_allreduce.py ${CE_ARGS:-} 2>&1 | tee "$OUT/ce-allreduce.txt" \
         | tail -20 ;;
+  cemodes) step cemodes
+    timeout "${CEMODES_TIMEOUT:-300}" python3 -m anyccl run -n "$n" benchmarks/ce_modes.py ${CEMODES_ARGS:-} \
+        2>&1 | tee "$OUT/ce-modes.txt" | tail -40 ;;
   links) step links
     timeout 120 python3 benchmarks/link_ceiling.py 2>&1 | tee "$OUT/link-ceiling.txt" | tail -8 ;;
   scale) step scale

@@ -9,6 +9,9 @@ Prints, in GB/s (bytes moved / time, best of --repeat):
   both ways    GPU 0 -> GPU 1 and GPU 1 -> GPU 0 at once (per direction)
   pulled       the same two, each copy queued on the destination GPU (its engine reads the
                peer's memory) instead of the source
+  split        GPU 0 -> GPU 1, the bytes cut into 2 or 4 copies on as many streams
+  SM stores    GPU 0 -> GPU 1 by a kernel on GPU 0 storing 16-byte words into GPU 1's memory
+  engines + SM GPU 0 -> GPU 1, a share by the kernel and the rest by a copy at the same time
   fan out      GPU 0 -> every other GPU at once (GPU 0's total egress)
   all pairs    every GPU -> every other GPU at once (per GPU's egress)
 These are the rooflines the bus-bandwidth model of each collective is held against.
@@ -46,6 +49,54 @@ for a, b in pairs_all:
         pulls[a, b] = cupy.cuda.Stream(non_blocking=True)
     with cupy.cuda.Device(a):
         streams[a, b] = cupy.cuda.Stream(non_blocking=True)
+
+
+_copy = cupy.RawKernel(r"""
+extern "C" __global__ void copy16(uint4* __restrict__ dst, const uint4* __restrict__ src,
+                                  unsigned long long n) {
+    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x;
+         i < n; i += (unsigned long long)gridDim.x * blockDim.x)
+        dst[i] = src[i];
+}""", "copy16")
+sides = []
+with cupy.cuda.Device(0):
+    sides = [cupy.cuda.Stream(non_blocking=True) for _ in range(4)]
+    _sms = runtime.getDeviceProperties(0)["multiProcessorCount"]
+
+
+def one_way(parts: int = 1, sm_share: float = 0.0, sm_blocks: int = 0) -> float:
+    """Seconds (best of --repeat) for GPU 0 to move nbytes into GPU 1: `parts` copies on as
+    many streams, and `sm_share` of the bytes stored by a kernel of `sm_blocks` blocks (every
+    SM's worth if 0) at the same time."""
+    sm_bytes = int(nbytes * sm_share) // 4096 * 4096
+    ce_bytes = nbytes - sm_bytes
+    best = float("inf")
+    with cupy.cuda.Device(0):
+        for _ in range(args.repeat + 1):
+            runtime.deviceSynchronize()
+            begin, end = cupy.cuda.Event(), cupy.cuda.Event()
+            begin.record(sides[0])
+            for s in sides[1:]:
+                s.wait_event(begin)
+            if sm_bytes:
+                _copy((sm_blocks or 2 * _sms,), (512,),
+                      (dst[0, 1].data.ptr + ce_bytes, src[0].data.ptr + ce_bytes,
+                       cupy.uint64(sm_bytes // 16)), stream=sides[3])
+            if parts:
+                per = ce_bytes // parts // 4096 * 4096
+                for i in range(parts):
+                    size = per if i < parts - 1 else ce_bytes - per * (parts - 1)
+                    runtime.memcpyPeerAsync(dst[0, 1].data.ptr + i * per, 1,
+                                            src[0].data.ptr + i * per, 0, size,
+                                            sides[i % 3].ptr)
+            for s in sides[1:]:
+                done = cupy.cuda.Event(disable_timing=True)
+                done.record(s)
+                sides[0].wait_event(done)
+            end.record(sides[0])
+            end.synchronize()
+            best = min(best, cupy.cuda.get_elapsed_time(begin, end) / 1e3)
+    return best
 
 
 def timed(pairs: list[tuple[int, int]], pull: bool = False) -> float:
@@ -89,3 +140,12 @@ print(f"{n} GPUs: {runtime.getDeviceProperties(0)['name'].decode()}; {args.mib} 
 for label, pairs, per_gpu, *pull in rows:
     seconds = timed(pairs, bool(pull))
     print(f"  {label:<44} {nbytes * per_gpu / seconds / 1e9:8.1f} GB/s", flush=True)
+for label, kwargs in (("split over 2 streams (0 -> 1)", dict(parts=2)),
+                      ("split over 3 streams (0 -> 1)", dict(parts=3)),
+                      ("SM stores (0 -> 1)", dict(parts=0, sm_share=1.0)),
+                      ("engines + SM 10% (0 -> 1)", dict(sm_share=0.10)),
+                      ("engines + SM 20% (0 -> 1)", dict(sm_share=0.20)),
+                      ("engines + SM 20%, 16 blocks (0 -> 1)", dict(sm_share=0.20, sm_blocks=16)),
+                      ("engines + SM 30% (0 -> 1)", dict(sm_share=0.30))):
+    seconds = one_way(**kwargs)
+    print(f"  {label:<44} {nbytes / seconds / 1e9:8.1f} GB/s", flush=True)

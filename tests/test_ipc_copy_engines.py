@@ -88,8 +88,6 @@ class Simulator:
             stream, ("after", self.recorded.get(event))))
         monkeypatch.setattr(gpu, "copy_async", lambda dst, src, nbytes, stream: self.queue(
             stream, ("copy", dst, src, nbytes)))
-        monkeypatch.setattr(gpu, "write_value", lambda stream, address, value: self.queue(
-            stream, ("write", address, value)))
         monkeypatch.setattr(gpu, "wait_value", lambda stream, address, value: self.queue(
             stream, ("wait", address, value)))
 
@@ -113,14 +111,20 @@ class Simulator:
             elif kind == "copy":
                 _, dst, src, nbytes = op
                 self.view(dst, nbytes)[...] = self.view(src, nbytes).copy()
-            elif kind == "write":
-                self.word(op[1])[0] = op[2]
+            elif kind == "flags":             # ce_flags: clear, then raise
+                for address in op[1]:
+                    self.word(address)[0] = 0
+                for address in op[2]:
+                    self.word(address)[0] = 1
             elif kind == "kernel":
                 _, arrays, count, scale = op
                 views = [self.view(a, 4 * count).view(np.float32) for a in arrays]
                 total = np.sum([v.astype(np.float64) for v in views], axis=0) * scale
                 for v in views:
                     v[...] = total
+
+
+FLAGS_KERNEL, WAIT_KERNEL = 2, 3   # simulated function handles (reduce_local's: 1)
 
 
 def make_ranks(sim: Simulator, nranks: int, monkeypatch) -> list[ipc.IpcBackend]:
@@ -140,12 +144,21 @@ def make_ranks(sim: Simulator, nranks: int, monkeypatch) -> list[ipc.IpcBackend]
         b.ll_bytes, b.one_shot_bytes, b.ce_bytes = 16 << 10, 256 << 10, 1 << 20
         b.ce_chunks = ce.CHUNKS
         b._kernels = {f"reduce_local_float32_{op}": 1 for op in ("sum", "min", "max")}
+        b._kernels["ce_flags"], b._kernels["ce_wait"] = FLAGS_KERNEL, WAIT_KERNEL
         b._ce = ce.CopyEngineAllReduce(memory, 0)
         ranks.append(b)
 
     def launch(function, blocks, threads, stream, params):  # the kernel: run by the simulator
         a = ranks[sim.rank]._args
-        sim.queue(stream, ("kernel", [a.ins[q] for q in range(nranks)], a.count, a.scale))
+        if function == FLAGS_KERNEL:
+            sim.queue(stream, ("flags", [p for p in a.ins[:nranks] if p],
+                               [p for p in a.outs[:nranks] if p]))
+        elif function == WAIT_KERNEL:
+            for p in a.ins[:nranks]:
+                if p:
+                    sim.queue(stream, ("wait", p, 1))
+        else:
+            sim.queue(stream, ("kernel", [a.ins[q] for q in range(nranks)], a.count, a.scale))
     monkeypatch.setattr(gpu, "launch", launch)
     return ranks
 
@@ -153,8 +166,10 @@ def make_ranks(sim: Simulator, nranks: int, monkeypatch) -> list[ipc.IpcBackend]
 @pytest.mark.parametrize("nranks", [2, 3, 4])
 @pytest.mark.parametrize("shared_queue", [False, True])
 @pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("sync", ["kernels", "memop-wait"])
 def test_back_to_back_calls_finish_in_any_order_with_the_exact_sum(nranks, shared_queue, seed,
-                                                                   monkeypatch):
+                                                                   sync, monkeypatch):
+    monkeypatch.setenv("ANYCCL_IPC_CE_SYNC", sync)
     sim = Simulator(nranks, shared_queue, seed)
     sim.install(monkeypatch)
     ranks = make_ranks(sim, nranks, monkeypatch)
@@ -182,7 +197,9 @@ def test_back_to_back_calls_finish_in_any_order_with_the_exact_sum(nranks, share
             np.testing.assert_allclose(got, state[i], rtol=1e-6, err_msg=f"rank {r}, array {i}")
 
 
-def test_every_flag_a_call_raises_is_cleared_when_it_ends(monkeypatch):
+@pytest.mark.parametrize("sync", ["kernels", "memop-wait"])
+def test_every_flag_a_call_raises_is_cleared_when_it_ends(sync, monkeypatch):
+    monkeypatch.setenv("ANYCCL_IPC_CE_SYNC", sync)
     sim = Simulator(2, False, 0)
     sim.install(monkeypatch)
     ranks = make_ranks(sim, 2, monkeypatch)

@@ -251,13 +251,6 @@ def wait_value(stream: int, address: int, value: int) -> None:
                   "cuStreamWaitValue32")
 
 
-def write_value(stream: int, address: int, value: int) -> None:
-    """Queue writing `value` to the 32-bit word at device `address` (on this GPU or a peer's),
-    after the stream's earlier work, whose writes it makes visible first (a memory fence)."""
-    _check_driver(_drv().cuStreamWriteValue32(stream, address, value, 0)[0],
-                  "cuStreamWriteValue32")
-
-
 # ---- what the ipc backend needs: modules, raw device memory, IPC handles, mapped host memory --
 def _driver_value(result: Any, call: str) -> Any:
     _check_driver(result[0], call)

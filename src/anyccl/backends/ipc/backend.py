@@ -105,8 +105,9 @@ class IpcBackend:
         self.ll_bytes = min(_env_int("ANYCCL_IPC_LL_KB", 1024) << 10, self.layout.slot_bytes // 2)
         self.one_shot_bytes = _env_int("ANYCCL_IPC_ONE_SHOT_KB", 2048) << 10
         # copy engines from ce_bytes up (where the layout has their area, and there are peers);
-        # on 2 x H200 they beat the two-shot kernels at 1 GiB (350-354 GB/s busbw vs 335) but
-        # not at 256 MiB (328-332 vs 334) or below
+        # on 2 x H200 (benchmarks/ce_modes.py, 2 chunks, a 512 MiB slot) they beat the two-shot
+        # kernels at 1 GiB (364-373 GB/s busbw vs 333), not reliably at 256 MiB (312-352 from
+        # run to run vs 331-335), not at 128 or 64 MiB (311-313 vs 329; 239-249 vs 310)
         self.ce_bytes = _env_int("ANYCCL_IPC_CE_KB", 512 << 10) << 10
         self.ce_chunks = max(1, _env_int("ANYCCL_IPC_CE_CHUNKS", ce.CHUNKS))  # per segment
         if not self.layout.ce_slot_bytes or self.size == 1:
@@ -243,17 +244,10 @@ class IpcBackend:
         return enqueue
 
     def _all_reduce_ce(self, x: GpuArray, kernel: str, scale: float) -> Callable[[int], None]:
-        size, a = x.dtype.itemsize, self._args
+        size = x.dtype.itemsize
         plan = ce.plan(x.size, size, self.size, self.layout.ce_slot_bytes, self.ce_chunks)
-
-        def reduce(stream: int, arrays: list[int], count: int) -> None:
-            for q, ptr in enumerate(arrays):
-                a.ins[q] = a.outs[q] = ptr
-            a.count, a.scale = count, scale
-            # (1024 blocks of one 64 KiB tile each measured no faster: 307-353 GB/s at 1 GiB)
-            self._launch(kernel, self._blocks(count * size), stream)
-
-        return lambda stream: self._ce.enqueue(stream, x.ptr, plan, size, reduce)
+        kernels = _CeKernels(self, kernel, size, scale)
+        return lambda stream: self._ce.enqueue(stream, x.ptr, plan, size, kernels)
 
     def reduce_scatter(self, out: GpuArray, inputs: list[GpuArray],
                        op: ReduceOp) -> Callable[[int], None]:
@@ -393,3 +387,40 @@ class IpcBackend:
             gpu.destroy_event(self._fork)
             self._ce.close()
             self.memory.close()
+
+
+class _CeKernels:
+    """ce.Kernels for one copy-engine all_reduce: `reduce_local` (the `kernel` named), flags
+    raised by a one-thread kernel (ce_flags) and waited for by another (ce_wait) or, with
+    ANYCCL_IPC_CE_SYNC=memop-wait, by stream memory operations (cuStreamWaitValue32). Measured
+    alike on 2 x H200 (benchmarks/ce_modes.py); both beat flags written by stream memory
+    operations, which ce.py no longer uses."""
+
+    def __init__(self, backend: IpcBackend, kernel: str, itemsize: int, scale: float) -> None:
+        self.b, self.kernel, self.itemsize, self.scale = backend, kernel, itemsize, scale
+        self.memop_wait = os.environ.get("ANYCCL_IPC_CE_SYNC", "kernels") == "memop-wait"
+
+    def _pointers(self, first: list[int], second: list[int]) -> None:
+        a = self.b._args
+        for q in range(self.b.size):
+            a.ins[q] = first[q] if q < len(first) else 0
+            a.outs[q] = second[q] if q < len(second) else 0
+
+    def reduce(self, stream: int, arrays: list[int], count: int) -> None:
+        self._pointers(arrays, arrays)
+        a = self.b._args
+        a.count, a.scale = count, self.scale
+        # (1024 blocks of one 64 KiB tile each measured no faster: 307-353 GB/s at 1 GiB)
+        self.b._launch(self.kernel, self.b._blocks(count * self.itemsize), stream)
+
+    def flags(self, stream: int, clear: list[int], raise_: list[int]) -> None:
+        self._pointers(clear, raise_)
+        gpu.launch(self.b._kernels["ce_flags"], 1, 32, stream, self.b._params_address)
+
+    def wait(self, stream: int, flags: list[int]) -> None:
+        if self.memop_wait:
+            for flag in flags:
+                gpu.wait_value(stream, flag, 1)
+            return
+        self._pointers(flags, [])
+        gpu.launch(self.b._kernels["ce_wait"], 1, 32, stream, self.b._params_address)

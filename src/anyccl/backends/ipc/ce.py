@@ -1,13 +1,14 @@
 """all_reduce for large arrays by the copy engines: the GPUs' DMA engines move the data over
-NVLink, a small kernel reduces what arrived in local memory, and stream memory operations
-(write a flag in a peer's memory, wait for a flag in one's own) order the two across ranks.
+NVLink, a small kernel reduces what arrived in local memory, and flags in the ranks' signal
+areas (raised by one-thread kernels) order the two across ranks.
 
 Why: on 2 x H200 (NV18) the copy engines move 392-396 GB/s per direction where SM stores
-reach 371, and a two-shot all_reduce driven by them from one process reached 349-372 GB/s
-busbw at 256 MiB and 381-387 at 1 GiB (results pulled or pushed back) against 334 for the SM
-kernels (`benchmarks/ce_allreduce.py`, `link_ceiling.py`). Between processes, with stream
-memory operations as flags, this module reaches 349-354 at 1 GiB (the SM kernels: 335), but not
-more than they do at 256 MiB (328-332), so it serves 512 MiB and up.
+reach 368-371, and a two-shot all_reduce driven by them from one process reached 345-372 GB/s
+busbw at 256 MiB and 380-387 at 1 GiB against 334 for the SM kernels
+(`benchmarks/ce_allreduce.py`, `link_ceiling.py`). Between processes this module reaches
+364-373 at 1 GiB (`benchmarks/ce_modes.py`, anyccl bench; the SM kernels 333, torch 327-330),
+but from 312 to 352 at 256 MiB from run to run (SM kernels 331-335) and less below, so it
+serves 512 MiB and up.
 
 The array is cut into `nranks` segments; rank q reduces segment q. Each segment is cut into
 chunks; chunk k goes through position k % positions of the slots (memory.py: one slot per
@@ -15,15 +16,23 @@ peer in each rank's copy-engine area). For each chunk, on three streams of this 
 
   push (P):   my part of each peer q's segment chunk -> q's slot for me; then raise
               pushed[position][me] in q's signal area
-  reduce (S): wait for pushed[position][q] of every peer and clear them; reduce my segment's
-              chunk with the slots into the output and into every slot (the kernel
-              `reduce_local`, local memory only); raise reduced[position][me] at every peer
-  pull (B):   wait for reduced[position][q] of every peer and clear them; copy each peer's
-              reduced chunk from its slot for me into the output
+  reduce (S): wait for pushed[position][q] of every peer; reduce my segment's chunk with the
+              slots into the output and into every slot (the kernel `reduce_local`, local
+              memory only); clear those flags and raise reduced[position][me] at every peer
+  pull (B):   wait for reduced[position][q] of every peer; copy each peer's reduced chunk from
+              its slot for me into the output; clear those flags
 
-(Tried and measured slower, so not kept: returning results by pushes into a second slot per
-peer, copied out locally -- 308 and 341 GB/s at 256 MiB and 1 GiB against 328-332 and 349-354
-for pulls -- although in one process pushing back beat pulling: ce_allreduce.py --back.)
+Flags are written by a one-thread kernel (`ce_flags`) and waited for by another (`ce_wait`),
+or by cuStreamWaitValue32 (ANYCCL_IPC_CE_SYNC=memop-wait: measured alike). Not written by
+cuStreamWriteValue32: CUDA precedes it with a system-wide memory fence, slow with copies in
+flight (one process, 256 MiB: 331-333 GB/s with stream-memop flags, 348-352 with kernels;
+between processes, 2 chunks: 321 and 337 at 256 MiB and 1 GiB against 347 and 370:
+ce_modes.py).
+
+Tried and measured slower, so not kept: returning results by pushes into a second slot per
+peer, copied out locally (with stream-memop flags, 4 chunks: 308 and 341 GB/s at 256 MiB and
+1 GiB against 328-332 and 349-354 for pulls), although in one process pushing back beats
+pulling (ce_allreduce.py --back); more chunks (4: 311 and 347; 8: 271 and 275).
 
 S is the caller's stream; P and B fork from it and join it again at the end. A push into a
 position waits until this rank's pull from that position (chunk k - positions) finished.
@@ -31,9 +40,10 @@ position waits until this rank's pull from that position (chunk k - positions) f
 Flags are raised to 1 and cleared by the rank that waits on them, so every call queues the same
 values (a CUDA graph can replay it). No flag is raised again before it was cleared, and no slot
 written before it was read: a rank pushes chunk k + positions (or the next call's chunk) only
-after pulling chunk k, which the peer reduced only after clearing the flag and reading the slot;
-a rank reduces only after every peer pushed the chunk, which each did only after pulling what
-this rank left in that position before. Each chunk's operations are queued in the order push,
+after pulling chunk k (and clearing its reduced flags), whose reduced flag the peer raised only
+after reading the slot and clearing its pushed flag (one kernel: clear, fence, raise); a rank
+reduces only after every peer pushed the chunk, which each did only after pulling what this
+rank left in that position before. Each chunk's operations are queued in the order push,
 reduce, pull, an order in which the whole could also run on one queue, so streams that share a
 hardware queue cannot deadlock.
 """
@@ -41,13 +51,14 @@ hardware queue cannot deadlock.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Protocol
 
 from ... import gpu
 from .memory import CE_POSITIONS, TILE_BYTES, PeerMemory
 
 MIN_CHUNK_BYTES = 4 << 20   # smaller chunks lose more to the per-chunk flags than they pipeline
-CHUNKS = 4                  # chunks per segment where the slot allows (the experiment's best)
+CHUNKS = 2                  # chunks per segment where the slot allows: ce_modes.py's best (2
+                            # chunks 347 and 370 GB/s at 256 MiB and 1 GiB, 4 chunks 311 and 347)
 
 
 @dataclass(frozen=True)
@@ -85,6 +96,21 @@ def plan(count: int, itemsize: int, nranks: int, slot_bytes: int, chunks: int = 
                 min(CE_POSITIONS, slot_bytes // chunk_bytes))
 
 
+class Kernels(Protocol):
+    """What `CopyEngineAllReduce.enqueue` queues besides copies (the backend's kernels)."""
+
+    def reduce(self, stream: int, arrays: list[int], count: int) -> None:
+        """Queue the reduction of `count` elements of every array (this rank's first) into
+        every one of them."""
+
+    def flags(self, stream: int, clear: list[int], raise_: list[int]) -> None:
+        """Queue clearing the flags at `clear` (this rank's), then raising those at `raise_`
+        to 1, after the stream's earlier work (made visible to the peers first)."""
+
+    def wait(self, stream: int, flags: list[int]) -> None:
+        """Make the stream's later work wait until every flag at `flags` is raised."""
+
+
 class CopyEngineAllReduce:
     """The streams and events of this rank's copy-engine all_reduces (made on first use)."""
 
@@ -99,11 +125,8 @@ class CopyEngineAllReduce:
         self.pulled = [gpu.new_event(self.device) for _ in range(CE_POSITIONS)]
         self._made = True
 
-    def enqueue(self, stream: int, ptr: int, p: Plan, itemsize: int,
-                reduce: Callable[[int, list[int], int], None]) -> None:
-        """Queue the all_reduce of the `p.count` elements at `ptr` on `stream`.
-        `reduce(stream, [sources = destinations], count)` queues the local reduction of
-        `count` elements, this rank's first."""
+    def enqueue(self, stream: int, ptr: int, p: Plan, itemsize: int, kernels: Kernels) -> None:
+        """Queue the all_reduce of the `p.count` elements at `ptr` on `stream`."""
         if not self._made:
             self._make()
         m, r, n = self.memory, self.memory.rank, self.memory.size
@@ -122,25 +145,22 @@ class CopyEngineAllReduce:
                 if count:
                     gpu.copy_async(m.ce_slot(q, r) + offset, ptr + start * itemsize,
                                    count * itemsize, self.push)
-                gpu.write_value(self.push, m.pushed_flag(q, pos, r), 1)
-            for q in peers:                   # reduce my segment's chunk
-                flag = m.pushed_flag(r, pos, q)
-                gpu.wait_value(stream, flag, 1)
-                gpu.write_value(stream, flag, 0)
+            kernels.flags(self.push, [], [m.pushed_flag(q, pos, r) for q in peers])
+            taken = [m.pushed_flag(r, pos, q) for q in peers]
+            kernels.wait(stream, taken)       # reduce my segment's chunk
             start, count = p.extent(r, k)
             if count:
-                reduce(stream, [ptr + start * itemsize] + [m.ce_slot(r, q) + offset
-                                                           for q in peers], count)
+                kernels.reduce(stream, [ptr + start * itemsize] + [m.ce_slot(r, q) + offset
+                                                                   for q in peers], count)
+            kernels.flags(stream, taken, [m.reduced_flag(q, pos, r) for q in peers])
+            results = [m.reduced_flag(r, pos, q) for q in peers]
+            kernels.wait(self.pull, results)  # pull: each peer's reduced chunk
             for q in peers:
-                gpu.write_value(stream, m.reduced_flag(q, pos, r), 1)
-            for q in peers:                   # pull: each peer's reduced chunk
-                flag = m.reduced_flag(r, pos, q)
-                gpu.wait_value(self.pull, flag, 1)
-                gpu.write_value(self.pull, flag, 0)
                 start, count = p.extent(q, k)
                 if count:
                     gpu.copy_async(ptr + start * itemsize, m.ce_slot(q, r) + offset,
                                    count * itemsize, self.pull)
+            kernels.flags(self.pull, results, [])
             gpu.record(self.pulled[pos], self.pull)
         gpu.record(self.pushed, self.push)
         gpu.record(self.pulled_all, self.pull)

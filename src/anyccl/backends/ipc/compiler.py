@@ -67,7 +67,7 @@ def kernels(device: int) -> dict[str, int]:
     if functions is None:
         module = gpu.load_module(cubin(device))
         _modules.append(module)  # loaded for the life of the process
-        names = ["all_gather", "broadcast", "barrier", "send", "recv"]
+        names = ["all_gather", "broadcast", "barrier", "send", "recv", "ce_flags", "ce_wait"]
         kinds = ("all_reduce_0", "all_reduce_2", "reduce_scatter", "reduce_local")
         names += [f"{kind}_{dtype}_{op}" for kind in kinds
                   for dtype in ("float32", "float16", "bfloat16") for op in ("sum", "min", "max")]

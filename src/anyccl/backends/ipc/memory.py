@@ -58,7 +58,7 @@ class Layout:
         self.p2p_offset = 2 * self.half_bytes
         # ANYCCL_IPC_CE_MB: the copy-engine all_reduce's area, shared by the peers' slots (0:
         # no copy-engine path); a slot under 128 KiB (two 64 KiB chunks) is none
-        ce = _env_mib("ANYCCL_IPC_CE_MB", 256) // max(1, nranks - 1)
+        ce = _env_mib("ANYCCL_IPC_CE_MB", 512) // max(1, nranks - 1)
         self.ce_slot_bytes = ce // TILE_BYTES * TILE_BYTES if ce >= 2 * TILE_BYTES else 0
         self.ce_offset = self.p2p_offset + nranks * self.slots * self.chunk_bytes
         self.data_bytes = self.ce_offset + (nranks - 1) * self.ce_slot_bytes
