@@ -48,8 +48,8 @@ _TAG_BITS = 24  # the part of a tag a message carries (kernels.cu: meta_of)
 AUTO_IPC_RANGES: dict[int, dict[str, list[tuple[int, int]]]] = {
     # 2 x H200 (NV18): 2026-11-22-h200x2-ipc-vs-nccl-small-graph.json and -large.json; messages
     # from benchmarks/ipc_p2p.py (16 MiB-1 GiB 1.00-1.04x, 1-4 MiB 0.76-0.79x); all_reduce
-    # from 2026-11-23-h200x2-ipc-nccl-torch-large-ce.json (1 GiB by copy engines: 0.95x NCCL's
-    # time)
+    # from 2026-11-23-h200x2-ipc-nccl-torch-allreduce-session6.json (16 MiB-1 GiB: 0.82-0.91x
+    # NCCL's time; 1 GiB by copy engines)
     2: {
         "all_reduce": [(0, 1 << 62)],
         "broadcast": [(0, 8 << 20), (16 << 20, 64 << 20)],
@@ -60,6 +60,10 @@ AUTO_IPC_RANGES: dict[int, dict[str, list[tuple[int, int]]]] = {
     },
 }
 POLICIES = ("ipc", "auto")
+# all_reduce's paths by the bytes of the array, at most (defaults of ANYCCL_IPC_LL_KB and
+# ANYCCL_IPC_ONE_SHOT_KB): data+flag words, one shot; two shots above; copy engines from
+# ANYCCL_IPC_CE_KB's default up
+LL_BYTES, ONE_SHOT_BYTES, CE_BYTES = 1 << 20, 2 << 20, 512 << 20
 
 
 def auto_ranges(nranks: int) -> dict[str, list[tuple[int, int]]]:
@@ -102,13 +106,14 @@ class IpcBackend:
         # measured on 2 x H200: 32 blocks moved 252 GB/s (all_reduce busbw, 1 GiB), 64 298, 128 335
         self.max_blocks = _env_int("ANYCCL_IPC_BLOCKS", 128)
         # all_reduce: data+flag words up to ll_bytes, one shot up to one_shot_bytes, else two
-        self.ll_bytes = min(_env_int("ANYCCL_IPC_LL_KB", 1024) << 10, self.layout.slot_bytes // 2)
-        self.one_shot_bytes = _env_int("ANYCCL_IPC_ONE_SHOT_KB", 2048) << 10
+        self.ll_bytes = min(_env_int("ANYCCL_IPC_LL_KB", LL_BYTES >> 10) << 10,
+                            self.layout.slot_bytes // 2)
+        self.one_shot_bytes = _env_int("ANYCCL_IPC_ONE_SHOT_KB", ONE_SHOT_BYTES >> 10) << 10
         # copy engines from ce_bytes up (where the layout has their area, and there are peers);
         # on 2 x H200 (benchmarks/ce_modes.py, 2 chunks, a 512 MiB slot) they beat the two-shot
         # kernels at 1 GiB (364-373 GB/s busbw vs 333), not reliably at 256 MiB (312-352 from
         # run to run vs 331-335), not at 128 or 64 MiB (311-313 vs 329; 239-249 vs 310)
-        self.ce_bytes = _env_int("ANYCCL_IPC_CE_KB", 512 << 10) << 10
+        self.ce_bytes = _env_int("ANYCCL_IPC_CE_KB", CE_BYTES >> 10) << 10
         self.ce_chunks = max(1, _env_int("ANYCCL_IPC_CE_CHUNKS", ce.CHUNKS))  # per segment
         if not self.layout.ce_slot_bytes or self.size == 1:
             self.ce_bytes = 1 << 62
