@@ -1,12 +1,12 @@
 """Issue 7: the copy-engine all_reduce between processes (src/anyccl/backends/ipc/ce.py), timed
-for each way of passing its flags (ANYCCL_IPC_CE_SYNC: kernels, memop-wait, memops) and each
+for each way of waiting for its flags (ANYCCL_IPC_CE_SYNC: kernels, memop-wait) and each
 number of chunks per segment, beside the SM two-shot kernels of the same backend and torch, in
 rounds that rotate the order. Two timings of the same back-to-back calls: eager (the host queues
 them as the GPU runs) and held (queued while the GPU sleeps, then timed from the sleep's end:
 GPU time only). Each configuration is first checked for the exact sum.
 
     anyccl run -n 2 benchmarks/ce_modes.py [--mib 64 256 1024] [--chunks 2 4 8]
-                                           [--sync kernels memop-wait memops] [--rounds 3]
+                                           [--sync kernels memop-wait] [--rounds 3]
 
 Prints busbw (GB/s; 2 (n-1)/n x bytes / time), the median round of the slowest rank.
 """
@@ -14,7 +14,6 @@ Prints busbw (GB/s; 2 (n-1)/n x bytes / time), the median round of the slowest r
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 
 import numpy as np
@@ -27,7 +26,8 @@ from anyccl.tools.peers import TorchPeer
 parser = argparse.ArgumentParser()
 parser.add_argument("--mib", type=int, nargs="+", default=[64, 256, 1024])
 parser.add_argument("--chunks", type=int, nargs="+", default=[2, 4, 8])
-parser.add_argument("--sync", nargs="+", default=["kernels", "memop-wait", "memops"])
+parser.add_argument("--sync", nargs="+", default=["kernels", "memop-wait"],
+                    choices=["kernels", "memop-wait"])
 parser.add_argument("--rounds", type=int, default=3)
 parser.add_argument("--iters", type=int, default=6)
 args = parser.parse_args()
@@ -47,7 +47,7 @@ def configure(name: str) -> None:
     """'sm': the SM kernels; 'ce SYNC CHUNKS': the copy engines from 1 MiB up."""
     if name.startswith("ce"):
         _, sync, chunks = name.split()
-        os.environ["ANYCCL_IPC_CE_SYNC"] = sync
+        backend.ce_memop_wait = sync == "memop-wait"     # as ANYCCL_IPC_CE_SYNC sets it
         backend.ce_bytes, backend.ce_chunks = 1 << 20, int(chunks)
     else:
         backend.ce_bytes = SM_ONLY

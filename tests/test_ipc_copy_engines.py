@@ -127,7 +127,8 @@ class Simulator:
 FLAGS_KERNEL, WAIT_KERNEL = 2, 3   # simulated function handles (reduce_local's: 1)
 
 
-def make_ranks(sim: Simulator, nranks: int, monkeypatch) -> list[ipc.IpcBackend]:
+def make_ranks(sim: Simulator, nranks: int, monkeypatch,
+               sync: str = "kernels") -> list[ipc.IpcBackend]:
     monkeypatch.setenv("ANYCCL_IPC_CE_MB", "1")   # small slots: chunks take turns in positions
     layout = Layout(nranks)
     ce_bases = [sim.alloc((nranks - 1) * layout.ce_slot_bytes) for _ in range(nranks)]
@@ -142,7 +143,7 @@ def make_ranks(sim: Simulator, nranks: int, monkeypatch) -> list[ipc.IpcBackend]
         b.policy, b.rank, b.size, b.device, b.layout = "ipc", r, nranks, 0, layout
         b._args, b._params_address, b.max_blocks = KernelArgs(), 0, 128
         b.ll_bytes, b.one_shot_bytes, b.ce_bytes = 16 << 10, 256 << 10, 1 << 20
-        b.ce_chunks = ce.CHUNKS
+        b.ce_chunks, b.ce_memop_wait = ce.CHUNKS, sync == "memop-wait"
         b._kernels = {f"reduce_local_float32_{op}": 1 for op in ("sum", "min", "max")}
         b._kernels["ce_flags"], b._kernels["ce_wait"] = FLAGS_KERNEL, WAIT_KERNEL
         b._ce = ce.CopyEngineAllReduce(memory, 0)
@@ -169,10 +170,9 @@ def make_ranks(sim: Simulator, nranks: int, monkeypatch) -> list[ipc.IpcBackend]
 @pytest.mark.parametrize("sync", ["kernels", "memop-wait"])
 def test_back_to_back_calls_finish_in_any_order_with_the_exact_sum(nranks, shared_queue, seed,
                                                                    sync, monkeypatch):
-    monkeypatch.setenv("ANYCCL_IPC_CE_SYNC", sync)
     sim = Simulator(nranks, shared_queue, seed)
     sim.install(monkeypatch)
-    ranks = make_ranks(sim, nranks, monkeypatch)
+    ranks = make_ranks(sim, nranks, monkeypatch, sync)
     # per rank: a 4 MiB array (more chunks than positions: positions are reused) and an odd one
     sizes = [1 << 20, 300_007]
     arrays = [[sim.alloc(4 * n) for n in sizes] for _ in range(nranks)]
@@ -199,10 +199,9 @@ def test_back_to_back_calls_finish_in_any_order_with_the_exact_sum(nranks, share
 
 @pytest.mark.parametrize("sync", ["kernels", "memop-wait"])
 def test_every_flag_a_call_raises_is_cleared_when_it_ends(sync, monkeypatch):
-    monkeypatch.setenv("ANYCCL_IPC_CE_SYNC", sync)
     sim = Simulator(2, False, 0)
     sim.install(monkeypatch)
-    ranks = make_ranks(sim, 2, monkeypatch)
+    ranks = make_ranks(sim, 2, monkeypatch, sync)
     x = [sim.alloc(4 << 20) for _ in range(2)]
     for r, b in enumerate(ranks):
         sim.rank = r

@@ -13,6 +13,7 @@ from anyccl import ReduceOp, gpu
 from anyccl.backends.ipc import backend as ipc
 from anyccl.backends.ipc.memory import TILE_BYTES, KernelArgs, Layout
 from anyccl.buffers import BFLOAT16, GpuArray
+from anyccl.errors import InvalidArgumentError
 
 
 class FakeNccl:
@@ -161,3 +162,11 @@ def test_batched_messages_fork_to_a_side_stream_per_channel_and_join_back(launch
     assert [a["tag"] for *_, a in seen] == [5, 5, 6]
     joins = [e for e in events if e[0] == "wait" and e[1] == 42]
     assert len(joins) == 2                                           # the stream waits for both
+
+
+@pytest.mark.parametrize("value", ["memops", "Kernels", "events"])
+def test_an_unknown_copy_engine_wait_is_refused_by_name_before_any_gpu_work(value, monkeypatch):
+    monkeypatch.setenv("ANYCCL_IPC_CE_SYNC", value)
+    with pytest.raises(InvalidArgumentError, match=f"ANYCCL_IPC_CE_SYNC='{value}'.*kernels, "
+                                                   "memop-wait"):
+        ipc.IpcBackend(None, None, "ipc")   # no NCCL, no memory: refused first

@@ -27,7 +27,7 @@ import numpy as np
 
 from ... import gpu
 from ...buffers import BFLOAT16, GpuArray
-from ...errors import AnycclError, UnsupportedError
+from ...errors import AnycclError, InvalidArgumentError, UnsupportedError
 from ...ops import ReduceOp
 from ...store import Store
 from ...trace import OpRecord
@@ -60,6 +60,7 @@ AUTO_IPC_RANGES: dict[int, dict[str, list[tuple[int, int]]]] = {
     },
 }
 POLICIES = ("ipc", "auto")
+CE_SYNCS = ("kernels", "memop-wait")   # ANYCCL_IPC_CE_SYNC: how streams wait for ce.py's flags
 # all_reduce's paths by the bytes of the array, at most (defaults of ANYCCL_IPC_LL_KB and
 # ANYCCL_IPC_ONE_SHOT_KB): data+flag words, one shot; two shots above; copy engines from
 # ANYCCL_IPC_CE_KB's default up
@@ -93,6 +94,10 @@ class IpcBackend:
         if policy not in POLICIES:
             raise UnsupportedError(f"ipc policy {policy!r} is unknown; expected one of "
                                    f"{', '.join(POLICIES)}")
+        sync = os.environ.get("ANYCCL_IPC_CE_SYNC") or "kernels"
+        if sync not in CE_SYNCS:
+            raise InvalidArgumentError(f"ANYCCL_IPC_CE_SYNC={sync!r} is unknown; expected one "
+                                       f"of {', '.join(CE_SYNCS)}")
         self.nccl = nccl
         self.policy = policy
         self.rank, self.size, self.device = nccl.rank, nccl.size, nccl.device
@@ -115,6 +120,8 @@ class IpcBackend:
         # run to run vs 331-335), not at 128 or 64 MiB (311-313 vs 329; 239-249 vs 310)
         self.ce_bytes = _env_int("ANYCCL_IPC_CE_KB", CE_BYTES >> 10) << 10
         self.ce_chunks = max(1, _env_int("ANYCCL_IPC_CE_CHUNKS", ce.CHUNKS))  # per segment
+        # streams wait for its flags in ce_wait kernels, or by cuStreamWaitValue32
+        self.ce_memop_wait = sync == "memop-wait"
         if not self.layout.ce_slot_bytes or self.size == 1:
             self.ce_bytes = 1 << 62
         self._ce = ce.CopyEngineAllReduce(memory, self.device)
@@ -403,7 +410,6 @@ class _CeKernels:
 
     def __init__(self, backend: IpcBackend, kernel: str, itemsize: int, scale: float) -> None:
         self.b, self.kernel, self.itemsize, self.scale = backend, kernel, itemsize, scale
-        self.memop_wait = os.environ.get("ANYCCL_IPC_CE_SYNC", "kernels") == "memop-wait"
 
     def _pointers(self, first: list[int], second: list[int]) -> None:
         a = self.b._args
@@ -423,7 +429,7 @@ class _CeKernels:
         gpu.launch(self.b._kernels["ce_flags"], 1, 32, stream, self.b._params_address)
 
     def wait(self, stream: int, flags: list[int]) -> None:
-        if self.memop_wait:
+        if self.b.ce_memop_wait:
             for flag in flags:
                 gpu.wait_value(stream, flag, 1)
             return

@@ -488,13 +488,6 @@ __device__ void reduce_local(const Args& a) {
 }
 
 // ---- copy-engine all_reduce flags (ce.py) ----------------------------------------------------
-// One thread clears the flags at ins[q] (this rank's own, 32-bit), then raises those at outs[q]
-// (in peers' signal areas) to 1, after every write the stream made before it (the copies and the
-// reduction queued ahead: the kernel boundary orders them; the system fence makes them visible
-// to the peers first). A null pointer is skipped. A kernel instead of cuStreamWriteValue32,
-// which CUDA precedes with a system-wide memory fence: with copies in flight on the other
-// streams those writes measured slow (ce_allreduce.py --sync, one process, 256 MiB: 333 GB/s
-// with stream-memop flags, 352 with kernel-raised ones).
 // One thread spins until every flag at ins[q] (32-bit, this rank's) is set; the stream's later
 // work (a copy, the reduction) starts after it. Returns early if the host aborted (which also
 // raises every copy-engine flag).
@@ -512,6 +505,13 @@ extern "C" __global__ void ce_wait(Args a) {
     }
 }
 
+// One thread clears the flags at ins[q] (this rank's own, 32-bit), then raises those at outs[q]
+// (in peers' signal areas) to 1, after every write the stream made before it (the copies and the
+// reduction queued ahead: the kernel boundary orders them; the system fence makes them visible
+// to the peers first). A null pointer is skipped. A kernel instead of cuStreamWriteValue32,
+// which CUDA precedes with a system-wide memory fence: with copies in flight on the other
+// streams those writes measured slow (ce_allreduce.py --sync, one process, 256 MiB: 333 GB/s
+// with stream-memop flags, 352 with kernel-raised ones).
 extern "C" __global__ void ce_flags(Args a) {
     if (threadIdx.x != 0 || blockIdx.x != 0) return;
     for (int q = 0; q < a.nranks; ++q)
