@@ -35,7 +35,8 @@ args = parser.parse_args()
 comm = anyccl.init(backend="ipc")
 dev = torch.device(f"cuda:{comm.device}")
 torch.cuda.set_device(dev)
-dist = TorchPeer(comm, str(dev)).dist
+peer = TorchPeer(comm, str(dev))
+dist = peer.dist
 n = comm.size
 x = torch.empty((max(args.mib) << 20) // 4, device=dev)
 comm.all_reduce(x[:1024])
@@ -112,3 +113,5 @@ if comm.rank == 0:
             flag = "  WRONG" if (mib, name) in wrong else ""
             print(f"  {mib:5d}  {name:<24} {eager:7.1f} {held:7.1f}{flag}", flush=True)
 comm.barrier()
+peer.close()
+comm.close()
