@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -64,6 +65,33 @@ def test_a_clean_job_exits_zero_and_tags_output_with_ranks(no_leftovers):
     assert proc.returncode == 0, err
     assert sorted(line for line in out.splitlines() if "hello" in line) == \
         [f"[rank {r}] hello from rank {r}" for r in range(3)]
+
+
+@pytest.mark.parametrize("tag", [False, True], ids=["plain", "tagged"])
+def test_every_line_a_rank_prints_reaches_the_terminal_whole(no_leftovers, tag):
+    proc = _launch(4, "chatty", str(no_leftovers), tag=tag)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    prefix = r"\[rank (\d)\] " if tag else ""
+    body = re.compile(prefix + r"(\d) line (\d+) x{30}|" + prefix + r"last words of rank (\d)")
+    seen: dict[int, list[int]] = {r: [] for r in range(4)}
+    for line in out.splitlines():
+        if re.fullmatch(prefix + r"hello from rank \d", line):  # the script's greeting
+            continue
+        m = body.fullmatch(line)
+        assert m, f"a line came out mixed or cut: {line!r}"
+        groups = [g for g in m.groups() if g is not None]
+        if tag:
+            assert groups[0] == groups[1], f"a line was tagged with another rank: {line!r}"
+            groups = groups[1:]
+        if len(groups) == 2:
+            seen[int(groups[0])].append(int(groups[1]))
+        else:
+            seen[int(groups[0])].append(-1)
+    assert all(lines == [*range(300), -1] for lines in seen.values()), "lines lost or reordered"
+    tagged = (lambda r: f"[rank {r}] ") if tag else (lambda r: "")
+    assert sorted(line for line in err.splitlines() if "to stderr" in line) == \
+        [f"{tagged(r)}rank {r} to stderr" for r in range(4)]
 
 
 def test_a_failing_rank_stops_the_others_and_sets_the_exit_code(no_leftovers):

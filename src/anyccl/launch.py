@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from typing import IO, TextIO
 
 from .store import StoreServer
 
@@ -44,12 +45,50 @@ def _describe(returncode: int) -> str:
     return f"exited with code {returncode}"
 
 
-def _pump(stream, rank: int, out) -> None:
-    prefix = f"[rank {rank}] ".encode()
-    for line in iter(stream.readline, b""):
-        out.buffer.write(prefix + line)
-        out.flush()
-    stream.close()
+class _LineRelay:
+    """Copies every rank's output to the launcher's own stdout/stderr a whole line at a time.
+
+    Ranks run unbuffered (their output shows as it is printed), so one `print` may reach the
+    pipe in several writes; a line is passed on only once it is complete, with one write under
+    a lock shared by every rank, so lines of different ranks never mix. A last line without a
+    newline is passed on, with one, when the rank closes its end.
+    """
+
+    def __init__(self, tag_output: bool) -> None:
+        self.tag_output = tag_output
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+
+    def follow(self, stream: IO[bytes], rank: int, out: TextIO) -> None:
+        t = threading.Thread(target=self._pump, args=(stream, rank, out), daemon=True,
+                             name=f"anyccl-run-output-{rank}")
+        t.start()
+        self._threads.append(t)
+
+    def _pump(self, stream: IO[bytes], rank: int, out: TextIO) -> None:
+        prefix = f"[rank {rank}] ".encode() if self.tag_output else b""
+        try:
+            for line in iter(stream.readline, b""):
+                if not line.endswith(b"\n"):
+                    line += b"\n"
+                with self._lock:
+                    out.flush()  # what the launcher itself printed comes first
+                    raw = getattr(out, "buffer", None)
+                    if raw is None:  # a text-only stream (one a caller swapped in)
+                        out.write((prefix + line).decode(errors="replace"))
+                        out.flush()
+                    else:
+                        raw.write(prefix + line)
+                        raw.flush()
+        except ValueError:  # the launcher's own stream was closed under us: nothing to copy to
+            pass
+        finally:
+            stream.close()
+
+    def join(self, timeout_s: float) -> None:
+        end = time.monotonic() + timeout_s
+        for t in self._threads:
+            t.join(timeout=max(0.0, end - time.monotonic()))
 
 
 def remove_job_segments(job_id: str) -> list[str]:
@@ -81,7 +120,7 @@ def run(nprocs: int, target: str, args: list[str], *, module: bool = False,
     if backend:
         base_env["ANYCCL_BACKEND"] = backend
     ranks: list[RankProcess] = []
-    pumps: list[threading.Thread] = []
+    relay = _LineRelay(tag_output)
     stop_requested: list[int] = []
 
     def on_signal(signum, _frame) -> None:
@@ -92,22 +131,18 @@ def run(nprocs: int, target: str, args: list[str], *, module: bool = False,
         for rank in range(nprocs):
             rank_env = dict(base_env, RANK=str(rank), LOCAL_RANK=str(rank))
             cmd = [sys.executable, "-m", "anyccl._child", "-m" if module else "-s", target, *args]
-            pipe = subprocess.PIPE if tag_output else None
-            proc = subprocess.Popen(cmd, env=rank_env, stdout=pipe, stderr=pipe)
+            proc = subprocess.Popen(cmd, env=rank_env, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE)
             ranks.append(RankProcess(rank, proc))
-            if tag_output:
-                for stream, out in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
-                    t = threading.Thread(target=_pump, args=(stream, rank, out), daemon=True)
-                    t.start()
-                    pumps.append(t)
+            relay.follow(proc.stdout, rank, sys.stdout)
+            relay.follow(proc.stderr, rank, sys.stderr)
         code = _watch(ranks, stop_requested)
     finally:
         for rp in ranks:
             if rp.proc.poll() is None:
                 rp.proc.kill()
                 rp.proc.wait()
-        for t in pumps:
-            t.join(timeout=2.0)
+        relay.join(timeout_s=5.0)
         for s, handler in previous.items():
             signal.signal(s, handler)
         server.close()

@@ -3,6 +3,7 @@
   exit RANK CODE         rank RANK exits with CODE after a few collectives; others keep going
   kill RANK              rank RANK kills itself with SIGKILL mid-loop
   forever                every rank loops on collectives until stopped
+  chatty                 every rank prints 300 lines in pieces and ends on a line without newline
 """
 
 import os
@@ -19,6 +20,13 @@ mode, pid_dir = sys.argv[1], Path(sys.argv[2])
 comm = anyccl.init()
 (pid_dir / f"rank{comm.rank}.pid").write_text(str(os.getpid()))
 print(f"hello from rank {comm.rank}", flush=True)
+if mode == "chatty":
+    for i in range(300):
+        print(comm.rank, "line", i, "x" * 30)  # unbuffered: several writes per line
+    print(f"rank {comm.rank} to stderr", file=sys.stderr)
+    sys.stdout.write(f"last words of rank {comm.rank}")  # no newline, and the rank exits
+    comm.close()
+    sys.exit(0)
 x = np.ones(1000, np.float32)
 for step in range(10**9):
     if mode == "ok" and step == 20:
