@@ -111,7 +111,7 @@ def train_torch(mine):
             for p in model:
                 p -= args.lr * p.grad
                 p.grad.zero_()
-        progress(epoch, float(loss))
+        progress(epoch, loss.item())
     return [p.detach().cpu().numpy() for p in model]
 
 

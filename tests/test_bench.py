@@ -33,6 +33,17 @@ def test_every_op_runs_with_no_wrong_element_in_nccl_tests_format(tmp_path):
     assert [r for r in measured if r["wrong"] != 0 or not r["busbw"] > 0] == []
     line = next(ln for ln in proc.stdout.splitlines() if ln.split()[:1] == ["32768"])
     assert line.split()[1:5] == ["8192", "float", "sum", "-1"]  # all_reduce comes first
+    assert "Warning" not in proc.stderr, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("redop", ["sum", "prod"])
+def test_thousands_of_in_place_reductions_print_no_warning_and_stay_checked(redop):
+    # automatic iteration counts repeat in-place sums and products thousands of times
+    proc = _bench("-n", "2", "--op", "all_reduce,reduce_scatter", "--min", "2K", "--max", "4K",
+                  "--redop", redop, "--rounds", "1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr == "", proc.stderr[-3000:]
+    assert proc.stdout.count("# Out of bounds values : 0 OK") == 2
 
 
 @pytest.mark.parametrize("op", bench.OPS)

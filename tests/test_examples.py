@@ -49,6 +49,7 @@ def test_seed_examples_check_themselves_on_cpu(n, example, args, success):
     proc = _run_example(n, example, *args)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert success in proc.stdout
+    assert "Warning" not in proc.stderr, proc.stderr[-3000:]  # the user caused none
 
 
 @pytest.mark.skipif(shutil.which("mpiexec") is None, reason="no mpiexec on PATH")
@@ -84,3 +85,24 @@ def test_anyccl_viz_draws_what_the_collective_did(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "anyccl", "viz", "all_sorts"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and "not a collective" in bad.stderr
+
+
+def test_anyccl_viz_without_matplotlib_says_what_to_install_before_starting_ranks(
+        monkeypatch, capsys):
+    from anyccl.tools import viz
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if it were not installed
+    monkeypatch.delenv("ANYCCL_STORE", raising=False)
+    monkeypatch.delenv("RANK", raising=False)
+    assert viz.main(["all_reduce", "-n", "4"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("anyccl viz needs matplotlib, which is not installed; install it with "
+                   "`pip install \"anyccl[plot]\"` (or `pip install matplotlib`)")
+
+
+def test_anyccl_version_names_the_installed_version():
+    import anyccl
+
+    proc = subprocess.run([sys.executable, "-m", "anyccl", "--version"], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.strip() == f"anyccl {anyccl.__version__}"

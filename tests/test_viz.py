@@ -8,7 +8,7 @@ import pytest
 from harness import run_ranks
 
 from anyccl import ReduceOp
-from anyccl.tools.viz import OPS, image, run_collective, trace_moves
+from anyccl.tools.viz import OPS, describe, figure, image, run_collective, trace_moves
 
 
 def states(comm, op, redop_name):
@@ -38,7 +38,16 @@ def test_viz_states_are_the_collectives_real_results(op):
                                                                for j in range(n)]))
         elif op == "all_to_all":
             assert all(np.array_equal(after[j], image(j, salt=r)) for j in range(n))
-        assert before  # what was drawn on the left is what the rank started with
+        # what is drawn on the left is what the rank started with
+        if op in ("scatter",):
+            started = ([image(root, salt=j + 1) for j in range(n)] if r == root
+                       else [np.zeros_like(image(r))])
+        elif op in ("reduce_scatter", "all_to_all"):
+            started = [image(r, salt=j) for j in range(n)]
+        else:
+            started = [image(r)]
+        assert len(before) == len(started)
+        assert all(np.array_equal(b, s) for b, s in zip(before, started))
 
 
 def moves(comm, op):
@@ -58,3 +67,27 @@ def test_viz_arrows_are_the_moves_the_collective_really_made(op):
     found = run_ranks(moves, n, op)
     assert all(f == found[0] for f in found)
     assert set(map(tuple, found[0])) == expected
+
+
+def _inside(fig, artist) -> bool:
+    box = artist.get_window_extent(fig.canvas.get_renderer())
+    return 0 <= box.x0 and box.x1 <= fig.bbox.width and 0 <= box.y0 and box.y1 <= fig.bbox.height
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("op", OPS)
+def test_viz_titles_and_labels_lie_inside_the_picture(op, n):
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    got = run_ranks(states, n, op, "sum")
+    title = f"{op} on {n} ranks: {describe(op, ReduceOp.SUM, n - 1)}"
+    fig = figure(got, title)
+    try:
+        texts = [fig._suptitle] + [t for ax in fig.axes for t in (ax.title, ax.yaxis.label)
+                                   if t.get_text()]
+        outside = [t.get_text() for t in texts if not _inside(fig, t)]
+        assert not outside, f"cut off at the figure's edge: {outside}"
+        assert fig._suptitle.get_text().replace("\n", " ") == title
+    finally:
+        plt.close(fig)

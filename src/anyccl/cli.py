@@ -22,7 +22,10 @@ def _run(ns: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
     parser = argparse.ArgumentParser(prog="anyccl", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"anyccl {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="start N ranks of a script on this machine")
     run.add_argument("-n", "--nprocs", type=int, required=True, help="number of ranks")

@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from .._optional import missing
 from .._units import parse_size
 from ..buffers import BFLOAT16
 from ..communicator import Communicator
@@ -300,6 +301,8 @@ def measure(comm: Communicator, peers: list[Any], op: str, nbytes: int, s: Setti
     redop = s.redop.name.lower() if spec and spec.reduces else "none"
     where = where or HostPlacement()
     buffers, _ = build(op, count, s.dtype, comm.rank, n, max(root, 0), in_place, s.redop)
+    if spec and spec.reduces:
+        hold_steady(buffers, s.redop)
     placed = where.place(buffers)
     timed = []
     for peer in peers:
@@ -348,6 +351,19 @@ def measure(comm: Communicator, peers: list[Any], op: str, nbytes: int, s: Setti
         t.row.busbw = t.row.algbw * bus_factor(op, n)
         t.row.wrong = int(wrong[0])
     return [t.row for t in timed]
+
+
+def hold_steady(buffers: dict[str, Any], redop: ReduceOp) -> None:
+    """Fill the timed buffers of a reduction with its fixed point (0 for SUM, 1 for PROD), so
+    that thousands of in-place repetitions neither overflow nor slow down on infinities; the
+    results are checked afterwards, on fresh inputs."""
+    steady = {ReduceOp.SUM: 0, ReduceOp.PROD: 1}.get(redop)
+    if steady is None:  # AVG, MIN, MAX and the bitwise ops stay within their inputs' range
+        return
+    for value in buffers.values():
+        for array in value if isinstance(value, list) else [value]:
+            if isinstance(array, np.ndarray):
+                array[...] = steady
 
 
 def _agreed_iters(comm: Communicator, run: Callable[[], None], where: Any, rounds: int) -> int:
@@ -543,6 +559,10 @@ def _in_a_job() -> bool:
 def main(argv: list[str] | None = None) -> int:
     ns = parse_args(argv)
     settings = _settings(ns)
+    problem = ns.plot and missing("matplotlib", extra="plot", feature="anyccl bench --plot")
+    if problem:  # said once, before any rank starts or any time is spent measuring
+        print(problem, file=sys.stderr)
+        return 2
     compare = [c.strip() for c in ns.compare.split(",") if c.strip()]
     for c in compare:
         if c not in PEERS:

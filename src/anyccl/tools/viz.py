@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from .._optional import missing
 from ..ops import COLLECTIVES, ReduceOp
 
 SIDE = 16  # pixels per image side
@@ -128,57 +129,82 @@ def describe(op: str, redop: ReduceOp, root: int) -> str:
     }[op]
 
 
-def draw(states: list[tuple[list[np.ndarray], list[np.ndarray]]], op: str, title: str,
-         path: str, gif: bool = False, moves: list[tuple[int, int]] = ()) -> list[str]:
-    """One row per rank: before | after, with an arrow from rank q's before to rank r's after
-    for each (q, r) in `moves`. Writes `path` (PNG) and, with gif, path.gif."""
+def _strip(images: list[np.ndarray]) -> np.ndarray:
+    """Images side by side with a one-pixel transparent gap."""
+    gap = np.full((SIDE, 1), np.nan, np.float32)
+    parts = []
+    for img in images:
+        parts += [img, gap]
+    return np.concatenate(parts[:-1], axis=1)
+
+
+def _scale(states: list[tuple[list[np.ndarray], list[np.ndarray]]]) -> float:
+    return max(float(np.max(np.abs(img))) for before, after in states
+               for img in (*before, *after)) or 1.0
+
+
+def _fit_title(fig: Any, title: str, fontsize: float) -> Any:
+    """The figure's title, wrapped onto as many lines as it takes to lie inside the figure."""
+    import textwrap
+
+    width_pt = fig.get_figwidth() * 72 * 0.92
+    chars = max(16, int(width_pt / (0.6 * fontsize)))  # a generous average glyph width
+    return fig.suptitle(textwrap.fill(title, chars, break_on_hyphens=False), fontsize=fontsize)
+
+
+def figure(states: list[tuple[list[np.ndarray], list[np.ndarray]]], title: str,
+           moves: list[tuple[int, int]] = ()) -> Any:
+    """The picture of one collective: one row per rank, before | after, with an arrow from
+    rank q's before to rank r's after for each (q, r) in `moves`; the title wrapped to fit."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.patches import ConnectionPatch
 
-    n = len(states)
-    vmax = max(float(np.max(np.abs(img))) for before, after in states
-               for img in (*before, *after)) or 1.0
-
-    def strip(images: list[np.ndarray]) -> np.ndarray:
-        gap = np.full((SIDE, 1), np.nan, np.float32)
-        parts = []
-        for img in images:
-            parts += [img, gap]
-        return np.concatenate(parts[:-1], axis=1)
-
+    n, vmax = len(states), _scale(states)
     width = max(len(b) + len(a) for b, a in states)
-    fig, axes = plt.subplots(n, 2, figsize=(2 + 1.1 * width, 1.3 * n + 0.9), squeeze=False)
+    fig, axes = plt.subplots(n, 2, figsize=(2.5 + 1.1 * width, 1.3 * n + 1.1), squeeze=False)
     for r, (before, after) in enumerate(states):
         for c, (images, label) in enumerate(((before, "before"), (after, "after"))):
             ax = axes[r][c]
-            ax.imshow(strip(images), vmin=0, vmax=vmax, cmap="viridis")
+            ax.imshow(_strip(images), vmin=0, vmax=vmax, cmap="viridis")
             ax.set_xticks([])
             ax.set_yticks([])
             if r == 0:
                 ax.set_title(label)
             if c == 0:
                 ax.set_ylabel(f"rank {r}")
-    fig.suptitle(title, fontsize=10)
+    _fit_title(fig, title, fontsize=10)
     fig.tight_layout()
     fig.subplots_adjust(wspace=0.5)
-    from matplotlib.patches import ConnectionPatch
-
     colors = plt.get_cmap("tab10")
     for q, r in moves:  # data leaving rank q (its colour) for rank r
         fig.add_artist(ConnectionPatch(
             xyA=(1.02, 0.5), coordsA=axes[q][0].transAxes, xyB=(-0.02, 0.5),
             coordsB=axes[r][1].transAxes, arrowstyle="-|>", color=colors(q % 10), lw=1.2,
             alpha=0.8))
+    return fig
+
+
+def draw(states: list[tuple[list[np.ndarray], list[np.ndarray]]], op: str, title: str,
+         path: str, gif: bool = False, moves: list[tuple[int, int]] = ()) -> list[str]:
+    """Writes `figure(states, title, moves)` to `path` (PNG) and, with gif, an animation of
+    the two states to path.gif; returns the paths written."""
+    import matplotlib.pyplot as plt
+
+    fig = figure(states, title, moves)
     fig.savefig(path, dpi=80)
+    plt.close(fig)
     written = [path]
     if gif:
         from matplotlib.animation import FuncAnimation, PillowWriter
 
-        fig2, axes2 = plt.subplots(n, 1, figsize=(1 + 1.1 * width, 1.3 * n + 0.9),
+        n, vmax = len(states), _scale(states)
+        width = max(len(b) + len(a) for b, a in states)
+        fig2, axes2 = plt.subplots(n, 1, figsize=(1.5 + 1.1 * width, 1.3 * n + 0.9),
                                    squeeze=False)
-        shown = [axes2[r][0].imshow(strip(states[r][0]), vmin=0, vmax=vmax, cmap="viridis")
+        shown = [axes2[r][0].imshow(_strip(states[r][0]), vmin=0, vmax=vmax, cmap="viridis")
                  for r in range(n)]
         for r in range(n):
             axes2[r][0].set_xticks([])
@@ -187,7 +213,7 @@ def draw(states: list[tuple[list[np.ndarray], list[np.ndarray]]], op: str, title
 
         def frame(k: int) -> list[Any]:
             for r in range(n):
-                shown[r].set_data(strip(states[r][k % 2]))
+                shown[r].set_data(_strip(states[r][k % 2]))
             fig2.suptitle(f"{op}: {'before' if k % 2 == 0 else 'after'}", fontsize=10)
             return shown
 
@@ -196,7 +222,6 @@ def draw(states: list[tuple[list[np.ndarray], list[np.ndarray]]], op: str, title
                                                                 writer=PillowWriter(fps=1))
         plt.close(fig2)
         written.append(gif_path)
-    plt.close(fig)
     return written
 
 
@@ -222,6 +247,10 @@ def main(argv: list[str] | None = None) -> int:
     redop = ReduceOp.parse(ns.op)
     if not 0 <= ns.root < ns.nprocs:
         raise SystemExit(f"anyccl viz: --root {ns.root} must be below -n {ns.nprocs}")
+    problem = missing("matplotlib", extra="plot", feature="anyccl viz")
+    if problem:  # said once, before any rank starts
+        print(problem, file=sys.stderr)
+        return 2
     if not os.environ.get("ANYCCL_STORE") and not os.environ.get("RANK"):
         from ..launch import run
 
