@@ -1,32 +1,31 @@
-"""The link model of the GPU backends: for each row of an `anyccl bench --device cuda --json`
-run, the bytes the busiest GPU sends over its links for the algorithm that library runs at that
-size (as the code at hand routes it: runs made before a routing change are labelled by today's), the bus bandwidth that allows at the links' measured rate, and how much of it the row
-reaches. It is the roofline the ipc results are held against, and the prediction a scaling run
-(2, 4, 8 GPUs) is compared with.
+"""The link model of the GPU backends: for each row of an `anyccl bench --device cuda --json` run,
+the bytes the busiest GPU sends over its links for the algorithm that library runs at that size
+(as the code at hand routes it: runs made before a routing change are labelled by today's), the
+bus bandwidth that allows at the links' measured rate, and how much of it the row reaches. It
+is the roofline the ipc results are held against, and the prediction a scaling run (2, 4, 8
+GPUs) is compared with.
 
     python benchmarks/gpu_model.py run.json [--sm 368] [--ce 392] [--min-size 1M]
 
-Egress per GPU, in units of N (nccl-tests' size column), n ranks, through NVLink (one link
-pair at 2 GPUs; NVSwitch above, where a GPU's links are shared by all its peers, so B is per
-GPU, not per pair):
-  all_reduce     ring / two shots / copy engines: 2 (n-1)/n;  one shot (ipc up to 2 MiB): n-1
-  all_gather, reduce_scatter, all_to_all: (n-1)/n;  broadcast: 1, the ipc root n-1;  send: 1
-The model's busbw is B x the op's nccl-tests bus factor / egress: B for every ring-like
-algorithm at every n, 2B/n for the one-shot all_reduce, B/(n-1) for the ipc broadcast. B is
-the SM-store rate (--sm: kernels, NCCL's included; 367.6 one way) or the copy engines' (--ce:
-the ipc all_reduce from 512 MiB; 392.3 per direction both ways at once): defaults measured on
-2 x H200 (`benchmarks/link_ceiling.py`, 2026-11-23-h200x2-session6.md). Small sizes are bound by
-latency, not by the link; --min-size leaves them out.
-"""
+Egress per GPU, in units of N (nccl-tests' size column), n ranks, through NVLink (one link pair
+at 2 GPUs; NVSwitch above, where a GPU's links are shared by all its peers, so B is per GPU,
+not per pair): all_reduce ring / two shots / copy engines: 2 (n-1)/n; one shot (ipc up to 2
+MiB): n-1 all_gather, reduce_scatter, all_to_all: (n-1)/n; broadcast: 1, the ipc root n-1;
+send: 1 The model's busbw is B x the op's nccl-tests bus factor / egress: B for every ring-like
+algorithm at every n, 2B/n for the one-shot all_reduce, B/(n-1) for the ipc broadcast. B is the
+SM-store rate (--sm: kernels, NCCL's included; 367.6 one way) or the copy engines' (--ce: the
+ipc all_reduce from 512 MiB; 392.3 per direction both ways at once): defaults measured on 2 x
+H200 (`benchmarks/link_ceiling.py`, 2026-11-23-h200x2-session6.md). Small sizes are bound by
+latency, not by the link; --min-size leaves them out."""
 
 from __future__ import annotations
 
 import argparse
 import json
 
+from anyccl._units import parse_size
 from anyccl.backends.ipc.backend import CE_BYTES, ONE_SHOT_BYTES, routes_to_ipc
 from anyccl.tools.bench import bus_factor
-from anyccl._units import parse_size
 
 # what each library name of a run means: anyccl runs the run's own backend (meta "backend")
 KERNELS = {"anyccl-ipc": "ipc", "anyccl-auto": "auto"}

@@ -1,10 +1,10 @@
-"""GPU arrays on the ipc backend (anyccl's kernels over CUDA IPC peer memory) on 1, 2, 4 and 8 GPUs
-(as many as are visible): every op the kernels serve x float32/float16/bfloat16 x
+"""GPU arrays on the ipc backend (anyccl's kernels over CUDA IPC peer memory) on 1, 2, 4 and 8
+GPUs (as many as are visible): every op the kernels serve x float32/float16/bfloat16 x
 SUM/AVG/MIN/MAX against a float64 reference, through the one-shot, two-shot, several-kernel and
-copy-engine paths (small buffers and thresholds force them), unaligned views, tagged messages and batched rings larger than
-the message ring, what the kernels do not serve falling to NCCL, a CUDA graph replaying a
-captured all_reduce, and a deadline that stops spinning kernels. Needs CUDA GPUs, NVRTC and
-nccl4py; skipped without."""
+copy-engine paths (small buffers and thresholds force them), unaligned views, tagged messages
+and batched rings larger than the message ring, what the kernels do not serve falling to NCCL,
+a CUDA graph replaying a captured all_reduce, and a deadline that stops spinning kernels. Needs
+CUDA GPUs, NVRTC and nccl4py; skipped without."""
 
 from __future__ import annotations
 

@@ -87,7 +87,8 @@ def plan(count: int, itemsize: int, nranks: int, slot_bytes: int, chunks: int = 
     segment, at least MIN_CHUNK_BYTES, at most half a slot (so at least two positions
     alternate), in 64 KiB steps."""
     pack = 16 // itemsize
-    seg = -(-(-(-count // nranks)) // pack) * pack
+    per_rank = -(-count // nranks)  # ceiling divisions
+    seg = -(-per_rank // pack) * pack
     want = max(MIN_CHUNK_BYTES, -(-seg * itemsize // chunks))
     chunk_bytes = min(-(-want // TILE_BYTES) * TILE_BYTES,
                       slot_bytes // 2 // TILE_BYTES * TILE_BYTES)
