@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import glob
+import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = str(Path(__file__).parent / "scripts" / "rank_behaviour.py")
+SCRIPT_DIR = Path(__file__).parent / "scripts"
+SCRIPT = str(SCRIPT_DIR / "rank_behaviour.py")
 
 
 def _alive(pid: int) -> bool:
@@ -143,3 +146,43 @@ def test_the_launcher_needs_a_script_and_a_positive_rank_count():
     proc = subprocess.run([sys.executable, "-m", "anyccl", "run", "-n", "2"],
                           capture_output=True, text=True, timeout=30)
     assert proc.returncode == 2 and "name a script" in proc.stderr
+
+
+def _in_small_dev_shm(size: str, *cmd: str) -> subprocess.CompletedProcess:
+    """Run `cmd` in a private mount namespace whose /dev/shm is a tmpfs of `size`."""
+    if shutil.which("unshare") is None:
+        pytest.skip("needs unshare(1) to give a job a small /dev/shm of its own")
+    mount = f"mount -t tmpfs -o size={size} tmpfs /dev/shm"
+    probe = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", mount],
+                           capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip(f"cannot mount a private /dev/shm here: {probe.stderr.strip()}")
+    script = f'{mount} && exec "$0" "$@"'
+    return subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", script,
+                           *cmd], capture_output=True, text=True, timeout=180)
+
+
+@pytest.mark.parametrize("mib, fit", [(5, 0), (13, 2)])
+def test_too_small_a_dev_shm_is_an_error_at_init_on_every_rank_never_a_sigbus(mib, fit):
+    # Four ranks need 6 MiB each. With 5 MiB none fits, and the 2 MiB each rank's staging
+    # touches would have run out mid-collective (SIGBUS); with 13 MiB two fit, and the other
+    # two must tell them.
+    proc = _in_small_dev_shm(f"{mib}m", sys.executable, str(SCRIPT_DIR / "shm_no_room.py"), "4")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    outcome = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert all(o["code"] == 1 for o in outcome), outcome  # an exception, not a signal
+    assert all(o["last"].startswith("anyccl.errors.RendezvousError: rank ") for o in outcome)
+    full = [o["last"] for o in outcome if "no room in shared memory" in o["last"]
+            and "could not create" not in o["last"]]
+    told = [o["last"] for o in outcome if "could not create its shared memory" in o["last"]]
+    assert len(full) == 4 - fit and len(told) == fit, outcome
+    for line in full + told:
+        assert "need 4 x 6.004 MiB = 24.02 MiB" in line
+        assert "/dev/shm has " in line and f" free of {mib} MiB" in line
+        assert "--shm-size" in line and "ANYCCL_SHM_STAGING_BYTES" in line and "mpi" in line
+
+
+def test_a_job_that_fits_a_small_dev_shm_runs():
+    proc = _in_small_dev_shm("30m", sys.executable, str(SCRIPT_DIR / "shm_no_room.py"), "4")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == [{"code": 0, "last": ""}] * 4

@@ -20,6 +20,7 @@ removes those of its job when it ends.)
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import secrets
@@ -57,6 +58,7 @@ _W_SEGMENT_ADDRESS = 42            # where the owner maps its own segment (to pr
 _W_SENT = 64                       # words 64 .. 64+n: bytes this rank wrote into channel to j
 _HEADER = 32                       # message header: tag, nbytes, dtype code, 0 (int64 each)
 _PEER_CHECK_S = 0.25
+_NO_ROOM = "no room\n"             # published instead of a segment name when creation failed
 _DTYPE_CODE = {dt: i for i, dt in enumerate(SUPPORTED_DTYPES)}
 
 
@@ -88,6 +90,47 @@ class _Layout:
         self.total = self.staging + 2 * staging_bytes
 
 
+class SharedMemoryFull(OSError):
+    """/dev/shm has no room for a segment (raised at creation, never later as SIGBUS)."""
+
+
+def _claim(fd: int, size: int) -> None:
+    """Give the segment `size` bytes and claim its pages now: a tmpfs segment that is only
+    truncated gets its pages on first touch, and a full /dev/shm then kills the rank with
+    SIGBUS mid-collective instead of failing here."""
+    os.ftruncate(fd, size)
+    if not hasattr(os, "posix_fallocate"):  # macOS: nothing to claim pages with
+        return
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.ENOMEM):
+            raise SharedMemoryFull(e.errno, os.strerror(e.errno)) from None
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+
+
+def no_room_message(rank: int, size: int, segment_bytes: int, layout: _Layout,
+                    directory: str = "/dev/shm") -> str:
+    """What rank `rank` says when /dev/shm cannot hold its segment: what the job needs, what
+    there is, and the ways out."""
+    try:
+        fs = os.statvfs(directory)
+        there = (f"{directory} has {format_bytes(fs.f_bavail * fs.f_frsize)} free of "
+                 f"{format_bytes(fs.f_blocks * fs.f_frsize)}")
+    except OSError:
+        there = f"{directory} could not be measured"
+    return (
+        f"rank {rank}: no room in shared memory: this communicator's {size} ranks need "
+        f"{size} x {format_bytes(segment_bytes)} = {format_bytes(size * segment_bytes)} "
+        f"({format_bytes(2 * layout.staging_bytes)} of staging and "
+        f"{size} x {format_bytes(layout.channel_bytes)} of message channels per rank), and "
+        f"{there}. Give the job more (in a container: `docker run --shm-size=1g`, or a "
+        f"memory-backed emptyDir at /dev/shm on Kubernetes), use smaller segments "
+        f"(ANYCCL_SHM_STAGING_BYTES, ANYCCL_SHM_CHANNEL_BYTES, e.g. 256K each), or use "
+        f"backend='mpi'")
+
+
 class _Segment:
     """One mapped shared-memory segment; created (and later unlinked) by its owner."""
 
@@ -97,7 +140,11 @@ class _Segment:
         fd = _posixshmem.shm_open(name, flags, mode=0o600)
         try:
             if create:
-                os.ftruncate(fd, size)
+                try:
+                    _claim(fd, size)
+                except BaseException:
+                    _posixshmem.shm_unlink(name)
+                    raise
             self.mm = mmap.mmap(fd, size)
         finally:
             os.close(fd)
@@ -225,7 +272,12 @@ class SharedMemoryBackend(Backend):
             reclaim_dead_segments()
 
         name = f"/anyccl-{job_id}-{comm_name}-{rank}-{secrets.token_hex(4)}"
-        self._own = _Segment(name, layout.total, create=True)
+        try:
+            self._own = _Segment(name, layout.total, create=True)
+        except SharedMemoryFull:
+            message = no_room_message(rank, size, layout.total, layout)
+            store.set(f"shm/{rank}", f"{_NO_ROOM}{message}".encode())  # peers fail at once too
+            raise RendezvousError(message) from None
         try:
             self._own.words[_W_PID] = os.getpid()
             self._own.words[_W_SEGMENT_ADDRESS] = self._own.address(0)
@@ -267,7 +319,11 @@ class SharedMemoryBackend(Backend):
                 if j == self.rank:
                     segments.append(self._own)
                     continue
-                peer_host, peer_name = store.get(f"shm/{j}", timeout_s).decode().split("\n")
+                published = store.get(f"shm/{j}", timeout_s).decode()
+                if published.startswith(_NO_ROOM):
+                    raise RendezvousError(f"rank {self.rank}: rank {j} could not create its "
+                                          f"shared memory; it said: {published[len(_NO_ROOM):]}")
+                peer_host, peer_name = published.split("\n")
                 if peer_host != host:
                     raise RendezvousError(
                         f"rank {self.rank}: the shm backend serves ranks of one machine, but rank "
