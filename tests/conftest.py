@@ -23,6 +23,10 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "shm_only" in item.keywords:
                 item.add_marker(skip)
+        once = pytest.mark.skip(reason="checks of the project run in the shm pass")
+        for item in items:
+            if "project" in item.keywords:
+                item.add_marker(once)
 
     if gpu.device_count() == 0:
         skip = pytest.mark.skip(reason="needs a CUDA GPU")

@@ -31,10 +31,16 @@ def backends() -> list[tuple[str, str, str]]:
     mpi = _try(_mpi_version)
     rows.append(("mpi", "cpu (many nodes)", f"available ({mpi})" if mpi else
                  "not usable: pip install 'anyccl[mpi]' (mpi4py and MPICH)"))
-    rows.append(("ipc", "cuda (one node)",
-                 "available (anyccl's kernels over CUDA IPC, compiled by NVRTC; NCCL for the "
-                 "rest)" if nccl and _try(_nvrtc_usable) else
-                 "not usable: pip install 'anyccl[gpu]' (cuda-core, NVRTC and nccl4py)"))
+    from ..backends.ipc.compiler import SOURCE
+
+    if not SOURCE.is_file():
+        ipc = f"not usable: this installation of anyccl lacks its kernels' source ({SOURCE})"
+    elif nccl and _try(_nvrtc_usable):
+        ipc = ("available (anyccl's kernels over CUDA IPC, compiled by NVRTC; NCCL for the "
+               "rest)")
+    else:
+        ipc = "not usable: pip install 'anyccl[gpu]' (cuda-core, NVRTC and nccl4py)"
+    rows.append(("ipc", "cuda (one node)", ipc))
     return rows
 
 
