@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every example on the GPUs of the device machine, one rank per GPU (run by gpu_run.sh examples).
+# Every example on the GPUs of a GPU machine, one rank per GPU (run by gpu_run.sh examples).
 # Each example checks its own result and exits non-zero when wrong; this prints PASS/FAIL lines.
 set -uo pipefail
 n=${1:-2}

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One call on the device machine: install the carried wheels, describe the machine, then run the
-# named steps in order. Usage (from the repository root):
+# The GPU runs, on a GPU machine: install the wheels in .whl/ (nccl4py and whatever else the
+# machine lacks), describe the machine, then run the named steps in order. Usage (from the repository root):
 #   bash benchmarks/gpu_run.sh STEP [STEP ...]
 # Steps: tests (GPU tests, nccl), staging (GPU tests on mpi, host-staged), ipc (GPU tests of the
 # ipc backend), overhead (host time per call), mpibench (staged vs naive all_reduce), ddp
@@ -11,34 +11,36 @@
 # MAX: anyccl auto beside anyccl ipc, anyccl nccl and torch, on every GPU), links (copy-engine
 # rates between the GPUs: the rooflines), ce (a copy-engine two-shot all_reduce: an
 # experiment), cemodes (anyccl's copy-engine all_reduce per flag mechanism and chunks, beside
-# the SM kernels and torch: ce_modes.py with CEMODES_ARGS), probe (eager host loops, anyccl vs torch: host_probe.py), calls (host time of
-# the driver calls each operation makes: cuda_call_cost.py), pack (everything in
-# $OUT into one gpu-out.tgz: last).
+# the SM kernels and torch: lab/ce_modes.py with CEMODES_ARGS), probe (eager host loops, anyccl
+# vs torch: lab/host_probe.py), calls (host time of the driver calls each operation makes:
+# lab/cuda_call_cost.py), pack (everything in $RESULTS_DIR into one gpu-out.tgz: last).
 # MIN/MAX change small's, large's and scale's sizes, ROUNDS the bench rounds (3); CE_ARGS are
 # ce_allreduce.py's arguments (e.g. "--sync events memops").
 # N=k runs the multi-rank steps on k ranks (default: one per visible GPU); K=expr selects ipc tests.
-# Logs go to $OUT (or ./gpu-out). NVLink multicast stays off (shared machines).
+# Logs go to $RESULTS_DIR (default ./gpu-out). NVLink multicast stays off (shared machines).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_btl_vader_single_copy_mechanism=none
-OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || exit 1
+RESULTS_DIR=${RESULTS_DIR:-gpu-out}; mkdir -p "$RESULTS_DIR"
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/site .whl/*.whl || exit 1
+fi
 export PYTHONPATH=$PWD/src:/tmp/site
 anyccl() { python3 -m anyccl "$@"; }
 { nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv
   nvidia-smi topo -m; anyccl info; python3 -c 'import torch; print("torch", torch.__version__, "nccl", torch.cuda.nccl.version())'
-} > "$OUT/info.txt" 2>&1
+} > "$RESULTS_DIR/info.txt" 2>&1
 n=${N:-$(python3 -c 'import torch; print(torch.cuda.device_count())')}
 step() { echo "=== $1 ($(date +%T))"; }
 # anyccl bench on the GPUs: bench NAME TIMEOUT BACKEND COMPARE OPS MIN MAX; $FACTOR (4), $ROUNDS
-# and $GRAPH apply; writes $OUT/NAME.json and NAME.txt and prints the comparison tables
+# and $GRAPH apply; writes $RESULTS_DIR/NAME.json and NAME.txt and prints the comparison tables
 bench() {
   local name=$1 limit=$2 backend=$3 compare=$4 ops=$5 min=$6 max=$7
   timeout "$limit" python3 -m anyccl bench -n "$n" --device cuda --backend "$backend" \
       --compare "$compare" --op "$ops" --min "$min" --max "$max" --factor "${FACTOR:-4}" \
-      ${ROUNDS:+--rounds "$ROUNDS"} ${GRAPH:+--graph} --json "$OUT/$name.json" 2>&1 | tee "$OUT/$name.txt" \
+      ${ROUNDS:+--rounds "$ROUNDS"} ${GRAPH:+--graph} --json "$RESULTS_DIR/$name.json" 2>&1 | tee "$RESULTS_DIR/$name.txt" \
       | awk '/busbw \(GB\/s/,/latency at the smallest/' | tail -100
 }
 FOUR=all_reduce,all_gather,reduce_scatter,broadcast
@@ -46,27 +48,27 @@ for what in "$@"; do
   case $what in
   tests) step tests
     timeout "${TESTS_TIMEOUT:-240}" python3 -m pytest -q -rfE --tb=short -m gpu tests/test_gpu.py \
-        -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.txt" | tail -15 ;;
+        -p no:cacheprovider 2>&1 | tee "$RESULTS_DIR/gpu-tests.txt" | tail -15 ;;
   staging) step staging
     timeout "${STAGING_TIMEOUT:-120}" python3 -m pytest -q -rfE --tb=short -m gpu tests/test_gpu_staging.py \
-        -p no:cacheprovider 2>&1 | tee "$OUT/gpu-staging-tests.txt" | tail -15 ;;
+        -p no:cacheprovider 2>&1 | tee "$RESULTS_DIR/gpu-staging-tests.txt" | tail -15 ;;
   ipc) step ipc
     timeout "${IPC_TIMEOUT:-200}" python3 -m pytest -q -rfE --tb=short -m gpu tests/test_gpu_ipc.py ${K:+-k "$K"} \
-        -p no:cacheprovider 2>&1 | tee "$OUT/gpu-ipc-tests.txt" | tail -25 ;;
+        -p no:cacheprovider 2>&1 | tee "$RESULTS_DIR/gpu-ipc-tests.txt" | tail -25 ;;
   overhead) step overhead
     for b in ${OVERHEAD_BACKENDS:-nccl ipc}; do
-      timeout 90 python3 benchmarks/gpu_overhead.py $b 2>&1 | tee "$OUT/overhead-$b.txt" | tail -36
+      timeout 90 python3 benchmarks/lab/gpu_overhead.py $b 2>&1 | tee "$RESULTS_DIR/overhead-$b.txt" | tail -36
     done ;;
   mpibench) step mpibench
     timeout 120 mpiexec -n "$n" python3 benchmarks/mpi_staging.py --mib 16 64 256 2>&1 \
-        | tee "$OUT/mpi-staging.txt" | tail -12 ;;
+        | tee "$RESULTS_DIR/mpi-staging.txt" | tail -12 ;;
   ddp) step ddp
     for b in ${DDP_BACKENDS:-nccl}; do
       timeout 150 python3 -m anyccl run -n "$n" benchmarks/ddp_overlap.py --backend "$b" 2>&1 \
-          | tee "$OUT/ddp-overlap-$b-$n.txt" | tail -6
+          | tee "$RESULTS_DIR/ddp-overlap-$b-$n.txt" | tail -6
     done ;;
   examples) step examples
-    timeout 240 bash benchmarks/gpu_examples.sh "$n" 2>&1 | tee "$OUT/examples.txt" | tail -40 ;;
+    timeout 240 bash benchmarks/gpu_examples.sh "$n" 2>&1 | tee "$RESULTS_DIR/examples.txt" | tail -40 ;;
   small) step small
     bench bench-small 100 nccl torch all_reduce "${MIN:-8}" "${MAX:-8M}" ;;
   large) step large
@@ -74,13 +76,13 @@ for what in "$@"; do
         "${MIN:-16M}" "${MAX:-1G}" ;;
   ipccheck) step ipccheck
     timeout "${CHECK_TIMEOUT:-240}" python3 -m anyccl run -n "$n" benchmarks/ipc_check.py \
-        --iters "${ITERS:-1000}" 2>&1 | tee "$OUT/ipc-check.txt" | tail -25 ;;
+        --iters "${ITERS:-1000}" 2>&1 | tee "$RESULTS_DIR/ipc-check.txt" | tail -25 ;;
   sanitizer) step sanitizer
     for tool in ${TOOLS:-memcheck racecheck}; do
       ANYCCL_IPC_HALF_MB=2 ANYCCL_IPC_RING_MB=4 timeout 150 compute-sanitizer --tool $tool \
           --target-processes all --print-limit 20 python3 -m anyccl run -n "$n" \
           benchmarks/ipc_check.py --iters 25 --max-elems 200000 2>&1 \
-          | tee "$OUT/sanitizer-$tool.txt" | tail -8
+          | tee "$RESULTS_DIR/sanitizer-$tool.txt" | tail -8
     done ;;
   ipcsmall) step ipcsmall
     bench "ipc-small${GRAPH:+-graph}" 200 "${IPC_BACKEND:-ipc}" nccl,torch "${OPS:-all_reduce}" 8 \
@@ -89,25 +91,25 @@ for what in "$@"; do
     bench ipc-large "${BENCH_TIMEOUT:-240}" "${IPC_BACKEND:-ipc}" nccl,torch "${OPS:-$FOUR}" 16M 1G ;;
   ipcp2p) step ipcp2p
     timeout 150 python3 -m anyccl run -n 2 benchmarks/ipc_p2p.py 2>&1 \
-        | tee "$OUT/ipc-p2p.txt" | tail -12 ;;
+        | tee "$RESULTS_DIR/ipc-p2p.txt" | tail -12 ;;
   calls) step calls
-    timeout 60 python3 benchmarks/cuda_call_cost.py 2>&1 | tee "$OUT/cuda-call-cost.txt" | tail -8 ;;
+    timeout 60 python3 benchmarks/lab/cuda_call_cost.py 2>&1 | tee "$RESULTS_DIR/cuda-call-cost.txt" | tail -8 ;;
   probe) step probe
-    timeout 150 python3 -m anyccl run -n 2 benchmarks/host_probe.py 2>&1 | grep -v Warning \
-        | tee "$OUT/host-probe.txt" | tail -16 ;;
+    timeout 150 python3 -m anyccl run -n 2 benchmarks/lab/host_probe.py 2>&1 | grep -v Warning \
+        | tee "$RESULTS_DIR/host-probe.txt" | tail -16 ;;
   ce) step ce
-    timeout 120 python3 benchmarks/ce_allreduce.py ${CE_ARGS:-} 2>&1 | tee "$OUT/ce-allreduce.txt" \
+    timeout 120 python3 benchmarks/lab/ce_allreduce.py ${CE_ARGS:-} 2>&1 | tee "$RESULTS_DIR/ce-allreduce.txt" \
         | tail -20 ;;
   cemodes) step cemodes
-    timeout "${CEMODES_TIMEOUT:-300}" python3 -m anyccl run -n "$n" benchmarks/ce_modes.py ${CEMODES_ARGS:-} \
-        2>&1 | tee "$OUT/ce-modes.txt" | tail -40 ;;
+    timeout "${CEMODES_TIMEOUT:-300}" python3 -m anyccl run -n "$n" benchmarks/lab/ce_modes.py ${CEMODES_ARGS:-} \
+        2>&1 | tee "$RESULTS_DIR/ce-modes.txt" | tail -40 ;;
   links) step links
-    timeout 120 python3 benchmarks/link_ceiling.py 2>&1 | tee "$OUT/link-ceiling.txt" | tail -8 ;;
+    timeout 120 python3 benchmarks/roofline/link_ceiling.py 2>&1 | tee "$RESULTS_DIR/link-ceiling.txt" | tail -8 ;;
   scale) step scale
     bench "scale-$n-${MIN:-16}-${MAX:-1G}${GRAPH:+-graph}" "${BENCH_TIMEOUT:-500}" auto \
         ipc,nccl,torch "${OPS:-$FOUR,all_to_all}" "${MIN:-16}" "${MAX:-1G}" ;;
-  pack) step pack  # the device tool brings back few files: one archive of them all
-    tar czf /tmp/gpu-out.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/gpu-out.tgz "$OUT/" ;;
+  pack) step pack  # one archive of every log, for copying off the machine
+    tar czf /tmp/gpu-out.tgz -C "$RESULTS_DIR" . && rm -rf "${RESULTS_DIR:?}"/* && mv /tmp/gpu-out.tgz "$RESULTS_DIR/" ;;
   *) echo "unknown step $what"; exit 2 ;;
   esac
 done

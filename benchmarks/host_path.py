@@ -1,7 +1,7 @@
 """anyccl's own Python time for one GPU collective call, measured on any machine: the CUDA and
 NCCL calls are stubbed out (each costs nothing here), so what remains is the argument checks,
 the array adapter, the routing, the op record and the queueing -- the part of an eager call's
-host time that is anyccl's code. `benchmarks/gpu_overhead.py` measures the whole on a GPU.
+host time that is anyccl's code. `benchmarks/lab/gpu_overhead.py` measures the whole on a GPU.
 
     python benchmarks/host_path.py [--op all_reduce|all_gather|reduce_scatter|broadcast]
                                    [--backend nccl|ipc] [--calls 20000] [--profile]

@@ -1,6 +1,6 @@
 """GPU arrays on the mpi backend go through pinned host memory in chunks: the pipeline's logic,
 checked on CPU with the CUDA calls simulated (tests/scripts/staged_pipeline.py). The real GPU
-run is benchmarks/mpi_staging.py on the device machine."""
+run is benchmarks/mpi_staging.py on a GPU machine."""
 
 from __future__ import annotations
 

@@ -48,7 +48,7 @@ _TAG_BITS = 24  # the part of a tag a message carries (kernels.cu: meta_of)
 AUTO_IPC_RANGES: dict[int, dict[str, list[tuple[int, int]]]] = {
     # 2 x H200 (NV18): 2026-11-22-h200x2-ipc-vs-nccl-small-graph.json and -large.json; messages
     # from benchmarks/ipc_p2p.py (16 MiB-1 GiB 1.00-1.04x, 1-4 MiB 0.76-0.79x); all_reduce
-    # from 2026-11-23-h200x2-ipc-nccl-torch-allreduce-session6.json (16 MiB-1 GiB: 0.82-0.91x
+    # from 2026-11-23-h200x2-allreduce-ipc-nccl-torch-16M-1G.json (16 MiB-1 GiB: 0.82-0.91x
     # NCCL's time; 1 GiB by copy engines)
     2: {
         "all_reduce": [(0, 1 << 62)],
@@ -115,7 +115,7 @@ class IpcBackend:
                             self.layout.slot_bytes // 2)
         self.one_shot_bytes = _env_int("ANYCCL_IPC_ONE_SHOT_KB", ONE_SHOT_BYTES >> 10) << 10
         # copy engines from ce_bytes up (where the layout has their area, and there are peers);
-        # on 2 x H200 (benchmarks/ce_modes.py, 2 chunks, a 512 MiB slot) they beat the two-shot
+        # on 2 x H200 (benchmarks/lab/ce_modes.py, 2 chunks, a 512 MiB slot) they beat the two-shot
         # kernels at 1 GiB (364-373 GB/s busbw vs 333), not reliably at 256 MiB (312-352 from
         # run to run vs 331-335), not at 128 or 64 MiB (311-313 vs 329; 239-249 vs 310)
         self.ce_bytes = _env_int("ANYCCL_IPC_CE_KB", CE_BYTES >> 10) << 10
@@ -405,7 +405,7 @@ class _CeKernels:
     """ce.Kernels for one copy-engine all_reduce: `reduce_local` (the `kernel` named), flags
     raised by a one-thread kernel (ce_flags) and waited for by another (ce_wait) or, with
     ANYCCL_IPC_CE_SYNC=memop-wait, by stream memory operations (cuStreamWaitValue32). Measured
-    alike on 2 x H200 (benchmarks/ce_modes.py); both beat flags written by stream memory
+    alike on 2 x H200 (benchmarks/lab/ce_modes.py); both beat flags written by stream memory
     operations, which ce.py no longer uses."""
 
     def __init__(self, backend: IpcBackend, kernel: str, itemsize: int, scale: float) -> None:

@@ -5,8 +5,8 @@ areas (raised by one-thread kernels) order the two across ranks.
 Why: on 2 x H200 (NV18) the copy engines move 392-396 GB/s per direction where SM stores
 reach 368-371, and a two-shot all_reduce driven by them from one process reached 345-372 GB/s
 busbw at 256 MiB and 380-387 at 1 GiB against 334 for the SM kernels
-(`benchmarks/ce_allreduce.py`, `link_ceiling.py`). Between processes this module reaches
-364-373 at 1 GiB (`benchmarks/ce_modes.py`, anyccl bench; the SM kernels 333, torch 327-330),
+(`benchmarks/lab/ce_allreduce.py`, `link_ceiling.py`). Between processes this module reaches
+364-373 at 1 GiB (`benchmarks/lab/ce_modes.py`, anyccl bench; the SM kernels 333, torch 327-330),
 but from 312 to 352 at 256 MiB from run to run (SM kernels 331-335) and less below, so it
 serves 512 MiB and up.
 

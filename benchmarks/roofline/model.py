@@ -1,7 +1,7 @@
 """The physical model of the shm backend: bytes each rank reads plus writes per operation, for
 the algorithm anyccl picks at each size, against the memory bandwidth measured in the same run.
 
-    python benchmarks/model.py run.json          # a markdown table for the results file
+    python benchmarks/roofline/model.py run.json          # a markdown table for the results file
 
 N is the size column of nccl-tests (the largest buffer of the op). Copies cost 2 bytes of
 traffic per byte (read + write), reductions 3 per element pair (read both, write one); data a

@@ -1,11 +1,11 @@
-"""Issue 7: the copy-engine all_reduce between processes (src/anyccl/backends/ipc/ce.py), timed
+"""The copy-engine all_reduce between processes (src/anyccl/backends/ipc/ce.py), timed
 for each way of waiting for its flags (ANYCCL_IPC_CE_SYNC: kernels, memop-wait) and each
 number of chunks per segment, beside the SM two-shot kernels of the same backend and torch, in
 rounds that rotate the order. Two timings of the same back-to-back calls: eager (the host queues
 them as the GPU runs) and held (queued while the GPU sleeps, then timed from the sleep's end:
 GPU time only). Each configuration is first checked for the exact sum.
 
-    anyccl run -n 2 benchmarks/ce_modes.py [--mib 64 256 1024] [--chunks 2 4 8]
+    anyccl run -n 2 benchmarks/lab/ce_modes.py [--mib 64 256 1024] [--chunks 2 4 8]
                                            [--sync kernels memop-wait] [--rounds 3]
 
 Prints busbw (GB/s; 2 (n-1)/n x bytes / time), the median round of the slowest rank.

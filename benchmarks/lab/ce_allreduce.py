@@ -1,4 +1,4 @@
-"""An experiment for issue 7: how fast could a two-GPU all_reduce go if the copy engines moved
+"""An experiment: how fast could a two-GPU all_reduce go if the copy engines moved
 the data instead of SM stores? One process drives both GPUs (CuPy); a two-shot all_reduce in
 --chunks pieces, pipelined over two streams per GPU:
 
@@ -12,7 +12,7 @@ Prints busbw (= S / time for 2 GPUs) for each size, checked against the expected
 the copy engines' both-ways rate (link_ceiling.py) that bounds it. Not anyccl's code path: a
 measurement of what the copy-engine design would reach before building it.
 
-    python3 benchmarks/ce_allreduce.py [--mib 256 1024] [--chunks 1 4 16 64] [--repeat 5]
+    python3 benchmarks/lab/ce_allreduce.py [--mib 256 1024] [--chunks 1 4 16 64] [--repeat 5]
                                        [--back push pull] [--sync events memops spin kernel kwait]
 
 --sync memops signals between the GPUs as anyccl's ce.py does between processes: the producing

@@ -5,7 +5,7 @@ bus bandwidth that allows at the links' measured rate, and how much of it the ro
 is the roofline the ipc results are held against, and the prediction a scaling run (2, 4, 8
 GPUs) is compared with.
 
-    python benchmarks/gpu_model.py run.json [--sm 368] [--ce 392] [--min-size 1M]
+    python benchmarks/roofline/gpu_model.py run.json [--sm 368] [--ce 392] [--min-size 1M]
 
 Egress per GPU, in units of N (nccl-tests' size column), n ranks, through NVLink (one link pair
 at 2 GPUs; NVSwitch above, where a GPU's links are shared by all its peers, so B is per GPU,
@@ -15,8 +15,8 @@ send: 1 The model's busbw is B x the op's nccl-tests bus factor / egress: B for 
 algorithm at every n, 2B/n for the one-shot all_reduce, B/(n-1) for the ipc broadcast. B is the
 SM-store rate (--sm: kernels, NCCL's included; 367.6 one way) or the copy engines' (--ce: the
 ipc all_reduce from 512 MiB; 392.3 per direction both ways at once): defaults measured on 2 x
-H200 (`benchmarks/link_ceiling.py`, 2026-11-23-h200x2-session6.md). Small sizes are bound by
-latency, not by the link; --min-size leaves them out."""
+H200 (`benchmarks/roofline/link_ceiling.py`,
+2026-11-23-h200x2-allreduce-copy-engines-ipc-vs-nccl.md). Small sizes are bound by latency, not by the link; --min-size leaves them out."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ Measured on an H200 (2026-11-23): the bindings cost 0.15-0.6 us per call, ctypes
 (equal for the event query): ctypes is no faster for these, so anyccl keeps the bindings
 for them (kernel launches do go through ctypes: the bindings' launch packs its arguments).
 
-    python3 benchmarks/cuda_call_cost.py [--calls 100000]
+    python3 benchmarks/lab/cuda_call_cost.py [--calls 100000]
 """
 
 import argparse

@@ -6,7 +6,7 @@ slower on the host or on the GPU?). "raw" rows call the backend's enqueue functi
 stream, without the communicator (no checks, no op record, no watchdog): the floor that
 anyccl's Python sits on. Alternating rounds, medians.
 
-    anyccl run -n 2 benchmarks/host_probe.py
+    anyccl run -n 2 benchmarks/lab/host_probe.py
 """
 import statistics
 import time

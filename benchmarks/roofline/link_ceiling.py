@@ -2,7 +2,7 @@
 engine transfers (cudaMemcpyPeerAsync through CuPy, a stream per pair) of --mib MiB, timed
 with CUDA events. One process drives every GPU.
 
-    python3 benchmarks/link_ceiling.py [--mib 1024] [--repeat 5]
+    python3 benchmarks/roofline/link_ceiling.py [--mib 1024] [--repeat 5]
 
 Prints, in GB/s (bytes moved / time, best of --repeat):
   one way      GPU 0 -> GPU 1 alone

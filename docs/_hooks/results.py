@@ -1,0 +1,42 @@
+"""mkdocs hook: README.md is the site's front page (its links made relative to docs/), the
+recorded runs in benchmarks/results/ become pages of the site (results/...), and the benchmarks
+page lists them, newest first, each with its own first heading."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from mkdocs.structure.files import File, Files
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "benchmarks" / "results"
+MARKER = "<!-- results-list -->"
+
+
+def front_page() -> str:
+    """README.md with its links pointing where the site keeps the same files."""
+    text = (ROOT / "README.md").read_text()
+    return text.replace("](docs/", "](").replace("](benchmarks/results/", "](results/")
+
+
+def on_files(files: Files, config) -> Files:
+    files.append(File.generated(config, "index.md", content=front_page()))
+    for path in sorted(RESULTS.iterdir()):
+        if path.suffix in (".md", ".png"):
+            files.append(File.generated(config, f"results/{path.name}", abs_src_path=str(path)))
+    return files
+
+
+def _title(path: Path) -> str:
+    for line in path.read_text().splitlines():
+        if line.startswith("# "):
+            return line[2:].strip()
+    return path.stem
+
+
+def on_page_markdown(markdown: str, page, config, files) -> str:
+    if MARKER not in markdown:
+        return markdown
+    rows = [f"- [{p.stem}](results/{p.name}): {_title(p)}"
+            for p in sorted(RESULTS.glob("*.md"), reverse=True)]
+    return markdown.replace(MARKER, "\n".join(rows))

@@ -1,0 +1,41 @@
+"""Checks of the project as a whole: the code is lint-clean and the documentation builds with
+every link and reference resolved."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.project
+
+
+def test_ruff_finds_nothing_to_fix():
+    pytest.importorskip("ruff")
+    proc = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", str(ROOT)],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+
+
+def test_the_docs_build_strictly(tmp_path):
+    pytest.importorskip("mkdocs")
+    pytest.importorskip("mkdocstrings")
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
+    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-f",
+                           str(ROOT / "mkdocs.yml"), "-d", str(tmp_path / "site")],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    site = tmp_path / "site"
+    front = (site / "index.html").read_text()
+    assert "Install and run the demo" in front  # README is the front page
+    api = (site / "api" / "index.html").read_text()
+    assert "all_reduce" in api and "Communicator" in api  # generated from the docstrings
+    results = ROOT / "benchmarks" / "results"
+    for page in results.glob("*.md"):
+        assert (site / "results" / page.stem / "index.html").is_file(), page.name
+    shutil.rmtree(site)
