@@ -16,7 +16,8 @@ algorithm at every n, 2B/n for the one-shot all_reduce, B/(n-1) for the ipc broa
 SM-store rate (--sm: kernels, NCCL's included; 367.6 one way) or the copy engines' (--ce: the
 ipc all_reduce from 512 MiB; 392.3 per direction both ways at once): defaults measured on 2 x
 H200 (`benchmarks/roofline/link_ceiling.py`,
-2026-11-23-h200x2-allreduce-copy-engines-ipc-vs-nccl.md). Small sizes are bound by latency, not by the link; --min-size leaves them out."""
+2026-11-23-h200x2-allreduce-copy-engines-ipc-vs-nccl.md). Small sizes are bound by latency,
+not by the link; --min-size leaves them out."""
 
 from __future__ import annotations
 
