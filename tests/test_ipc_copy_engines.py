@@ -40,7 +40,7 @@ def test_the_cut_covers_every_element_once_in_aligned_chunks_that_fit_the_slots(
             covered += n
     assert covered == count
     if ce.CHUNKS * ce.MIN_CHUNK_BYTES <= p.seg * itemsize <= ce.CHUNKS * (slot // 2):
-        assert p.chunks == ce.CHUNKS          # a quarter segment per chunk, where it fits
+        assert p.chunks == ce.CHUNKS          # 1/CHUNKS of a segment per chunk, where it fits
 
 
 class Simulator:

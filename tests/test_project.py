@@ -35,6 +35,10 @@ def test_the_docs_build_strictly(tmp_path):
     assert "Install and run the demo" in front  # README is the front page
     api = (site / "api" / "index.html").read_text()
     assert "all_reduce" in api and "Communicator" in api  # generated from the docstrings
+    from anyccl import settings
+
+    page = (site / "settings" / "index.html").read_text()
+    assert all(name in page for name in settings.SETTINGS)  # generated from the declarations
     results = ROOT / "benchmarks" / "results"
     for page in results.glob("*.md"):
         assert (site / "results" / page.stem / "index.html").is_file(), page.name

@@ -1,9 +1,11 @@
-"""mkdocs hook: README.md is the site's front page (its links made relative to docs/), the
+"""mkdocs hook: pages made from the repository itself. README.md is the site's front page (its
+links made relative to docs/), the settings page is generated from `anyccl.settings`, the
 recorded runs in benchmarks/results/ become pages of the site (results/...), and the benchmarks
 page lists them, newest first, each with its own first heading."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from mkdocs.structure.files import File, Files
@@ -19,8 +21,28 @@ def front_page() -> str:
     return text.replace("](docs/", "](").replace("](benchmarks/results/", "](results/")
 
 
+SETTINGS_INTRO = """# Settings
+
+Every `ANYCCL_*` environment variable anyccl reads, generated from `anyccl.settings`, where each
+is declared once. Sizes accept `64K`, `16M`, `1G`; a bare number is read in the unit the
+variable's name carries. A value that does not parse is an `InvalidArgumentError` naming the
+variable, raised by `anyccl.init()` (or when the backend that reads it is created).
+
+"""
+
+
+def settings_page() -> str:
+    sys.path.insert(0, str(ROOT / "src"))
+    try:
+        from anyccl import settings
+    finally:
+        sys.path.pop(0)
+    return SETTINGS_INTRO + settings.table() + "\n"
+
+
 def on_files(files: Files, config) -> Files:
     files.append(File.generated(config, "index.md", content=front_page()))
+    files.append(File.generated(config, "settings.md", content=settings_page()))
     for path in sorted(RESULTS.iterdir()):
         if path.suffix in (".md", ".png"):
             files.append(File.generated(config, f"results/{path.name}", abs_src_path=str(path)))

@@ -9,6 +9,8 @@ import runpy
 import signal
 import sys
 
+from . import settings
+
 _PR_SET_PDEATHSIG = 1
 
 
@@ -17,7 +19,7 @@ def _die_with_launcher() -> None:
         return
     libc = ctypes.CDLL(None)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    launcher = int(os.environ.get("ANYCCL_LAUNCHER_PID", "0"))
+    launcher = settings.LAUNCHER_PID.get() or 0
     if launcher and os.getppid() != launcher:  # the launcher died before the signal was armed
         os._exit(1)
 

@@ -13,10 +13,12 @@ import logging
 import os
 import secrets
 import socket
+import warnings
 from datetime import timedelta
 from typing import Callable
 from urllib.parse import urlparse
 
+from . import settings
 from .backends.base import Backend
 from .communicator import Communicator, _seconds, close_all
 from .errors import InvalidArgumentError, RendezvousError, UnsupportedError
@@ -24,7 +26,7 @@ from .store import FileStore, PrefixStore, Store, StoreServer, TCPStore
 
 log = logging.getLogger("anyccl")
 
-DEFAULT_TIMEOUT_S = 600.0
+DEFAULT_TIMEOUT_S = settings.TIMEOUT.default
 
 # (rank, world size, local rank) variables of the launchers we recognise, in order of preference
 _LAUNCHER_ENV = (
@@ -86,13 +88,15 @@ def _launcher_identity() -> tuple[int | None, int | None, int | None]:
 
 
 def _job_key() -> bytes | None:
-    text = os.environ.get("ANYCCL_JOB_KEY")
+    text = settings.JOB_KEY.get()
     if not text:
         return None
     try:
         return bytes.fromhex(text)
     except ValueError:
-        raise RendezvousError("ANYCCL_JOB_KEY must be hexadecimal") from None
+        raise InvalidArgumentError(f"environment variable {settings.JOB_KEY.name} is not valid; "
+                                   f"expected hexadecimal digits (e.g. from `python -c 'import "
+                                   f"secrets; print(secrets.token_hex(32))'`)") from None
 
 
 def _is_loopback(host: str) -> bool:
@@ -105,8 +109,24 @@ def _is_loopback(host: str) -> bool:
 def _tcp_store(host: str, port: int, rank: int, timeout_s: float) -> Store:
     key = _job_key()
     if key is None:
-        log.info("rendezvous at %s:%d is not authenticated: set ANYCCL_JOB_KEY on every rank "
-                 "(anyccl run does this for you)", host, port)
+        # Without a secret every rank can compute, the store's HMAC proves nothing: anyone who
+        # reaches the port could join. On loopback that is only this machine's users.
+        if not _is_loopback(host):
+            allow = settings.ALLOW_UNAUTHENTICATED_STORE
+            if not allow.get():
+                raise RendezvousError(
+                    f"rank {rank}: the rendezvous at {host}:{port} is reachable from the network "
+                    f"and no job key is set, so anyone who reaches the port could join the job "
+                    f"and send its ranks data; set {settings.JOB_KEY.name} to the same secret "
+                    f"on every rank (e.g. `export {settings.JOB_KEY.name}=$(python -c 'import "
+                    f"secrets; print(secrets.token_hex(32))')` before launching), or set "
+                    f"{allow.name}=1 to accept the risk")
+            warnings.warn(f"anyccl: the rendezvous at {host}:{port} is not authenticated "
+                          f"({allow.name}=1): anyone who reaches the port can join this job",
+                          RuntimeWarning, stacklevel=3)
+        else:
+            log.info("rendezvous at %s:%d is not authenticated: set %s on every rank (anyccl "
+                     "run does this for you)", host, port, settings.JOB_KEY.name)
         key = f"anyccl-unkeyed:{port}".encode()
     if rank == 0:
         bind = "127.0.0.1" if _is_loopback(host) else host
@@ -177,8 +197,12 @@ def _make_store(init_method: str | None, rank: int, size: int, timeout_s: float)
         else:
             raise InvalidArgumentError(f"init_method={init_method!r}: expected env://, "
                                        f"tcp://host:port or file:///path")
-    if os.environ.get("ANYCCL_STORE"):
-        host, _, port = os.environ["ANYCCL_STORE"].rpartition(":")
+    address = settings.STORE.get()
+    if address:
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit():
+            raise InvalidArgumentError(f"environment variable {settings.STORE.name}={address!r} "
+                                       f"is not valid; expected host:port")
         return TCPStore(host, int(port), _job_key() or b"", timeout_s)
     if os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
@@ -216,7 +240,7 @@ def parse_backend(backend: str | None) -> tuple[str, str | None]:
     "cpu:shm,cuda:nccl" or ANYCCL_BACKEND. Naming a GPU backend creates it at init(); otherwise
     the first collective on GPU arrays creates the nccl backend."""
     default = "mpi" if _launched_by_mpiexec() and _has_mpi4py() else "shm"
-    spec = (backend or os.environ.get("ANYCCL_BACKEND") or default).strip().lower()
+    spec = (backend or settings.BACKEND.get() or default).strip().lower()
     host, device_backend = None, None
     for part in spec.split(","):
         kind, _, name = part.strip().rpartition(":")
@@ -271,7 +295,7 @@ def init(backend: str | None = None, *, rank: int | None = None,
                  agreeing arguments (CollectiveMismatchError otherwise); default ANYCCL_DEBUG.
     """
     if debug is None:
-        debug = os.environ.get("ANYCCL_DEBUG", "0").strip().lower() not in ("", "0", "false")
+        debug = settings.DEBUG.get()
     env_rank, env_size, env_local = _launcher_identity()
     rank = env_rank if rank is None else rank
     world_size = env_size if world_size is None else world_size
@@ -286,8 +310,7 @@ def init(backend: str | None = None, *, rank: int | None = None,
     if world_size < 1 or not 0 <= rank < world_size:
         raise InvalidArgumentError(f"rank={rank} must be in 0..world_size-1 and world_size="
                                    f"{world_size} at least 1")
-    env_timeout = os.environ.get("ANYCCL_TIMEOUT")
-    timeout_s = _seconds(timeout, float(env_timeout) if env_timeout else DEFAULT_TIMEOUT_S)
+    timeout_s = _seconds(timeout, settings.TIMEOUT.get())
     name, gpu_name = parse_backend(backend)
     device = None if device_id is None else _device_index(device_id)
     global _generation
@@ -296,7 +319,7 @@ def init(backend: str | None = None, *, rank: int | None = None,
     # a fresh key space per init(), so a job may close its communicator and init again
     store = PrefixStore(f"init{_generation}", connection)
     try:
-        job_id = os.environ.get("ANYCCL_JOB_ID")
+        job_id = settings.JOB_ID.get()
         if not job_id:
             if rank == 0:
                 store.set("job_id", secrets.token_hex(4).encode())
@@ -327,7 +350,7 @@ def _dump_flight_records_on_sigterm() -> None:
     import signal
     import threading
 
-    if not os.environ.get("ANYCCL_LAUNCHER_PID") or \
+    if not settings.LAUNCHER_PID.is_set() or \
             threading.current_thread() is not threading.main_thread() or \
             signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
         return

@@ -12,6 +12,7 @@ import os
 import sys
 from typing import Any
 
+from . import settings
 from .errors import AnycclError, InvalidArgumentError, UnsupportedError
 
 
@@ -123,7 +124,7 @@ def destroy_event(event: int) -> None:
 
 # The three calls made on every GPU operation go through the driver API by default: the
 # bindings' runtime layer may cost more per call (ANYCCL_CUDA_API=runtime selects it, to compare).
-_DRIVER = os.environ.get("ANYCCL_CUDA_API", "driver") == "driver"
+_DRIVER = settings.CUDA_API.get() == "driver"
 
 
 @functools.cache

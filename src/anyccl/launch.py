@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import IO, TextIO
 
+from . import settings
 from .store import StoreServer
 
 GRACE_S = 3.0
@@ -113,12 +114,12 @@ def run(nprocs: int, target: str, args: list[str], *, module: bool = False,
     base_env = dict(os.environ if env is None else env)
     base_env.update({
         "WORLD_SIZE": str(nprocs), "LOCAL_WORLD_SIZE": str(nprocs),
-        "ANYCCL_STORE": server.address, "ANYCCL_JOB_KEY": job_key.hex(),
-        "ANYCCL_JOB_ID": job_id, "ANYCCL_LAUNCHER_PID": str(os.getpid()),
+        settings.STORE.name: server.address, settings.JOB_KEY.name: job_key.hex(),
+        settings.JOB_ID.name: job_id, settings.LAUNCHER_PID.name: str(os.getpid()),
         "PYTHONUNBUFFERED": base_env.get("PYTHONUNBUFFERED", "1"),
     })
     if backend:
-        base_env["ANYCCL_BACKEND"] = backend
+        base_env[settings.BACKEND.name] = backend
     ranks: list[RankProcess] = []
     relay = _LineRelay(tag_output)
     stop_requested: list[int] = []

@@ -85,5 +85,7 @@ def flight_directory(job_id: str) -> str:
     import os
     import tempfile
 
-    root = os.environ.get("ANYCCL_FLIGHT_DIR") or tempfile.gettempdir()
+    from . import settings
+
+    root = settings.FLIGHT_DIR.get() or tempfile.gettempdir()
     return os.path.join(root, f"anyccl-{job_id}")

@@ -14,6 +14,8 @@ import sys
 
 import numpy as np
 
+from .. import settings
+
 
 class _IOVec(ctypes.Structure):
     _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
@@ -36,8 +38,7 @@ _readv, _writev = _load("process_vm_readv"), _load("process_vm_writev")
 
 
 def available() -> bool:
-    return _readv is not None and _writev is not None and \
-        os.environ.get("ANYCCL_SHM_CMA", "1") != "0"
+    return _readv is not None and _writev is not None and settings.SHM_CMA.get()
 
 
 def _transfer(call, what: str, pid: int, address: int, local_array: np.ndarray) -> None:

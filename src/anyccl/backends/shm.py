@@ -31,6 +31,7 @@ from typing import Callable
 
 import numpy as np
 
+from .. import settings
 from ..algorithms import direct, symmetric
 from ..buffers import SUPPORTED_DTYPES
 from ..errors import InvalidArgumentError, PeerLostError, RendezvousError, TimeoutError
@@ -46,8 +47,6 @@ try:  # the same calls multiprocessing.shared_memory uses, without its resource 
 except ImportError:  # pragma: no cover - non-POSIX platforms
     _posixshmem = None
 
-DEFAULT_STAGING_BYTES = 1 << 20    # per half; ANYCCL_SHM_STAGING_BYTES (cache-sized: measured)
-DEFAULT_CHANNEL_BYTES = 1 << 20    # per destination; ANYCCL_SHM_CHANNEL_BYTES
 _MAGIC = 0x616E7963636C3031        # "anyccl01"
 
 # control block, in 8-byte words
@@ -64,15 +63,6 @@ _DTYPE_CODE = {dt: i for i, dt in enumerate(SUPPORTED_DTYPES)}
 
 def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
-
-
-def _env_bytes(name: str, default: int) -> int:
-    text = os.environ.get(name)
-    if not text:
-        return default
-    from .._units import parse_size
-
-    return parse_size(text, name)
 
 
 class _Layout:
@@ -255,13 +245,14 @@ class SharedMemoryBackend(Backend):
             raise RendezvousError("the shm backend needs POSIX shared memory")
         self.rank, self.size = rank, size
         self._layout = layout = _Layout(
-            size, _round_up(_env_bytes("ANYCCL_SHM_STAGING_BYTES", DEFAULT_STAGING_BYTES), 4096),
-            _round_up(_env_bytes("ANYCCL_SHM_CHANNEL_BYTES", DEFAULT_CHANNEL_BYTES), _HEADER))
+            size, _round_up(settings.SHM_STAGING_BYTES.get(), 4096),
+            _round_up(settings.SHM_CHANNEL_BYTES.get(), _HEADER))
         self.half_bytes = layout.staging_bytes
         self._store, self._job_id, self._timeout_s = store, job_id, timeout_s
-        spin_us = os.environ.get("ANYCCL_SPIN_US")
-        oversubscribed = size > (os.cpu_count() or 1)
-        self._spin_s = (float(spin_us) if spin_us else (0 if oversubscribed else 50)) * 1e-6
+        spin_us = settings.SPIN_US.get()
+        if spin_us is None:  # spinning only helps while every rank has a core of its own
+            spin_us = 0 if size > (os.cpu_count() or 1) else 50
+        self._spin_s = spin_us * 1e-6
         self._half = 1
         self._epoch = 0
         self._record: OpRecord | None = None

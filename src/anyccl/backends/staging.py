@@ -15,13 +15,12 @@ to the device, with the caller's stream ordered after it.
 from __future__ import annotations
 
 import ctypes
-import os
 from collections.abc import Sequence
 from typing import Any, Callable
 
 import numpy as np
 
-from .. import gpu
+from .. import gpu, settings
 from ..buffers import GpuArray
 from ..errors import TimeoutError, UnsupportedError
 from ..ops import ReduceOp
@@ -29,11 +28,6 @@ from ..trace import FlightRecorder, OpRecord
 from .mpi import MpiBackend
 
 _SLOTS = 3  # pinned chunk buffers in flight: copying in, reducing, copying out
-
-
-def _env_chunk() -> int:
-    text = os.environ.get("ANYCCL_MPI_STAGING_CHUNK", "")
-    return int(text) if text else 4 << 20
 
 
 class StagedGpuBackend:
@@ -45,7 +39,7 @@ class StagedGpuBackend:
         self._host = MpiBackend(host._comm, host._timeout_s)  # a duplicate: its own traffic
         self.rank, self.size, self.device = host.rank, host.size, device
         self._label = label
-        self.chunk_bytes = _env_chunk()
+        self.chunk_bytes = settings.MPI_STAGING_CHUNK.get()
         self.stream = gpu.new_stream(device)      # device-to-host copies
         self._back = gpu.new_stream(device)       # host-to-device copies
         self._start = gpu.new_event(device)

@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from .. import settings
 from .._optional import missing
 from .._units import parse_size
 from ..buffers import BFLOAT16
@@ -552,8 +553,8 @@ def _graph_needs_cuda(ns: argparse.Namespace) -> bool:
 
 
 def _in_a_job() -> bool:
-    return any(os.environ.get(v) for v in ("ANYCCL_STORE", "RANK", "OMPI_COMM_WORLD_RANK",
-                                            "PMI_RANK"))
+    launched = ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
+    return settings.STORE.is_set() or any(os.environ.get(v) for v in launched)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from .. import settings
 from .._optional import missing
 from ..ops import COLLECTIVES, ReduceOp
 
@@ -251,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     if problem:  # said once, before any rank starts
         print(problem, file=sys.stderr)
         return 2
-    if not os.environ.get("ANYCCL_STORE") and not os.environ.get("RANK"):
+    if not settings.STORE.is_set() and not os.environ.get("RANK"):
         from ..launch import run
 
         return run(ns.nprocs, "anyccl.tools.viz", argv, module=True)

@@ -20,14 +20,13 @@ NCCL on this kind of machine (`AUTO_IPC_RANGES`).
 from __future__ import annotations
 
 import ctypes
-import os
 from typing import Any, Callable
 
 import numpy as np
 
-from ... import gpu
+from ... import gpu, settings
 from ...buffers import BFLOAT16, GpuArray
-from ...errors import AnycclError, InvalidArgumentError, UnsupportedError
+from ...errors import AnycclError, UnsupportedError
 from ...ops import ReduceOp
 from ...store import Store
 from ...trace import OpRecord
@@ -60,11 +59,11 @@ AUTO_IPC_RANGES: dict[int, dict[str, list[tuple[int, int]]]] = {
     },
 }
 POLICIES = ("ipc", "auto")
-CE_SYNCS = ("kernels", "memop-wait")   # ANYCCL_IPC_CE_SYNC: how streams wait for ce.py's flags
-# all_reduce's paths by the bytes of the array, at most (defaults of ANYCCL_IPC_LL_KB and
-# ANYCCL_IPC_ONE_SHOT_KB): data+flag words, one shot; two shots above; copy engines from
-# ANYCCL_IPC_CE_KB's default up
-LL_BYTES, ONE_SHOT_BYTES, CE_BYTES = 1 << 20, 2 << 20, 512 << 20
+# all_reduce's paths by the bytes of the array, by default: data+flag words up to LL_BYTES, one
+# shot up to ONE_SHOT_BYTES, two shots above; copy engines from CE_BYTES up (settings.py)
+LL_BYTES = settings.IPC_LL_KB.default
+ONE_SHOT_BYTES = settings.IPC_ONE_SHOT_KB.default
+CE_BYTES = settings.IPC_CE_KB.default
 
 
 def auto_ranges(nranks: int) -> dict[str, list[tuple[int, int]]]:
@@ -82,11 +81,6 @@ def routes_to_ipc(policy: str, op: str, nbytes: int, nranks: int = 2) -> bool:
                                   for lo, hi in auto_ranges(nranks).get(op, ()))
 
 
-def _env_int(name: str, default: int) -> int:
-    text = os.environ.get(name, "")
-    return int(text) if text else default
-
-
 class IpcBackend:
     """anyccl's peer-memory kernels on one GPU per rank, with an NCCL communicator for the rest."""
 
@@ -94,10 +88,7 @@ class IpcBackend:
         if policy not in POLICIES:
             raise UnsupportedError(f"ipc policy {policy!r} is unknown; expected one of "
                                    f"{', '.join(POLICIES)}")
-        sync = os.environ.get("ANYCCL_IPC_CE_SYNC") or "kernels"
-        if sync not in CE_SYNCS:
-            raise InvalidArgumentError(f"ANYCCL_IPC_CE_SYNC={sync!r} is unknown; expected one "
-                                       f"of {', '.join(CE_SYNCS)}")
+        sync = settings.IPC_CE_SYNC.get()  # refused by name here if unknown
         self.nccl = nccl
         self.policy = policy
         self.rank, self.size, self.device = nccl.rank, nccl.size, nccl.device
@@ -109,17 +100,16 @@ class IpcBackend:
         self._params = (ctypes.c_void_p * 1)(ctypes.addressof(self._args))
         self._params_address = ctypes.addressof(self._params)
         # measured on 2 x H200: 32 blocks moved 252 GB/s (all_reduce busbw, 1 GiB), 64 298, 128 335
-        self.max_blocks = _env_int("ANYCCL_IPC_BLOCKS", 128)
+        self.max_blocks = settings.IPC_BLOCKS.get()
         # all_reduce: data+flag words up to ll_bytes, one shot up to one_shot_bytes, else two
-        self.ll_bytes = min(_env_int("ANYCCL_IPC_LL_KB", LL_BYTES >> 10) << 10,
-                            self.layout.slot_bytes // 2)
-        self.one_shot_bytes = _env_int("ANYCCL_IPC_ONE_SHOT_KB", ONE_SHOT_BYTES >> 10) << 10
+        self.ll_bytes = min(settings.IPC_LL_KB.get(), self.layout.slot_bytes // 2)
+        self.one_shot_bytes = settings.IPC_ONE_SHOT_KB.get()
         # copy engines from ce_bytes up (where the layout has their area, and there are peers);
         # on 2 x H200 (benchmarks/lab/ce_modes.py, 2 chunks, a 512 MiB slot) they beat the two-shot
         # kernels at 1 GiB (364-373 GB/s busbw vs 333), not reliably at 256 MiB (312-352 from
         # run to run vs 331-335), not at 128 or 64 MiB (311-313 vs 329; 239-249 vs 310)
-        self.ce_bytes = _env_int("ANYCCL_IPC_CE_KB", CE_BYTES >> 10) << 10
-        self.ce_chunks = max(1, _env_int("ANYCCL_IPC_CE_CHUNKS", ce.CHUNKS))  # per segment
+        self.ce_bytes = settings.IPC_CE_KB.get()
+        self.ce_chunks = settings.IPC_CE_CHUNKS.get()  # per segment
         # streams wait for its flags in ce_wait kernels, or by cuStreamWaitValue32
         self.ce_memop_wait = sync == "memop-wait"
         if not self.layout.ce_slot_bytes or self.size == 1:

@@ -53,12 +53,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from ... import gpu
+from ... import gpu, settings
 from .memory import CE_POSITIONS, TILE_BYTES, PeerMemory
 
 MIN_CHUNK_BYTES = 4 << 20   # smaller chunks lose more to the per-chunk flags than they pipeline
-CHUNKS = 2                  # chunks per segment where the slot allows: ce_modes.py's best (2
-                            # chunks 347 and 370 GB/s at 256 MiB and 1 GiB, 4 chunks 311 and 347)
+CHUNKS = settings.IPC_CE_CHUNKS.default  # chunks per segment where the slot allows
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ... import gpu
+from ... import gpu, settings
 
 SOURCE = Path(__file__).with_name("kernels.cu")
 _loaded: dict[int, dict[str, int]] = {}
@@ -22,7 +22,7 @@ _modules: list[Any] = []
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("ANYCCL_CACHE_DIR") or os.path.join(
+    root = settings.CACHE_DIR.get() or os.path.join(
         os.path.expanduser("~"), ".cache", "anyccl")
     return Path(root) / "kernels"
 

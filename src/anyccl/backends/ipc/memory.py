@@ -11,13 +11,13 @@ kernels raise in each other's memory, then the copy-engine flags; it starts zero
 from __future__ import annotations
 
 import ctypes
+import json
 import os
-import pickle
 import socket
 from typing import Any
 
-from ... import gpu
-from ...errors import UnsupportedError
+from ... import gpu, settings
+from ...errors import RendezvousError, UnsupportedError
 from ...store import Store
 
 MAX_RANKS = 8            # kernels.cu: MAX_RANKS
@@ -25,15 +25,6 @@ TILE_BYTES = 64 << 10    # kernels.cu: MIN_TILE_BYTES (flags are sized for tiles
 SIG_FLAGS = 64           # kernels.cu: SIG_FLAGS (u64 words before the flag arrays)
 STATUS_WORDS = 8         # kernels.cu: STATUS_* (abort, error, peer, expected, got)
 CE_POSITIONS = 64        # chunk positions in a copy-engine slot (flags are sized for this many)
-
-
-def _env_kib(name: str, default: int) -> int:
-    text = os.environ.get(name, "")
-    return (int(text) if text else default) << 10
-
-
-def _env_mib(name: str, default: int) -> int:
-    return _env_kib(name, default) << 10
 
 
 class Layout:
@@ -44,21 +35,21 @@ class Layout:
         self.nranks = nranks
         # ANYCCL_IPC_HALF_MB: one half, split into 2 x nranks slots (a slot: what one rank can
         # push to another in one collective kernel); larger arrays take several kernels
-        half = _env_mib("ANYCCL_IPC_HALF_MB", 256)
+        half = settings.IPC_HALF_MB.get()
         self.slot_bytes = max(TILE_BYTES, half // (2 * nranks) // TILE_BYTES * TILE_BYTES)
         self.half_bytes = self.slot_bytes * 2 * nranks
         self.max_tiles = self.slot_bytes // TILE_BYTES
         # ANYCCL_IPC_TILE_KB: what a block of a collective moves between two flags
-        tile = _env_kib("ANYCCL_IPC_TILE_KB", 256)
+        tile = settings.IPC_TILE_KB.get()
         self.tile_bytes = max(TILE_BYTES, min(self.slot_bytes, tile) // TILE_BYTES * TILE_BYTES)
         # ANYCCL_IPC_RING_MB: the message ring from each sender, in chunks of 1 MiB (128 MiB:
         # 1 GiB messages at 366 GB/s on 2 x H200, 316 with 32 MiB)
         self.chunk_bytes = 1 << 20
-        self.slots = max(2, _env_mib("ANYCCL_IPC_RING_MB", 128) // self.chunk_bytes)
+        self.slots = max(2, settings.IPC_RING_MB.get() // self.chunk_bytes)
         self.p2p_offset = 2 * self.half_bytes
         # ANYCCL_IPC_CE_MB: the copy-engine all_reduce's area, shared by the peers' slots (0:
         # no copy-engine path); a slot under 128 KiB (two 64 KiB chunks) is none
-        ce = _env_mib("ANYCCL_IPC_CE_MB", 512) // max(1, nranks - 1)
+        ce = settings.IPC_CE_MB.get() // max(1, nranks - 1)
         self.ce_slot_bytes = ce // TILE_BYTES * TILE_BYTES if ce >= 2 * TILE_BYTES else 0
         self.ce_offset = self.p2p_offset + nranks * self.slots * self.chunk_bytes
         self.data_bytes = self.ce_offset + (nranks - 1) * self.ce_slot_bytes
@@ -66,6 +57,30 @@ class Layout:
         self.ce_sig_offset = 8 * words       # pushed [CE_POSITIONS][MAX_RANKS], then reduced
         self.ce_flag_words = 2 * CE_POSITIONS * MAX_RANKS
         self.sig_bytes = 8 * (words + self.ce_flag_words)
+
+
+def encode_peer(host: str, pid: int, data_handle: bytes, sig_handle: bytes) -> bytes:
+    """What a rank publishes about its buffers: plain JSON (host, pid, two IPC handles in hex),
+    so that reading a peer's entry can never run code."""
+    return json.dumps({"host": host, "pid": pid, "data": data_handle.hex(),
+                       "sig": sig_handle.hex()}).encode()
+
+
+def decode_peer(payload: bytes, rank: int) -> tuple[str, int, bytes, bytes]:
+    """(host, pid, data handle, signal handle) from rank `rank`'s published entry;
+    RendezvousError for anything that is not exactly what `encode_peer` writes."""
+    try:
+        entry = json.loads(payload.decode())
+        host, pid = entry["host"], entry["pid"]
+        handles = bytes.fromhex(entry["data"]), bytes.fromhex(entry["sig"])
+        if not isinstance(host, str) or isinstance(pid, bool) or not isinstance(pid, int) or \
+                any(len(h) != gpu.IPC_HANDLE_BYTES for h in handles):
+            raise ValueError("fields of the wrong type or size")
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError, AttributeError) as exc:
+        raise RendezvousError(f"the ipc backend's rendezvous: rank {rank}'s entry is not a "
+                              f"peer-memory description ({exc}); is another program using "
+                              f"this job's store?") from None
+    return host, pid, *handles
 
 
 class PeerMemory:
@@ -91,8 +106,8 @@ class PeerMemory:
             gpu.memset(self.sig, 0, self.layout.sig_bytes)
             me = (socket.gethostname(), os.getpid(), gpu.ipc_handle(self.data),
                   gpu.ipc_handle(self.sig))
-            store.set(f"{key}/{rank}", pickle.dumps(me))
-            everyone = [me if q == rank else pickle.loads(store.get(f"{key}/{q}", timeout_s))
+            store.set(f"{key}/{rank}", encode_peer(*me))
+            everyone = [me if q == rank else decode_peer(store.get(f"{key}/{q}", timeout_s), q)
                         for q in range(size)]
             hosts = {q: host for q, (host, *_) in enumerate(everyone)}
             if len(set(hosts.values())) > 1:

@@ -1,0 +1,225 @@
+"""Every `ANYCCL_*` environment variable, declared once: its type, unit, default and what it does.
+
+Code reads a setting through its declaration (`settings.TIMEOUT.get()`), never `os.environ`
+directly, so every variable is parsed the same way and a bad value is an `InvalidArgumentError`
+that names the variable and says what was expected. Sizes accept what people type ("64K", "1M",
+"2G"); a bare number is read in the unit the variable's name carries (`ANYCCL_IPC_CE_KB=512` is
+512 KiB, `ANYCCL_SHM_STAGING_BYTES=4096` is 4096 bytes). The docs' settings table is generated
+from `SETTINGS`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import InvalidArgumentError
+
+_SIZE_SUFFIXES = {"B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20,
+                  "MB": 1 << 20, "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+_UNITS = {"bytes": 1, "KiB": 1 << 10, "MiB": 1 << 20}
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One environment variable. kind: "size" (bytes; `unit` is what a bare number means),
+    "int", "float", "seconds", "bool", "choice" (one of `choices`), "text" or "path"."""
+
+    name: str
+    kind: str
+    default: Any
+    doc: str
+    unit: str = ""
+    choices: tuple[str, ...] = ()
+    minimum: float | None = None
+    set_by_launcher: bool = False
+
+    def is_set(self) -> bool:
+        return bool(os.environ.get(self.name, "").strip())
+
+    def get(self) -> Any:
+        """The variable's value, parsed; the default when it is unset or empty."""
+        text = os.environ.get(self.name, "").strip()
+        if not text:
+            return self.default
+        return self.parse(text)
+
+    def parse(self, text: str) -> Any:
+        """`text` as this setting's type; InvalidArgumentError naming the variable if not."""
+        value: Any
+        if self.kind == "size":
+            value = _size(text, _UNITS[self.unit])
+            if value is None:
+                self._refuse(text, f"a size, e.g. 64K, 16M, 1G, or a number of {self.unit}")
+        elif self.kind == "int":
+            try:
+                value = int(text)
+            except ValueError:
+                self._refuse(text, "an integer")
+        elif self.kind in ("float", "seconds"):
+            try:
+                value = float(text)
+            except ValueError:
+                self._refuse(text, "a number" + (" of seconds" if self.kind == "seconds" else ""))
+            if value != value or value in (float("inf"), float("-inf")):
+                self._refuse(text, "a finite number")
+        elif self.kind == "bool":
+            lowered = text.lower()
+            if lowered not in _TRUE + _FALSE:
+                self._refuse(text, "1 or 0 (true/false, yes/no, on/off)")
+            value = lowered in _TRUE
+        elif self.kind == "choice":
+            if text not in self.choices:
+                self._refuse(text, "one of " + ", ".join(self.choices))
+            value = text
+        else:
+            value = text
+        if self.minimum is not None and value < self.minimum:
+            least = (f"{_format_size(int(self.minimum))} bytes" if self.kind == "size" else
+                     f"{self.minimum:g}" + (f" {self.unit}" if self.unit else ""))
+            self._refuse(text, f"at least {least}")
+        return value
+
+    def _refuse(self, text: str, expected: str) -> None:
+        raise InvalidArgumentError(f"environment variable {self.name}={text!r} is not valid; "
+                                   f"expected {expected}")
+
+    def default_text(self) -> str:
+        """The default as the docs show it."""
+        if self.default is None:
+            return "-"
+        if self.kind == "size":
+            return _format_size(self.default)
+        if self.kind == "bool":
+            return "1" if self.default else "0"
+        return str(self.default)
+
+
+def _size(text: str, unit: int) -> int | None:
+    s = text.strip().upper()
+    digits = s.rstrip("KMGIB")
+    suffix = s[len(digits):]
+    try:
+        number = float(digits)
+    except ValueError:
+        return None
+    if number < 0 or (suffix and suffix not in _SIZE_SUFFIXES):
+        return None
+    return int(number * (_SIZE_SUFFIXES[suffix] if suffix else unit))
+
+
+def _format_size(n: int) -> str:
+    for unit, factor in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if n >= factor and n % factor == 0:
+            return f"{n // factor}{unit}"
+    return str(n)
+
+
+SETTINGS: dict[str, Setting] = {}
+
+
+def _declare(name: str, kind: str, default: Any, doc: str, **more: Any) -> Setting:
+    setting = Setting(f"ANYCCL_{name}", kind, default, doc, **more)
+    SETTINGS[setting.name] = setting
+    return setting
+
+
+# ---- every rank, every backend ---------------------------------------------------------------
+BACKEND = _declare("BACKEND", "text", None,
+                   "The backend when init() names none: shm, mpi, nccl, ipc, auto, or a device "
+                   "map such as cpu:shm,cuda:nccl. Default: mpi under mpiexec (with mpi4py), "
+                   "else shm.")
+TIMEOUT = _declare("TIMEOUT", "seconds", 600.0,
+                   "How long any one operation may wait before it fails with anyccl.TimeoutError "
+                   "(init(timeout=...) wins).", unit="s", minimum=1e-3)
+DEBUG = _declare("DEBUG", "bool", False,
+                 "Check before every collective that all ranks called the same one with "
+                 "agreeing arguments (CollectiveMismatchError otherwise).")
+FLIGHT_DIR = _declare("FLIGHT_DIR", "path", None,
+                      "Where flight records are written on a timeout or a lost peer. Default: "
+                      "the temporary directory.")
+JOB_KEY = _declare("JOB_KEY", "text", None,
+                   "The job's secret (hexadecimal): every connection to the rendezvous store "
+                   "must prove it knows it. anyccl run sets a fresh one.", set_by_launcher=True)
+ALLOW_UNAUTHENTICATED_STORE = _declare(
+    "ALLOW_UNAUTHENTICATED_STORE", "bool", False,
+    "Let a tcp:// or MASTER_ADDR rendezvous on a non-loopback address run without "
+    "ANYCCL_JOB_KEY (anyone who reaches the port could then join the job). Off: refused.")
+STORE = _declare("STORE", "text", None,
+                 "host:port of the rendezvous store anyccl run serves for its ranks.",
+                 set_by_launcher=True)
+JOB_ID = _declare("JOB_ID", "text", None,
+                  "A short name for the job, used in shared-memory and flight-record names.",
+                  set_by_launcher=True)
+LAUNCHER_PID = _declare("LAUNCHER_PID", "int", None,
+                        "The pid of anyccl run: ranks exit when it dies.", set_by_launcher=True)
+
+# ---- shm -------------------------------------------------------------------------------------
+SHM_STAGING_BYTES = _declare("SHM_STAGING_BYTES", "size", 1 << 20,
+                             "Each of the two staging halves of a rank's segment (collectives "
+                             "stream through them).", unit="bytes", minimum=4096)
+SHM_CHANNEL_BYTES = _declare("SHM_CHANNEL_BYTES", "size", 1 << 20,
+                             "The message ring from each rank to each other rank.",
+                             unit="bytes", minimum=64)
+SHM_CMA = _declare("SHM_CMA", "bool", True,
+                   "Move large messages once, reading the peer's memory directly "
+                   "(process_vm_readv), where the kernel allows it.")
+SPIN_US = _declare("SPIN_US", "float", None,
+                   "How long a waiting rank spins before it sleeps. Default: 50, or 0 when "
+                   "ranks outnumber cores.", unit="us", minimum=0)
+
+# ---- mpi -------------------------------------------------------------------------------------
+MPI_STAGING_CHUNK = _declare("MPI_STAGING_CHUNK", "size", 4 << 20,
+                             "GPU arrays on mpi: the chunk that all_reduce and broadcast stream "
+                             "through pinned host memory.", unit="bytes", minimum=1)
+
+# ---- GPUs ------------------------------------------------------------------------------------
+CUDA_API = _declare("CUDA_API", "choice", "driver",
+                    "Which CUDA bindings anyccl's own calls go through.",
+                    choices=("driver", "runtime"))
+CACHE_DIR = _declare("CACHE_DIR", "path", None,
+                     "Where the ipc kernels compiled by NVRTC are kept. Default: "
+                     "~/.cache/anyccl.")
+IPC_BLOCKS = _declare("IPC_BLOCKS", "int", 128, "Thread blocks per ipc kernel, at most.",
+                      minimum=1)
+IPC_HALF_MB = _declare("IPC_HALF_MB", "size", 256 << 20,
+                       "Each of the two halves of a rank's ipc buffer that collectives use.",
+                       unit="MiB", minimum=1 << 20)
+IPC_RING_MB = _declare("IPC_RING_MB", "size", 128 << 20,
+                       "The ipc message ring from each sender.", unit="MiB", minimum=2 << 20)
+IPC_TILE_KB = _declare("IPC_TILE_KB", "size", 256 << 10,
+                       "What one block of an ipc collective moves between two flags.",
+                       unit="KiB", minimum=64 << 10)
+IPC_LL_KB = _declare("IPC_LL_KB", "size", 1 << 20,
+                     "all_reduce: data and flag in one 8-byte store up to this size.",
+                     unit="KiB", minimum=0)
+IPC_ONE_SHOT_KB = _declare("IPC_ONE_SHOT_KB", "size", 2 << 20,
+                           "all_reduce: one shot (every rank pushes everything) up to this "
+                           "size, two shots above.", unit="KiB", minimum=0)
+IPC_CE_KB = _declare("IPC_CE_KB", "size", 512 << 20,
+                     "all_reduce: copy engines move the data from this size up.", unit="KiB",
+                     minimum=0)
+IPC_CE_MB = _declare("IPC_CE_MB", "size", 512 << 20,
+                     "The copy-engine all_reduce's area on each GPU, shared by the peers' "
+                     "slots; 0 turns the copy engines off and saves that memory.", unit="MiB",
+                     minimum=0)
+IPC_CE_CHUNKS = _declare("IPC_CE_CHUNKS", "int", 2,
+                         "Chunks per segment of the copy-engine all_reduce.", minimum=1)
+IPC_CE_SYNC = _declare("IPC_CE_SYNC", "choice", "kernels",
+                       "How streams wait for the copy-engine all_reduce's flags: spinning "
+                       "one-thread kernels, or cuStreamWaitValue32 (memop-wait).",
+                       choices=("kernels", "memop-wait"))
+
+
+def table() -> str:
+    """Every setting as a Markdown table (the docs' settings page)."""
+    rows = ["| variable | type | default | what it does |", "|---|---|---|---|"]
+    for s in SETTINGS.values():
+        kind = s.kind + (f" ({s.unit})" if s.unit else "")
+        if s.choices:
+            kind += ": " + " / ".join(s.choices)
+        doc = s.doc + (" Set by `anyccl run`." if s.set_by_launcher else "")
+        rows.append(f"| `{s.name}` | {kind} | `{s.default_text()}` | {doc} |")
+    return "\n".join(rows)
