@@ -12,13 +12,16 @@ import anyccl
 def check_async_collectives_complete_in_issue_order(comm):
     arrays = [np.full(200_000, float(i + comm.rank), np.float32) for i in range(16)]
     works = [comm.all_reduce(a, async_op=True) for a in arrays]
-    finished_order = []
-    for i, w in enumerate(works):
-        assert isinstance(w, anyccl.Work)
+    assert all(isinstance(w, anyccl.Work) for w in works)
+    finished_order: list[int] = []
+    while len(finished_order) < len(works):
+        # asked newest first: a work seen complete means every earlier one was complete then
+        done = [w.is_completed() for w in reversed(works)][::-1]
+        assert done == sorted(done, reverse=True), f"completed out of issue order: {done}"
+        finished_order += [i for i in range(len(finished_order), len(works)) if done[i]]
+    assert finished_order == list(range(len(works)))
+    for w in works:
         w.wait()
-        # every earlier work has completed when a later one has
-        assert all(works[j].is_completed() for j in range(i + 1))
-        finished_order.append(i)
     base = sum(range(comm.size))
     return all((a == comm.size * i + base).all() for i, a in enumerate(arrays))
 

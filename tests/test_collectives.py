@@ -16,6 +16,8 @@ from reference import (
     valid_ops,
 )
 
+from anyccl.buffers import BFLOAT16
+
 WORLD_SIZES = (1, 2, 3, 4)
 SMALL_STAGING = {"ANYCCL_SHM_STAGING_BYTES": str(256 << 10)}
 # large messages take the single-copy path when cross-memory attach works; pin each path
@@ -156,7 +158,8 @@ def test_cross_memory_attach_is_agreed_by_every_rank_and_can_be_turned_off():
 
 
 def check_default_staging_large(comm):
-    """Defaults (16 MiB halves): one 40 MiB all_reduce, broadcast and all_gather."""
+    """Default sizes (1 MiB staging halves): one 40 MiB all_reduce, broadcast and all_gather;
+    returns whether the backend read peers directly (the single-copy path) or staged."""
     count = 10 * 1024 * 1024 + 3
     x = make_input(comm.rank, count, np.dtype(np.float32))
     comm.all_reduce(x)
@@ -166,12 +169,20 @@ def check_default_staging_large(comm):
     y = make_input(comm.rank, count, np.dtype(np.float32))
     comm.broadcast(y, src=comm.size - 1)
     assert_matches(y, make_input(comm.size - 1, count, np.dtype(np.float32)), "broadcast 40 MiB")
-    return True
+    z = make_input(comm.rank, count, np.dtype(np.float32))
+    out = np.empty(count * comm.size, np.float32)
+    comm.all_gather(out, z)
+    assert_matches(out, np.concatenate([make_input(r, count, np.dtype(np.float32))
+                                        for r in range(comm.size)]), "all_gather 40 MiB")
+    return getattr(comm._backend, "direct", None)
 
 
 @pytest.mark.parametrize("world_size", (2, 3))
 def test_messages_larger_than_the_staging_area_pipeline_through_it(world_size):
-    assert all(run_ranks(check_default_staging_large, world_size))
+    # ANYCCL_SHM_CMA=0 keeps the shm backend off its single-copy path: every byte goes
+    # through the 1 MiB staging halves (the mpi backend has neither and ignores it)
+    paths = run_ranks(check_default_staging_large, world_size, env={"ANYCCL_SHM_CMA": "0"})
+    assert all(p in (False, None) for p in paths), paths
 
 
 def check_barrier_orders_ranks(comm):
@@ -189,3 +200,51 @@ def check_barrier_orders_ranks(comm):
 def test_barrier_holds_every_rank_until_the_last_arrives():
     waited = run_ranks(check_barrier_orders_ranks, 3)
     assert min(waited[1:]) > 0.15, waited
+
+
+def order_sensitive(rank: int, count: int, dtype: np.dtype) -> np.ndarray:
+    """Values over many orders of magnitude, of both signs: their floating-point sum depends on
+    the order it is taken in."""
+    rng = np.random.default_rng(1000 + rank)
+    values = rng.standard_normal(count) * 10.0 ** rng.integers(-4, 5, count)
+    return values.astype(dtype)
+
+
+def check_reductions_are_bit_identical_on_every_rank(comm, count, dtype_name):
+    import hashlib
+
+    from anyccl import ReduceOp
+
+    dtype = np.dtype(BFLOAT16 if dtype_name == "bfloat16" else dtype_name)
+    inputs = [order_sensitive(r, count, dtype) for r in range(comm.size)]
+    forward = inputs[0].copy()
+    for a in inputs[1:]:
+        forward = (forward + a).astype(dtype)
+    backward = inputs[-1].copy()
+    for a in inputs[-2::-1]:
+        backward = (backward + a).astype(dtype)
+    sensitive = comm.size < 3 or not np.array_equal(forward, backward)
+    digests = []
+    for op in (ReduceOp.SUM, ReduceOp.AVG):
+        x = inputs[comm.rank].copy()
+        comm.all_reduce(x, op)
+        digests.append(hashlib.sha256(x.tobytes()).hexdigest())
+        out = np.empty(count, dtype)
+        comm.reduce_scatter(out, np.concatenate([inputs[comm.rank]] * comm.size), op)
+        everything = np.empty(count * comm.size, dtype)
+        comm.all_gather(everything, out)
+        digests.append(hashlib.sha256(everything.tobytes()).hexdigest())
+    return sensitive, digests
+
+
+@pytest.mark.parametrize("path", sorted(PATHS))
+@pytest.mark.parametrize("count", (1000, 300_001))  # one shot; several chunks of two shots
+@pytest.mark.parametrize("dtype_name", ("float32", "float16", "bfloat16"))
+@pytest.mark.parametrize("world_size", (3, 4))
+def test_order_dependent_sums_are_bit_identical_on_every_rank(world_size, dtype_name, count,
+                                                              path):
+    results = run_ranks(check_reductions_are_bit_identical_on_every_rank, world_size, count,
+                        dtype_name, env=PATHS[path])
+    assert all(sensitive for sensitive, _ in results), "the inputs do not depend on the order"
+    assert all(digests == results[0][1] for _, digests in results), \
+        "ranks hold different results of one reduction"

@@ -109,5 +109,7 @@ def test_short_soak_keeps_memory_and_descriptors_flat(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(report_path.read_text())
     assert report["ops"] == 400 and sum(report["op_counts"].values()) == 400
-    for samples in report["per_rank"].values():
-        assert samples[-1]["open_fds"] == samples[0]["open_fds"]
+    for rank, samples in report["per_rank"].items():
+        assert samples[-1]["open_fds"] == samples[0]["open_fds"], f"rank {rank} leaks fds"
+        growth = samples[-1]["rss_mb"] - samples[0]["rss_mb"]
+        assert growth < 16, f"rank {rank}'s resident memory grew {growth:.1f} MB in 360 ops"

@@ -100,3 +100,24 @@ def test_routing_depends_only_on_policy_op_size_and_rank_count(monkeypatch):
 def test_compiled_kernels_are_cached_under_anyccl_cache_dir(monkeypatch, tmp_path):
     monkeypatch.setenv("ANYCCL_CACHE_DIR", str(tmp_path))
     assert compiler.cache_dir() == tmp_path / "kernels"
+    compiled: list[str] = []
+
+    def nvrtc(source: str, arch: str) -> bytes:  # stands in for NVRTC: counts the compiles
+        compiled.append(arch)
+        return f"cubin {arch} {len(source)}".encode()
+
+    monkeypatch.setattr(compiler, "_compile", nvrtc)
+    monkeypatch.setattr(compiler.gpu, "compute_capability", lambda device: (9, 0))
+    first = compiler.cubin(0)
+    assert compiled == ["sm_90"]
+    assert [p.name.startswith("ipc-sm_90-") for p in (tmp_path / "kernels").iterdir()] == [True]
+    assert compiler.cubin(0) == first and compiled == ["sm_90"]  # from the cache, no compile
+    monkeypatch.setattr(compiler.gpu, "compute_capability", lambda device: (8, 0))
+    compiler.cubin(0)
+    assert compiled == ["sm_90", "sm_80"]  # another architecture: its own cubin
+    changed = tmp_path / "kernels.cu"
+    changed.write_text(compiler.SOURCE.read_text() + "\n// changed\n")
+    monkeypatch.setattr(compiler, "SOURCE", changed)
+    compiler.cubin(0)
+    assert compiled == ["sm_90", "sm_80", "sm_80"]  # a changed source is compiled again
+    assert len(list((tmp_path / "kernels").iterdir())) == 3

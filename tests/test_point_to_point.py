@@ -74,9 +74,11 @@ def check_sixteen_in_flight(comm):
     prev = (comm.rank - 1) % comm.size
     recvs = [np.empty(count, np.float64) for _ in range(n)]
     works = [comm.irecv(recvs[i], prev, tag=i) for i in range(n)]
+    # no rank sends before every rank has reached the barrier below, this one included
+    assert not any(w.is_completed() for w in works), "a receive completed with nothing sent"
+    comm.barrier()
     works += [comm.isend(np.full(count, comm.rank * 100 + i, np.float64), peer, tag=i)
               for i in range(n)]
-    assert not all(w.is_completed() for w in works) or True  # may finish early: no claim
     for w in works:
         assert w.wait() is True
         assert w.is_completed() and w.exception() is None
