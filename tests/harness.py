@@ -253,6 +253,24 @@ def spawn_processes(source: str, envs: list[dict[str, str]], timeout_s: float = 
     return done
 
 
+def launch_job(script: str, world_size: int, args: list[str] | None = None,
+               env: dict[str, str] | None = None, timeout_s: float = 120
+               ) -> tuple[subprocess.CompletedProcess, float]:
+    """Run `script` as a whole job, the way users start one on the suite's backend: `anyccl run`
+    on shm, `mpiexec` on mpi. Returns the finished job and how many seconds it took."""
+    base = {k: v for k, v in os.environ.items()
+            if not k.startswith(("ANYCCL_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_"))}
+    if suite_backend() == "mpi":
+        cmd = ["mpiexec", "-n", str(world_size), sys.executable, script]
+        base["ANYCCL_BACKEND"] = "mpi"
+    else:
+        cmd = [sys.executable, "-m", "anyccl", "run", "-n", str(world_size), script]
+    start = time.monotonic()
+    proc = subprocess.run([*cmd, *(args or [])], env={**base, **(env or {})},
+                          capture_output=True, text=True, timeout=timeout_s)
+    return proc, time.monotonic() - start
+
+
 def close_pools() -> None:
     for pool in _pools.values():
         pool.close()

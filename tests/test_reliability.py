@@ -13,10 +13,11 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
-from harness import run_ranks, run_ranks_outcomes, spawn_processes
+from harness import launch_job, run_ranks, run_ranks_outcomes, spawn_processes, suite_backend
 
 import anyccl
 from anyccl.store import StoreServer
@@ -229,3 +230,28 @@ def check_barrier_then_close(comm):
 
 def test_ranks_that_close_right_after_a_barrier_are_not_reported_lost():
     assert all(run_ranks(check_barrier_then_close, 4))
+
+
+LEAVING = str(Path(__file__).parent / "scripts" / "leaving_rank.py")
+
+
+@pytest.mark.parametrize("how", ("raise", "exit", "close"))
+def test_a_rank_that_leaves_stops_the_others_within_ten_seconds_on_every_backend(how):
+    """Started as users start jobs (anyccl run on shm, mpiexec on mpi), with a deadline far
+    longer than the promise: the job must not wait for it."""
+    proc, seconds = launch_job(LEAVING, 3, [how], env={"ANYCCL_TIMEOUT": "120"})
+    output = proc.stdout + proc.stderr
+    assert seconds < 10 + 10, f"the job took {seconds:.1f} s:\n{output[-3000:]}"  # + start-up
+    assert "NOT LOST" not in output
+    if how == "raise":   # the traceback, then the job ends, naming the rank
+        assert proc.returncode != 0
+        assert "ValueError: rank 1 gives up" in proc.stderr
+        assert "rank 1" in proc.stderr.replace("ValueError: rank 1 gives up", "")
+        return
+    if how == "exit":
+        assert proc.returncode != 0
+    lost = [line.split() for line in proc.stdout.splitlines() if line.startswith("LOST ")]
+    if how == "close" or suite_backend() == "mpi":  # (anyccl run stops them on a failed rank)
+        assert len(lost) == 2, output[-3000:]
+    for _, rank, waited in lost:
+        assert rank == "1" and float(waited) < 10, output[-3000:]

@@ -52,7 +52,7 @@ def _shm_factory(store: Store, rank: int, size: int, job_id: str, timeout_s: flo
 def _mpi_factory(store: Store, rank: int, size: int, job_id: str, timeout_s: float) -> Backend:
     from .backends.mpi import MpiBackend
 
-    backend = MpiBackend.world(timeout_s)
+    backend = MpiBackend.world(timeout_s, store)
     if (backend.rank, backend.size) != (rank, size):
         backend.close()
         raise RendezvousError(f"backend='mpi': this process is rank {backend.rank} of "

@@ -13,24 +13,38 @@ contiguous type of the element's size. AVG is a SUM followed by one division.
 Point-to-point: anyccl tags are carried in MPI tags as tag * 16 + dtype code, so a receive
 only matches a message of its own dtype; a message with the right tag but another dtype or
 size is reported (and discarded) instead of being reinterpreted.
+
+Lost peers, as on shm: MPI itself never says that a rank left, so a rank that closes its
+communicator (at exit too) says so in the job's store, and a rank waiting on an operation that
+does not finish soon after raises PeerLostError naming it. An uncaught exception in a rank
+prints its traceback and aborts the MPI job (as `python -m mpi4py` does): without that, MPI's
+finalization would hold the failed rank, and the others would wait for it until the deadline.
+A rank that lost a peer ends without MPI_Finalize, which would wait for the lost rank forever.
 """
 
 from __future__ import annotations
 
+import atexit
+import os
+import sys
+import threading
 import time
 from typing import Any, Callable
 
 import numpy as np
 
 from ..buffers import SUPPORTED_DTYPES
-from ..errors import InvalidArgumentError, TimeoutError, UnsupportedError
+from ..errors import InvalidArgumentError, PeerLostError, TimeoutError, UnsupportedError
 from ..ops import ReduceOp, accumulate, dtype_kind, finish
+from ..store import Store
 from ..trace import OpRecord, format_bytes
 from .base import Backend, Completion
 
 _DTYPE_CODE = {d: i for i, d in enumerate(SUPPORTED_DTYPES)}
 _CODES = 16  # > len(SUPPORTED_DTYPES): the low 4 bits of an MPI tag name the dtype
 _SPIN_S = 0.02  # how long a wait spins on MPI_Test before it tests every 100 us
+_DEPARTURE_CHECK_S = 0.25  # how often a waiting rank asks the store whether a peer left
+_DEPARTURE_GRACE_S = 2.0   # a peer that left may have done its part: wait this long first
 
 
 def _mpi() -> Any:
@@ -45,6 +59,81 @@ def _mpi() -> Any:
 def library_version() -> str:
     """The MPI library in use, e.g. 'MPICH Version: 5.0.2'."""
     return _mpi().Get_library_version().strip().splitlines()[0]
+
+
+class Departures:
+    """Which ranks of the job have closed anyccl, through the job's store: a counter that a
+    waiting rank reads (one round trip), and one key per rank that left saying why."""
+
+    def __init__(self, store: Store, world_rank: int) -> None:
+        self._store, self.world_rank = store, world_rank
+        self._seen = 0
+        self._left: dict[int, str] = {}
+        self._announced = False
+
+    def announce(self, why: str) -> None:
+        """Tell every rank that this one is leaving (once; never raises: it runs at exit)."""
+        if self._announced:
+            return
+        self._announced = True
+        try:
+            self._store.set(f"mpi/left/{self.world_rank}", why.encode())
+            self._store.add("mpi/left", 1)
+        except Exception:  # noqa: BLE001 - the store may be gone with rank 0 at exit
+            pass
+
+    def left(self, world_ranks: list[int]) -> tuple[int, str] | None:
+        """(world rank, why) of the first of `world_ranks` known to have left, else None."""
+        try:
+            count = self._store.add("mpi/left", 0)
+            if count != self._seen:
+                self._seen = count
+                for r in world_ranks:
+                    if r not in self._left and r != self.world_rank and \
+                            self._store.check(f"mpi/left/{r}"):
+                        self._left[r] = self._store.get(f"mpi/left/{r}", 1.0).decode()
+        except Exception:  # noqa: BLE001 - a store that stopped answering: its host left
+            return None
+        for r in world_ranks:
+            if r in self._left:
+                return r, self._left[r]
+        return None
+
+
+_lost_a_peer: list[str] = []  # set once this process has raised PeerLostError
+
+
+def _exit_without_finalize() -> None:
+    """At exit, after a peer was lost: MPI_Finalize would wait for it for ever, so leave
+    without it (the MPI launcher then ends the job)."""
+    if not _lost_a_peer:
+        return
+    print(f"anyccl: {_lost_a_peer[0]}: leaving without MPI_Finalize, which would wait for the "
+          f"lost rank", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(1)
+
+
+def abort_job_on_uncaught_exceptions() -> None:
+    """Make an uncaught exception in this process print its traceback, then abort the MPI job,
+    so that the other ranks stop instead of waiting for this one (python -m mpi4py does the
+    same). Installed once, in front of whatever hook was there."""
+    previous = sys.excepthook
+    if getattr(previous, "anyccl_aborts", False):
+        return
+
+    def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        previous(kind, value, tb)
+        if issubclass(kind, KeyboardInterrupt) or not _mpi().Is_initialized() or \
+                _mpi().Is_finalized():
+            return
+        rank = _mpi().COMM_WORLD.Get_rank()
+        print(f"anyccl: rank {rank} raised {kind.__name__} and did not catch it; aborting the "
+              f"MPI job so that the other ranks do not wait for it", file=sys.stderr, flush=True)
+        _mpi().COMM_WORLD.Abort(1)
+
+    hook.anyccl_aborts = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
 
 
 class _Pending:
@@ -62,11 +151,18 @@ class MpiBackend(Backend):
 
     name = "mpi"
 
-    def __init__(self, comm: Any, timeout_s: float) -> None:
+    def __init__(self, comm: Any, timeout_s: float, departures: Departures | None = None,
+                 world_ranks: list[int] | None = None) -> None:
         self.MPI = _mpi()
         self._comm = comm.Dup()
         self.rank, self.size = self._comm.Get_rank(), self._comm.Get_size()
         self._timeout_s = timeout_s
+        self._departures = departures
+        self._world_ranks = world_ranks if world_ranks is not None else list(range(self.size))
+        self._next_departure_check = 0.0
+        self._lost_since: float | None = None
+        self._lost: tuple[int, str] = (-1, "")
+        self._announces_departure = False  # the world backend speaks for the whole process
         self._record: OpRecord | None = None
         self._deadline = float("inf")
         self._pending: list[_Pending] = []
@@ -77,8 +173,20 @@ class MpiBackend(Backend):
         self._closed = False
 
     @classmethod
-    def world(cls, timeout_s: float) -> MpiBackend:
-        return cls(_mpi().COMM_WORLD, timeout_s)
+    def world(cls, timeout_s: float, store: Store | None = None) -> MpiBackend:
+        """The backend over MPI_COMM_WORLD; with the job's `store`, ranks that leave say so
+        there and uncaught exceptions abort the job (see the module's docstring)."""
+        world = _mpi().COMM_WORLD
+        departures = Departures(store, world.Get_rank()) if store is not None else None
+        if departures is not None and threading.current_thread() is threading.main_thread():
+            abort_job_on_uncaught_exceptions()
+        backend = cls(world, timeout_s, departures)
+        backend._announces_departure = departures is not None
+        return backend
+
+    def duplicate(self) -> MpiBackend:
+        """Another backend over the same ranks, whose traffic never meets this one's."""
+        return MpiBackend(self._comm, self._timeout_s, self._departures, self._world_ranks)
 
     def subgroup(self, ranks: list[int], name: str, timeout_s: float) -> Backend:
         # collective over this communicator's ranks only when every rank calls it: the
@@ -86,9 +194,47 @@ class MpiBackend(Backend):
         group = self._comm.Get_group().Incl(ranks)
         child = self._comm.Create_group(group, tag=len(name) % 32768)
         group.Free()
-        backend = MpiBackend(child, timeout_s)
+        backend = MpiBackend(child, timeout_s, self._departures,
+                             [self._world_ranks[r] for r in ranks])
         child.Free()
         return backend
+
+    def lost_peer(self) -> tuple[int, str] | None:
+        """A peer of this communicator that closed anyccl or exited: (its rank here, what
+        happened); asked of the store at most every 0.25 s. None while all seem present."""
+        if self._departures is None:
+            return None
+        now = time.monotonic()
+        if now < self._next_departure_check:
+            return None
+        self._next_departure_check = now + _DEPARTURE_CHECK_S
+        gone = self._departures.left(self._world_ranks)
+        if gone is None:
+            return None
+        world_rank, why = gone
+        return self._world_ranks.index(world_rank), f"rank {self._world_ranks.index(world_rank)}" \
+            f" {why}"
+
+    def _check_peers(self, record: OpRecord | None, waiting_for: str) -> None:
+        """Raise PeerLostError if a peer left and what this rank waits for still has not
+        finished a grace period later (the peer may have done its part before leaving)."""
+        lost = self.lost_peer()
+        if lost is None and self._lost_since is None:
+            return
+        now = time.monotonic()
+        if lost is not None and self._lost_since is None:
+            self._lost_since, self._lost = now, lost
+            return
+        if now - self._lost_since < _DEPARTURE_GRACE_S:
+            return
+        rank, what = self._lost
+        self._lost_since = None
+        if not _lost_a_peer:
+            _lost_a_peer.append(f"rank {self._departures.world_rank} lost {what.split(' ')[0]} "
+                                f"{what.split(' ')[1]}")
+            atexit.register(_exit_without_finalize)  # after mpi4py's: runs before it
+        raise PeerLostError(f"rank {self.rank}: {what} while this rank was in {record} "
+                            f"waiting for {waiting_for} (mpi backend)", rank)
 
     # ---- waiting -----------------------------------------------------------------------------
     def begin(self, record: OpRecord, deadline: float) -> None:
@@ -105,6 +251,7 @@ class MpiBackend(Backend):
         MPI's blocking calls do, then, after _SPIN_S, test every 100 us; TimeoutError at the
         current operation's deadline."""
         started = time.monotonic()
+        self._lost_since = None
         while not request.Test():
             now = time.monotonic()
             if now >= self._deadline:
@@ -112,6 +259,7 @@ class MpiBackend(Backend):
                 raise TimeoutError(f"rank {self.rank}: {self._record} timed out after "
                                    f"{waited:.3g} s waiting for {what} (mpi backend)")
             if now - started > _SPIN_S:
+                self._check_peers(self._record, what)
                 time.sleep(1e-4)
 
     # ---- types and reductions ----------------------------------------------------------------
@@ -325,6 +473,8 @@ class MpiBackend(Backend):
             else:
                 still.append(p)
         self._pending = still
+        if still:  # messages from (or to) a rank that left will never complete
+            self._check_peers(still[0].record, "its peer")
 
     def fail_pending(self, error: BaseException) -> None:
         pending, self._pending = self._pending, []
@@ -340,6 +490,7 @@ class MpiBackend(Backend):
     def wait_for_messages(self, finished: Callable[[], bool], record: OpRecord,
                           deadline: float) -> None:
         started = time.monotonic()
+        self._lost_since = None
         while True:
             self.progress()
             if finished():
@@ -350,6 +501,7 @@ class MpiBackend(Backend):
                                    f"{now - record.issued_at:.3g} s waiting for its peer "
                                    f"(mpi backend)")
             if now - started > _SPIN_S:
+                self._check_peers(record, "its peer")
                 time.sleep(1e-4)
 
     # ---- lifetime ----------------------------------------------------------------------------
@@ -357,6 +509,8 @@ class MpiBackend(Backend):
         if self._closed:
             return
         self._closed = True
+        if self._announces_departure:
+            self._departures.announce("closed its communicator or exited")
         for obj in self._types:
             try:
                 obj.Free()

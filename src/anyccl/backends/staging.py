@@ -36,7 +36,7 @@ class StagedGpuBackend:
     name = "mpi-staged"
 
     def __init__(self, host: MpiBackend, device: int, label: str) -> None:
-        self._host = MpiBackend(host._comm, host._timeout_s)  # a duplicate: its own traffic
+        self._host = host.duplicate()  # its own traffic, apart from the host arrays'
         self.rank, self.size, self.device = host.rank, host.size, device
         self._label = label
         self.chunk_bytes = settings.MPI_STAGING_CHUNK.get()
