@@ -61,7 +61,7 @@ def serve(conn, comm) -> None:
 
 
 def _usable(comm) -> bool:
-    gpu_failed = comm._gpu is not None and comm._gpu.failure is not None
+    gpu_failed = comm.gpu_backend is not None and comm.gpu_backend.failure is not None
     return not comm._closed and comm._engine.failure is None and not gpu_failed
 
 

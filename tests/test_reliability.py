@@ -250,8 +250,12 @@ def test_a_rank_that_leaves_stops_the_others_within_ten_seconds_on_every_backend
         return
     if how == "exit":
         assert proc.returncode != 0
-    lost = [line.split() for line in proc.stdout.splitlines() if line.startswith("LOST ")]
-    if how == "close" or suite_backend() == "mpi":  # (anyccl run stops them on a failed rank)
-        assert len(lost) == 2, output[-3000:]
-    for _, rank, waited in lost:
+    lost = re.findall(r"LOST (\d+) ([\d.]+)", proc.stdout)  # mpiexec may glue lines together
+    if how == "close":
+        # every other rank raised; under mpiexec, the first to leave without MPI_Finalize may
+        # end the job before the launcher forwarded the other's report
+        assert len(lost) == 2 or (suite_backend() == "mpi" and len(lost) == 1), output[-3000:]
+    elif suite_backend() == "mpi":  # (anyccl run stops the others once a rank failed)
+        assert len(lost) >= 1, output[-3000:]
+    for rank, waited in lost:
         assert rank == "1" and float(waited) < 10, output[-3000:]

@@ -40,7 +40,7 @@ dist = peer.dist
 n = comm.size
 x = torch.empty((max(args.mib) << 20) // 4, device=dev)
 comm.all_reduce(x[:1024])
-backend = comm._gpu          # the ipc backend: its copy-engine threshold and chunks are set below
+backend = comm.gpu_backend  # the ipc backend: its copy-engine threshold and chunks are set below
 SM_ONLY = 1 << 62
 
 

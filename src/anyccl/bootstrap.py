@@ -15,11 +15,10 @@ import secrets
 import socket
 import warnings
 from datetime import timedelta
-from typing import Callable
 from urllib.parse import urlparse
 
 from . import settings
-from .backends.base import Backend
+from .backends import registry
 from .communicator import Communicator, _seconds, close_all
 from .errors import InvalidArgumentError, RendezvousError, UnsupportedError
 from .store import FileStore, PrefixStore, Store, StoreServer, TCPStore
@@ -36,33 +35,8 @@ _LAUNCHER_ENV = (
     ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),
 )
 
-_BACKEND_ALIASES = {"gloo": "shm", "cpu": "shm"}  # torch.distributed scripts name gloo
-GPU_BACKENDS = ("nccl", "ipc", "auto")
 _servers: list[StoreServer] = []  # stores this process hosts; they live until it exits
 _generation = 0  # how many times this process called init(): every rank counts alike
-
-
-def _shm_factory(store: Store, rank: int, size: int, job_id: str, timeout_s: float) -> Backend:
-    from .backends.shm import SharedMemoryBackend
-
-    return SharedMemoryBackend(store, rank, size, job_id=job_id, comm_name="w",
-                               timeout_s=timeout_s)
-
-
-def _mpi_factory(store: Store, rank: int, size: int, job_id: str, timeout_s: float) -> Backend:
-    from .backends.mpi import MpiBackend
-
-    backend = MpiBackend.world(timeout_s, store)
-    if (backend.rank, backend.size) != (rank, size):
-        backend.close()
-        raise RendezvousError(f"backend='mpi': this process is rank {backend.rank} of "
-                              f"{backend.size} in MPI_COMM_WORLD but rank {rank} of {size} for "
-                              f"anyccl; start the job with mpiexec -n {size}")
-    return backend
-
-
-BACKENDS: dict[str, Callable[[Store, int, int, str, float], Backend]] = {
-    "shm": _shm_factory, "mpi": _mpi_factory}
 
 
 def _launched_by_mpiexec() -> bool:
@@ -227,33 +201,27 @@ def _local_rank(store: Store, rank: int, size: int, timeout_s: float) -> int:
     return sum(store.get(f"host/{r}", timeout_s).decode() == host for r in range(rank))
 
 
-def _host_backend(name: str) -> str:
-    name = _BACKEND_ALIASES.get(name, name)
-    if name in BACKENDS:
-        return name
-    available = ", ".join((*BACKENDS, *GPU_BACKENDS))
-    raise UnsupportedError(f"backend={name!r} is unknown; available: {available}")
-
-
 def parse_backend(backend: str | None) -> tuple[str, str | None]:
     """(host backend, GPU backend named up front or None) from "shm", "nccl", "gloo",
-    "cpu:shm,cuda:nccl" or ANYCCL_BACKEND. Naming a GPU backend creates it at init(); otherwise
-    the first collective on GPU arrays creates the nccl backend."""
+    "cpu:shm,cuda:nccl" or ANYCCL_BACKEND, by the names registered (backends/registry.py).
+    Naming a GPU backend creates it at init(); otherwise the first collective on GPU arrays
+    creates the host backend's default one."""
     default = "mpi" if _launched_by_mpiexec() and _has_mpi4py() else "shm"
     spec = (backend or settings.BACKEND.get() or default).strip().lower()
+    gpu_names = registry.selectable_gpu_backends()
     host, device_backend = None, None
     for part in spec.split(","):
         kind, _, name = part.strip().rpartition(":")
         if kind not in ("", "cpu", "cuda"):
             raise UnsupportedError(f"backend={spec!r}: device {kind!r} is unknown; write e.g. "
                                    f"'cpu:shm,cuda:nccl'")
-        if name in GPU_BACKENDS and kind != "cpu":
+        if name in gpu_names and kind != "cpu":
             device_backend = name
         elif kind == "cuda":
             raise UnsupportedError(f"backend={spec!r}: {name!r} is not a GPU backend; GPU "
-                                   f"backends: {', '.join(GPU_BACKENDS)}")
+                                   f"backends: {', '.join(gpu_names)}")
         else:
-            host = _host_backend(name)
+            host = registry.host_entry(name).name
     return host or "shm", device_backend
 
 
@@ -327,17 +295,18 @@ def init(backend: str | None = None, *, rank: int | None = None,
         if local_rank is None:
             local_rank = env_local if env_local is not None else _local_rank(
                 store, rank, world_size, timeout_s)
-        backend_impl = BACKENDS[name](store, rank, world_size, job_id, timeout_s)
+        backend_impl = registry.host_entry(name).create(
+            registry.HostContext(store, rank, world_size, job_id, timeout_s))
     except BaseException:
         connection.close()
         raise
     _dump_flight_records_on_sigterm()
     comm = Communicator(backend_impl, store, rank=rank, size=world_size, local_rank=local_rank,
                         timeout_s=timeout_s, job_id=job_id, debug=debug, owns_store=True,
-                        device=device, gpu_kind=gpu_name or "nccl")
+                        device=device, gpu_kind=gpu_name)
     if gpu_name is not None or device is not None:
         try:
-            comm._gpu = comm._make_gpu_backend(comm._gpu_device("init"))
+            comm.connect_gpu()
         except BaseException:
             comm.close()
             raise

@@ -320,3 +320,14 @@ def current_stream(a: GpuArray) -> Any:
         return cupy_stream
     stream = a.stream
     return lambda: stream
+
+
+class Pieces(list):
+    """The `size` consecutive pieces of `count` elements of one flat array `whole` (host or
+    GPU), alike by construction: what a collective gets for an argument given as one array to
+    split. Backends may treat the pieces as the one array they are."""
+
+    def __init__(self, whole: Array, count: int, size: int) -> None:
+        super().__init__(whole.pieces(count, size) if isinstance(whole, GpuArray) else
+                         (whole[i * count:(i + 1) * count] for i in range(size)))
+        self.whole = whole

@@ -19,8 +19,18 @@ from typing import Any, Callable
 import numpy as np
 
 from . import gpu
+from .backends import registry
 from .backends.base import Backend
-from .buffers import SUPPORTED_DTYPES, Array, GpuArray, as_array, current_stream, overlaps
+from .backends.gpu_base import GpuBackend
+from .buffers import (
+    SUPPORTED_DTYPES,
+    Array,
+    GpuArray,
+    Pieces,
+    as_array,
+    current_stream,
+    overlaps,
+)
 from .engine import Engine
 from .errors import (
     AnycclError,
@@ -71,8 +81,8 @@ class Communicator:
     def __init__(self, backend: Backend, store: Store, *, rank: int, size: int, local_rank: int,
                  timeout_s: float, name: str = "world", job_id: str = "local",
                  debug: bool = False, owns_store: bool = False,
-                 device: int | None = None, gpu_backend: Any = None,
-                 gpu_kind: str = "nccl") -> None:
+                 device: int | None = None, gpu_backend: GpuBackend | None = None,
+                 gpu_kind: str | None = None) -> None:
         self.rank, self.size, self.local_rank = rank, size, local_rank
         self.timeout_s = timeout_s
         self.debug = debug
@@ -89,7 +99,7 @@ class Communicator:
         self._closed = False
         self._device = device         # this rank's GPU; chosen on first use when None
         self._gpu = gpu_backend       # the GPU backend; created by the first GPU collective
-        self._gpu_kind = gpu_kind     # which: "nccl", or "ipc"/"auto" (kernels + NCCL)
+        self._gpu_kind = gpu_kind     # its registered name; None: the host backend's default
         self._batch: list[tuple] | None = None
         _live.add(self)
 
@@ -101,6 +111,12 @@ class Communicator:
         if self._gpu is None:
             return self._backend.name
         return f"cpu:{self._backend.name},cuda:{self._gpu.name}"
+
+    @property
+    def gpu_backend(self) -> GpuBackend | None:
+        """The backend serving this communicator's GPU arrays, once created (see
+        `connect_gpu`); None before."""
+        return self._gpu
 
     @property
     def device(self) -> int | None:
@@ -167,7 +183,7 @@ class Communicator:
                                      f"{like.size} = {self.size * like.size} (one piece per rank)")
             if whole.dtype != like.dtype:  # every piece alike: one dtype check for all
                 self._same(op, whole, like, name)
-            return _Pieces(whole, like.size, self.size)
+            return Pieces(whole, like.size, self.size)
         for i, piece in enumerate(pieces):
             self._same(op, piece, like, f"{name}[{i}]")
         return pieces
@@ -195,7 +211,7 @@ class Communicator:
     def _others_disjoint(self, op: str, pieces: list[Array], name: str, x: Array,
                          x_name: str) -> None:
         """Only this rank's own piece may share memory with `x` (the in-place form)."""
-        if isinstance(pieces, _Pieces) and not overlaps(pieces.whole, x):
+        if isinstance(pieces, Pieces) and not overlaps(pieces.whole, x):
             return  # one check for the common case: pieces of one array apart from x
         for i, piece in enumerate(pieces):
             if i != self.rank:
@@ -239,42 +255,35 @@ class Communicator:
             self._device = self.local_rank % count
         return self._device
 
-    def _gpu_backend(self, op: str, *, collective: bool) -> Any:
-        """The NCCL communicator, created on the first GPU collective (every rank calls it)."""
+    def _gpu_backend(self, op: str, *, collective: bool) -> GpuBackend:
+        """The GPU backend, created on the first GPU collective (every rank calls it)."""
         if self._gpu is None:
             if not collective:
-                raise self._fail(op, "GPU point-to-point needs the NCCL communicator, which the "
+                raise self._fail(op, "GPU point-to-point needs the GPU backend, which the "
                                      "first GPU collective creates; create it up front with "
                                      "anyccl.init(backend='nccl') or init(device_id=...)")
-            self._gpu = self._make_gpu_backend(self._gpu_device(op))
+            self.connect_gpu(op)
+        assert self._gpu is not None
         return self._gpu
 
-    def _make_gpu_backend(self, device: int) -> Any:
-        from .backends.nccl import NcclBackend
-
+    def connect_gpu(self, op: str = "init") -> None:
+        """Collective: create this communicator's GPU backend now, on this rank's device (the
+        one named at init, else local_rank modulo the visible GPUs), instead of at the first
+        collective on GPU arrays. Does nothing if it exists."""
+        if self._gpu is not None:
+            return
+        device = self._gpu_device(op)
         count = gpu.device_count()
         if not 0 <= device < count:
-            raise self._fail("init", f"device_id={device} but this process sees {count} CUDA "
-                                     f"device{'s' if count != 1 else ''} (CUDA_VISIBLE_DEVICES="
-                                     f"{gpu.visible_devices()})", UnsupportedError)
-        self._device = device
-        if self._backend.name == "mpi":  # GPU arrays on mpi: staged through pinned memory
-            from .backends.staging import StagedGpuBackend
-
-            gpu.set_device(device)
-            return StagedGpuBackend(self._backend, device, f"rank {self.rank} ({self._name})")
-        # NCCL's own rendezvous has no deadline and cannot be aborted: meet on the host first,
-        # so a rank that never comes makes the others time out instead of hanging
-        self.barrier()
-        label = f"rank {self.rank} ({self._name})"
-        if self._gpu_kind in ("ipc", "auto"):
-            from .backends.ipc import IpcBackend
-
-            return IpcBackend.create(self._store, f"{self._name}/gpu", self.rank, self.size,
-                                     device, label, self.timeout_s, self._backend.lost_peer,
-                                     policy=self._gpu_kind)
-        return NcclBackend.create(self._store, f"{self._name}/nccl-id", self.rank, self.size,
-                                  device, label, self.timeout_s, self._backend.lost_peer)
+            raise self._fail(op, f"device_id={device} but this process sees {count} CUDA "
+                                 f"device{'s' if count != 1 else ''} (CUDA_VISIBLE_DEVICES="
+                                 f"{gpu.visible_devices()})", UnsupportedError)
+        kind = self._gpu_kind or registry.host_entry(self._backend.name).gpu_arrays
+        context = registry.GpuContext(
+            store=self._store, key=f"{self._name}/gpu", rank=self.rank, size=self.size,
+            device=device, label=f"rank {self.rank} ({self._name})", timeout_s=self.timeout_s,
+            host=self._backend, meet=self.barrier)
+        self._gpu = registry.gpu_entry(kind).create(context)
 
     def _collective(self, name: str, args: str, nbytes: int, call: Callable[[Any], Any],
                     async_op: bool, *, like: Array | None = None, root: int = -1,
@@ -778,19 +787,10 @@ def _shape(x: Array) -> str:
     return f"{_DTYPE_NAMES.get(x.dtype) or x.dtype.name} x {x.size}"
 
 
-class _Pieces(list):
-    """The `size` consecutive pieces of one array `whole` (alike by construction)."""
-
-    def __init__(self, whole: Array, count: int, size: int) -> None:
-        super().__init__(whole.pieces(count, size) if isinstance(whole, GpuArray) else
-                         (whole[i * count:(i + 1) * count] for i in range(size)))
-        self.whole = whole
-
-
 def _named(name: str, pieces: Sequence[Array]) -> list[tuple[str, Array]]:
     """The arrays a call reads or writes, named for messages: one array split into pieces is
     itself (its pieces share its device and stream), else each piece."""
-    if isinstance(pieces, _Pieces):
+    if isinstance(pieces, Pieces):
         return [(name, pieces.whole)]
     return [(f"{name}[{i}]", p) for i, p in enumerate(pieces)]
 

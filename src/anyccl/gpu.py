@@ -240,6 +240,15 @@ def copy_async(dst: int, src: int, nbytes: int, stream: int) -> None:
            "cudaMemcpyAsync")
 
 
+def pinned_alloc(nbytes: int) -> int:
+    """Page-locked host memory (the GPU's copy engines reach it directly); `pinned_free`s."""
+    return int(_check(_rt().cudaMallocHost(max(nbytes, 1)), "cudaMallocHost"))
+
+
+def pinned_free(ptr: int) -> None:
+    _check(_rt().cudaFreeHost(ptr), "cudaFreeHost")
+
+
 def memset32_async(ptr: int, value: int, words: int, stream: int) -> None:
     """Queue setting `words` 32-bit words at `ptr` to `value`."""
     _check_driver(_drv().cuMemsetD32Async(ptr, value, words, stream)[0], "cuMemsetD32Async")

@@ -34,11 +34,18 @@ from typing import Any, Callable
 import numpy as np
 
 from ..buffers import SUPPORTED_DTYPES
-from ..errors import InvalidArgumentError, PeerLostError, TimeoutError, UnsupportedError
+from ..errors import (
+    InvalidArgumentError,
+    PeerLostError,
+    RendezvousError,
+    TimeoutError,
+    UnsupportedError,
+)
 from ..ops import ReduceOp, accumulate, dtype_kind, finish
 from ..store import Store
 from ..trace import OpRecord, format_bytes
 from .base import Backend, Completion
+from .registry import HostContext
 
 _DTYPE_CODE = {d: i for i, d in enumerate(SUPPORTED_DTYPES)}
 _CODES = 16  # > len(SUPPORTED_DTYPES): the low 4 bits of an MPI tag name the dtype
@@ -62,42 +69,71 @@ def library_version() -> str:
 
 
 class Departures:
-    """Which ranks of the job have closed anyccl, through the job's store: a counter that a
-    waiting rank reads (one round trip), and one key per rank that left saying why."""
+    """Which ranks of the job have closed anyccl, through the job's store: a counter, and one
+    key per rank that left saying why.
 
-    def __init__(self, store: Store, world_rank: int) -> None:
-        self._store, self.world_rank = store, world_rank
-        self._seen = 0
+    The store is asked by a thread of its own, and only while some wait has gone on for a
+    while, never by the waiting loop itself: the store is served by rank 0's process, which
+    stops answering while it sits in MPI_Finalize (a C call that keeps the GIL), and a wait
+    must keep its deadline whatever the store does."""
+
+    def __init__(self, store: Store, world_rank: int, world_size: int) -> None:
+        self._store, self.world_rank, self.world_size = store, world_rank, world_size
         self._left: dict[int, str] = {}
+        self._wanted_until = 0.0
+        self._wake = threading.Event()
+        self._watcher: threading.Thread | None = None
         self._announced = False
 
     def announce(self, why: str) -> None:
-        """Tell every rank that this one is leaving (once; never raises: it runs at exit)."""
+        """Tell every rank that this one is leaving (once; gives up after a second: at the end
+        of a job rank 0 may already be in MPI_Finalize, and then nobody is waiting)."""
         if self._announced:
             return
         self._announced = True
-        try:
-            self._store.set(f"mpi/left/{self.world_rank}", why.encode())
-            self._store.add("mpi/left", 1)
-        except Exception:  # noqa: BLE001 - the store may be gone with rank 0 at exit
-            pass
+
+        def tell() -> None:
+            try:
+                self._store.set(f"mpi/left/{self.world_rank}", why.encode())
+                self._store.add("mpi/left", 1)
+            except Exception:  # noqa: BLE001 - the store may be gone with rank 0 at exit
+                pass
+        teller = threading.Thread(target=tell, daemon=True, name="anyccl-mpi-leaving")
+        teller.start()
+        teller.join(timeout=1.0)
 
     def left(self, world_ranks: list[int]) -> tuple[int, str] | None:
-        """(world rank, why) of the first of `world_ranks` known to have left, else None."""
-        try:
-            count = self._store.add("mpi/left", 0)
-            if count != self._seen:
-                self._seen = count
-                for r in world_ranks:
-                    if r not in self._left and r != self.world_rank and \
-                            self._store.check(f"mpi/left/{r}"):
-                        self._left[r] = self._store.get(f"mpi/left/{r}", 1.0).decode()
-        except Exception:  # noqa: BLE001 - a store that stopped answering: its host left
-            return None
+        """(world rank, why) of the first of `world_ranks` known to have left, else None; asks
+        the watcher to keep looking for the next second."""
+        self._wanted_until = time.monotonic() + 1.0
+        if self._watcher is None:
+            self._watcher = threading.Thread(target=self._watch, daemon=True,
+                                             name="anyccl-mpi-departures")
+            self._watcher.start()
+        self._wake.set()
         for r in world_ranks:
             if r in self._left:
                 return r, self._left[r]
         return None
+
+    def _watch(self) -> None:
+        seen = 0
+        while True:
+            self._wake.wait()
+            if time.monotonic() > self._wanted_until:
+                self._wake.clear()
+                continue
+            try:
+                count = self._store.add("mpi/left", 0)
+                if count != seen:
+                    seen = count
+                    for r in range(self.world_size):
+                        if r not in self._left and r != self.world_rank and \
+                                self._store.check(f"mpi/left/{r}"):
+                            self._left[r] = self._store.get(f"mpi/left/{r}", 1.0).decode()
+            except Exception:  # noqa: BLE001 - a store that stopped answering: rank 0 left
+                return
+            time.sleep(_DEPARTURE_CHECK_S)
 
 
 _lost_a_peer: list[str] = []  # set once this process has raised PeerLostError
@@ -111,6 +147,7 @@ def _exit_without_finalize() -> None:
     print(f"anyccl: {_lost_a_peer[0]}: leaving without MPI_Finalize, which would wait for the "
           f"lost rank", file=sys.stderr, flush=True)
     sys.stdout.flush()
+    time.sleep(0.5)  # the MPI launcher ends the job when we go: let peers finish their reports
     os._exit(1)
 
 
@@ -177,7 +214,8 @@ class MpiBackend(Backend):
         """The backend over MPI_COMM_WORLD; with the job's `store`, ranks that leave say so
         there and uncaught exceptions abort the job (see the module's docstring)."""
         world = _mpi().COMM_WORLD
-        departures = Departures(store, world.Get_rank()) if store is not None else None
+        departures = Departures(store, world.Get_rank(), world.Get_size()) \
+            if store is not None else None
         if departures is not None and threading.current_thread() is threading.main_thread():
             abort_job_on_uncaught_exceptions()
         backend = cls(world, timeout_s, departures)
@@ -553,3 +591,24 @@ def _joined(outs: list[np.ndarray]) -> tuple[np.ndarray, Callable[[], None] | No
             o[...] = scratch[at:at + o.size]
             at += o.size
     return scratch, scatter_back
+
+
+def create(ctx: HostContext) -> MpiBackend:
+    """The mpi backend over MPI_COMM_WORLD, which must be the job anyccl was told of."""
+    backend = MpiBackend.world(ctx.timeout_s, ctx.store)
+    if (backend.rank, backend.size) != (ctx.rank, ctx.size):
+        backend.close()
+        raise RendezvousError(f"backend='mpi': this process is rank {backend.rank} of "
+                              f"{backend.size} in MPI_COMM_WORLD but rank {ctx.rank} of "
+                              f"{ctx.size} for anyccl; start the job with mpiexec -n {ctx.size}")
+    return backend
+
+
+def status() -> str:
+    """What `anyccl info` says of the mpi backend here."""
+    try:
+        import mpi4py
+
+        return f"available (mpi4py {mpi4py.__version__} on {library_version()})"
+    except Exception:  # noqa: BLE001 - any failure to load means: not usable here
+        return "not usable: pip install 'anyccl[mpi]' (mpi4py and MPICH)"

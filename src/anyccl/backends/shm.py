@@ -41,6 +41,7 @@ from ..trace import OpRecord, format_bytes
 from . import cross_memory
 from .base import Backend, Completion
 from .doorbell import Doorbell
+from .registry import HostContext
 
 try:  # the same calls multiprocessing.shared_memory uses, without its resource tracker
     import _posixshmem
@@ -259,7 +260,7 @@ class SharedMemoryBackend(Backend):
         self._deadline = float("inf")
         self._closed = False
         self._next_peer_check = 0.0
-        if comm_name == "w":
+        if comm_name == WORLD:
             reclaim_dead_segments()
 
         name = f"/anyccl-{job_id}-{comm_name}-{rank}-{secrets.token_hex(4)}"
@@ -703,3 +704,18 @@ def _ring_read(ring: np.ndarray, pos: int, n: int) -> np.ndarray:
         return ring[off:off + n]
     return np.concatenate((ring[off:], ring[:n - (cap - off)]))
 
+
+
+WORLD = "w"  # the world communicator's segment name part; its creation reclaims dead segments
+
+
+def create(ctx: HostContext) -> SharedMemoryBackend:
+    """The shm backend of a job's world communicator."""
+    return SharedMemoryBackend(ctx.store, ctx.rank, ctx.size, job_id=ctx.job_id,
+                               comm_name=WORLD, timeout_s=ctx.timeout_s)
+
+
+def status() -> str:
+    """What `anyccl info` says of the shm backend here."""
+    direct = "usable" if cross_memory.available() else "not usable"
+    return f"available (shared memory; cross-memory attach {direct})"

@@ -7,9 +7,9 @@ stream) overlap. The other collectives copy their arrays to the host, run the ho
 copy back. Staging uses its own duplicate of the MPI communicator, so it never interleaves with
 host-array operations of the same anyccl communicator.
 
-It offers the same calls as the nccl backend (each op returns the function that does it on a
-given stream); the work is host-driven, so a call returns once the result is on its way back
-to the device, with the caller's stream ordered after it.
+It implements the GPU backend interface (`gpu_base.GpuBackend`: each op returns the function
+that does it on a given stream); the work is host-driven, so a call returns once the result is
+on its way back to the device, with the caller's stream ordered after it.
 """
 
 from __future__ import annotations
@@ -25,12 +25,14 @@ from ..buffers import GpuArray
 from ..errors import TimeoutError, UnsupportedError
 from ..ops import ReduceOp
 from ..trace import FlightRecorder, OpRecord
+from .gpu_base import GpuBackend
 from .mpi import MpiBackend
+from .registry import GpuContext
 
 _SLOTS = 3  # pinned chunk buffers in flight: copying in, reducing, copying out
 
 
-class StagedGpuBackend:
+class StagedGpuBackend(GpuBackend):
     """GPU arrays over a host MPI communicator, through pinned memory on `device`."""
 
     name = "mpi-staged"
@@ -51,7 +53,7 @@ class StagedGpuBackend:
         self._deadline = float("inf")
         self.failure: BaseException | None = None
 
-    # ---- the nccl backend's interface ---------------------------------------------------------
+    # ---- queuing: on the host, between the copies ------------------------------------------------
     def run(self, record: OpRecord, after: Sequence[int], deadline: float,
             enqueue: Callable[[int], None], keep: Any, entries: list[dict],
             on: int | None = None) -> int:
@@ -110,9 +112,8 @@ class StagedGpuBackend:
         return None  # the child communicator stages through its own host backend
 
     def close(self) -> None:
-        rt = gpu._rt()
         for ptr, _ in self._pinned:
-            gpu._check(rt.cudaFreeHost(ptr), "cudaFreeHost")
+            gpu.pinned_free(ptr)
         self._pinned = []
         for event in (self._start, self._done, *self._copied_in, *self._copied_out):
             gpu.destroy_event(event)
@@ -127,27 +128,20 @@ class StagedGpuBackend:
             self._pinned.append((0, np.empty(0, np.uint8)))
         ptr, view = self._pinned[k]
         if view.nbytes < nbytes:
-            rt = gpu._rt()
             if ptr:
-                gpu._check(rt.cudaFreeHost(ptr), "cudaFreeHost")
-            ptr = int(gpu._check(rt.cudaMallocHost(nbytes), "cudaMallocHost"))
+                gpu.pinned_free(ptr)
+            ptr = gpu.pinned_alloc(nbytes)
             view = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(ptr))
             self._pinned[k] = (ptr, view)
         return view
 
     def _to_host(self, x: GpuArray, host: np.ndarray, stream: int) -> None:
-        rt = gpu._rt()
-        if x.nbytes:
-            gpu._check(rt.cudaMemcpyAsync(host.ctypes.data, x.ptr, x.nbytes,
-                                          rt.cudaMemcpyKind.cudaMemcpyDeviceToHost, stream),
-                       "cudaMemcpyAsync")
+        if x.nbytes:  # pinned memory is in the unified address space: the copy finds its way
+            gpu.copy_async(host.ctypes.data, x.ptr, x.nbytes, stream)
 
     def _to_device(self, x: GpuArray, host: np.ndarray, stream: int) -> None:
-        rt = gpu._rt()
         if x.nbytes:
-            gpu._check(rt.cudaMemcpyAsync(x.ptr, host.ctypes.data, x.nbytes,
-                                          rt.cudaMemcpyKind.cudaMemcpyHostToDevice, stream),
-                       "cudaMemcpyAsync")
+            gpu.copy_async(x.ptr, host.ctypes.data, x.nbytes, stream)
 
     def _wait(self, event: int) -> None:
         """The host waits for `event`, within the operation's deadline."""
@@ -245,3 +239,14 @@ class StagedGpuBackend:
         n = len(outs)
         return self._whole([*outs, *inputs], outs,
                            lambda *a: self._host.all_to_all(list(a[:n]), list(a[n:])))
+
+
+def create(ctx: GpuContext) -> StagedGpuBackend:
+    """GPU arrays on the mpi host backend, staged through pinned memory."""
+    gpu.set_device(ctx.device)
+    assert isinstance(ctx.host, MpiBackend)
+    return StagedGpuBackend(ctx.host, ctx.device, ctx.label)
+
+
+def status() -> str:
+    return "available with the mpi backend (GPU arrays staged through pinned host memory)"

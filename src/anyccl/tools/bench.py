@@ -30,7 +30,7 @@ from .._units import parse_size
 from ..buffers import BFLOAT16
 from ..communicator import Communicator
 from ..ops import COLLECTIVES, ReduceOp
-from .peers import PEERS, AnycclPeer
+from .peers import AnycclPeer, peers
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "gather", "scatter",
        "all_to_all", "sendrecv")
@@ -566,9 +566,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     compare = [c.strip() for c in ns.compare.split(",") if c.strip()]
     for c in compare:
-        if c not in PEERS:
+        if c not in peers():
             raise SystemExit(f"anyccl bench: --compare {c}: expected some of "
-                             f"{', '.join(PEERS)}")
+                             f"{', '.join(peers())}")
     if ns.nprocs and not _in_a_job():
         return _launch(ns, argv if argv is not None else sys.argv[1:], compare)
     return _bench(ns, settings, compare)
@@ -624,7 +624,8 @@ def _without_nprocs(argv: list[str]) -> list[str]:
 def _bench(ns: argparse.Namespace, s: Settings, compare: list[str]) -> int:
     comm, where = _communicator(ns)
     out = sys.stdout
-    peers: list[Any] = [AnycclPeer(comm)] + [PEERS[c](comm, where.device) for c in compare]
+    known = peers()
+    libraries: list[Any] = [AnycclPeer(comm)] + [known[c](comm, where.device) for c in compare]
     sizes = sweep_sizes(s)
     lead = comm.rank == 0
     membw = memory_bandwidth_gbs() if lead else 0.0
@@ -657,16 +658,16 @@ def _bench(ns: argparse.Namespace, s: Settings, compare: list[str]) -> int:
             variants = [True] if op in _IN_PLACE_ONLY else \
                 [False] if op in _OUT_OF_PLACE_ONLY else [False, True]
             for in_place in variants:
-                op_rows += measure(comm, peers, op, nbytes, s, in_place, where)
+                op_rows += measure(comm, libraries, op, nbytes, s, in_place, where)
             progress.step(f"{op} {nbytes} B")
         rows += op_rows
-        for peer in peers:
+        for peer in libraries:
             if lead:
                 print_table(out, peer.name, op, [r for r in op_rows if r.library == peer.name])
                 out.flush()
         if lead and compare:
             print_comparison(out, op, [r for r in rows if r.op == op],
-                             [p.name for p in peers])
+                             [p.name for p in libraries])
             out.flush()
         if lead and ns.json:  # after every op: a run cut short keeps what it measured
             meta = {"ranks": comm.size, "backend": comm.backend, "memory_copy_gbs": membw,
@@ -678,7 +679,7 @@ def _bench(ns: argparse.Namespace, s: Settings, compare: list[str]) -> int:
     if lead:
         if ns.plot:
             plot(rows, ns.plot, f"anyccl bench, {comm.size} ranks, {s.dtype.name}")
-    for peer in peers:
+    for peer in libraries:
         peer.close()
     comm.close()
     return 1 if wrong else 0

@@ -20,54 +20,20 @@ def _try(fn: Any, default: Any = None) -> Any:
 
 
 def backends() -> list[tuple[str, str, str]]:
-    """(name, devices it serves, status) for every backend anyccl knows."""
-    from ..backends import cross_memory
+    """(name, devices it serves, status) for every registered backend."""
+    from ..backends import registry
 
-    rows = [("shm", "cpu", "available (shared memory; cross-memory attach "
-                           f"{'usable' if _try(cross_memory.available, False) else 'not usable'})")]
-    nccl = _try(_nccl_version)
-    rows.append(("nccl", "cuda", f"available ({nccl})" if nccl else
-                 "not usable: pip install 'anyccl[gpu]' (nccl4py and the NCCL runtime)"))
-    mpi = _try(_mpi_version)
-    rows.append(("mpi", "cpu (many nodes)", f"available ({mpi})" if mpi else
-                 "not usable: pip install 'anyccl[mpi]' (mpi4py and MPICH)"))
-    from ..backends.ipc.compiler import SOURCE
-
-    if not SOURCE.is_file():
-        ipc = f"not usable: this installation of anyccl lacks its kernels' source ({SOURCE})"
-    elif nccl and _try(_nvrtc_usable):
-        ipc = ("available (anyccl's kernels over CUDA IPC, compiled by NVRTC; NCCL for the "
-               "rest)")
-    else:
-        ipc = "not usable: pip install 'anyccl[gpu]' (cuda-core, NVRTC and nccl4py)"
-    rows.append(("ipc", "cuda (one node)", ipc))
+    rows = [(name, entry.serves, _try(entry.status, "not usable: its status check failed"))
+            for name, entry in registry.host_backends().items()]
+    rows += [(name, entry.serves, _try(entry.status, "not usable: its status check failed"))
+             for name, entry in registry.gpu_backends().items()]
     return rows
 
 
-def _nvrtc_usable() -> bool:
-    try:
-        from cuda.core import Program  # noqa: F401
-    except ImportError:
-        from cuda.core.experimental import Program  # noqa: F401
-    return True
-
-
-def _mpi_version() -> str:
-    import mpi4py
-
-    from ..backends.mpi import library_version
-
-    return f"mpi4py {mpi4py.__version__} on {library_version()}"
-
-
 def _nccl_version() -> str | None:
-    """"nccl4py X, NCCL Y" when both the bindings and the NCCL runtime load; else None."""
-    import nccl.core
+    from ..backends.nccl import version
 
-    found = nccl.core.get_version()
-    if found.libnccl is None:
-        return None
-    return f"nccl4py {found.nccl4py}, NCCL {found.libnccl.version}"
+    return version()
 
 
 def gpus() -> list[dict[str, Any]]:
@@ -166,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{platform.machine()}, {os.cpu_count()} CPUs")
     print("\nbackends:")
     for name, serves, status in backends():
-        print(f"  {name:<5} {serves:<26} {status}")
+        print(f"  {name:<10} {serves:<26} {status}")
     devices = _try(gpus, [])
     print(f"\nGPUs: {len(devices)} visible (CUDA_VISIBLE_DEVICES="
           f"{os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')})")

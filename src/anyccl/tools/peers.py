@@ -210,5 +210,11 @@ def _on(backend: str) -> type[BackendPeer]:
                 {"backend": backend, "name": f"anyccl-{backend}"})
 
 
-PEERS: dict[str, type] = {"torch": TorchPeer, "mpi": MPIPeer,
-                          **{b: _on(b) for b in ("shm", "nccl", "ipc", "auto")}}
+def peers() -> dict[str, type]:
+    """Every library `--compare` takes: torch, mpi (mpi4py), and anyccl on each registered
+    backend but mpi (whose name is mpi4py's here)."""
+    from ..backends import registry
+
+    names = [*registry.host_backends(), *registry.selectable_gpu_backends()]
+    return {"torch": TorchPeer, "mpi": MPIPeer,
+            **{b: _on(b) for b in names if b != "mpi"}}

@@ -30,7 +30,9 @@ from ...errors import AnycclError, UnsupportedError
 from ...ops import ReduceOp
 from ...store import Store
 from ...trace import OpRecord
+from ..gpu_base import QueuedGpuBackend
 from ..nccl import NcclBackend
+from ..registry import GpuContext
 from . import ce, compiler
 from .memory import PeerMemory, describe_args
 
@@ -81,8 +83,9 @@ def routes_to_ipc(policy: str, op: str, nbytes: int, nranks: int = 2) -> bool:
                                   for lo, hi in auto_ranges(nranks).get(op, ()))
 
 
-class IpcBackend:
-    """anyccl's peer-memory kernels on one GPU per rank, with an NCCL communicator for the rest."""
+class IpcBackend(QueuedGpuBackend):
+    """anyccl's peer-memory kernels on one GPU per rank, with an NCCL communicator for the rest;
+    both queue through the NCCL backend's `GpuQueue`, so operations stay in issue order."""
 
     def __init__(self, nccl: NcclBackend, memory: PeerMemory, policy: str) -> None:
         if policy not in POLICIES:
@@ -90,6 +93,7 @@ class IpcBackend:
                                    f"{', '.join(POLICIES)}")
         sync = settings.IPC_CE_SYNC.get()  # refused by name here if unknown
         self.nccl = nccl
+        self.queue = nccl.queue
         self.policy = policy
         self.rank, self.size, self.device = nccl.rank, nccl.size, nccl.device
         self.memory = memory
@@ -117,7 +121,7 @@ class IpcBackend:
         self._ce = ce.CopyEngineAllReduce(memory, self.device)
         self._side: list[tuple[int, int]] = []   # (stream, event) for batched messages
         self._fork = gpu.new_event(self.device)
-        nccl.watch_also(health=self._health, abort=memory.aborted)
+        nccl.queue.watch(health=self._health, abort=memory.aborted)
 
     @classmethod
     def create(cls, store: Store, key: str, rank: int, size: int, device: int, label: str,
@@ -151,30 +155,22 @@ class IpcBackend:
         return self.policy
 
     # ---- the queue: NCCL's -----------------------------------------------------------------------
-    @property
-    def stream(self) -> int:
-        return self.nccl.stream
-
     def run(self, *args: Any, **kwargs: Any) -> int:
         if self._status[1]:           # a kernel ended an operation early (one word: cheap)
             self.raise_if_failed()
-        return self.nccl.run(*args, **kwargs)
+        return self.queue.run(*args, **kwargs)
 
     def host_wait(self, event: int, record: OpRecord, deadline: float) -> None:
-        self.nccl.host_wait(event, record, deadline)
+        self.queue.host_wait(event, record, deadline)
         self.raise_if_failed()
 
     def raise_if_failed(self) -> None:
-        """The error a kernel reported (it ended its operation early), else NCCL's state."""
-        if self.nccl.failure is None and self.memory.error()[0]:
+        """The error a kernel reported (it ended its operation early), else the queue's."""
+        if self.queue.failure is None and self.memory.error()[0]:
             problem = self._health(OpRecord("recv", 0))
             if problem is not None:
-                self.nccl._abort(problem)
-        self.nccl.raise_if_failed()
-
-    @property
-    def failure(self) -> BaseException | None:
-        return self.nccl.failure
+                self.queue.abort(problem)
+        self.queue.raise_if_failed()
 
     def _health(self, record: OpRecord) -> BaseException | None:
         code, peer, expected, got = self.memory.error()
@@ -425,3 +421,34 @@ class _CeKernels:
             return
         self._pointers(flags, [])
         gpu.launch(self.b._kernels["ce_wait"], 1, 32, stream, self.b._params_address)
+
+
+def creator(policy: str) -> Callable[[GpuContext], IpcBackend | NcclBackend]:
+    """The registry's create function for `policy` ("ipc" or "auto")."""
+    def create(ctx: GpuContext) -> IpcBackend | NcclBackend:
+        gpu.set_device(ctx.device)
+        ctx.meet()  # NCCL's own rendezvous has no deadline and cannot be aborted: meet first
+        return IpcBackend.create(ctx.store, ctx.key, ctx.rank, ctx.size, ctx.device, ctx.label,
+                                 ctx.timeout_s, ctx.host.lost_peer, policy=policy)
+    return create
+
+
+def status() -> str:
+    """What `anyccl info` says of the ipc backend here."""
+    from .. import nccl
+
+    if not compiler.SOURCE.is_file():
+        return (f"not usable: this installation of anyccl lacks its kernels' source "
+                f"({compiler.SOURCE})")
+    try:
+        try:
+            from cuda.core import Program  # noqa: F401
+        except ImportError:
+            from cuda.core.experimental import Program  # noqa: F401
+    except Exception:  # noqa: BLE001 - any failure to load means: not usable here
+        nvrtc = False
+    else:
+        nvrtc = True
+    if nccl.version() and nvrtc:
+        return "available (anyccl's kernels over CUDA IPC, compiled by NVRTC; NCCL for the rest)"
+    return "not usable: pip install 'anyccl[gpu]' (cuda-core, NVRTC and nccl4py)"

@@ -1,0 +1,17 @@
+"""anyccl's own backends, one registration each (see registry.py)."""
+
+from __future__ import annotations
+
+from . import mpi, nccl, shm, staging
+from .ipc import backend as ipc
+from .registry import GpuEntry, HostEntry, register_gpu, register_host
+
+register_host(HostEntry("shm", "cpu", shm.create, shm.status))
+register_host(HostEntry("mpi", "cpu (many nodes)", mpi.create, mpi.status,
+                        gpu_arrays="mpi-staged"))
+register_gpu(GpuEntry("nccl", "cuda", nccl.create, nccl.status))
+register_gpu(GpuEntry("ipc", "cuda (one node)", ipc.creator("ipc"), ipc.status))
+register_gpu(GpuEntry("auto", "cuda (one node): ipc where measured faster, else nccl",
+                      ipc.creator("auto"), ipc.status))
+register_gpu(GpuEntry("mpi-staged", "cuda, on mpi", staging.create, staging.status,
+                      selectable=False))

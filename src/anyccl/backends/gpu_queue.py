@@ -1,0 +1,275 @@
+"""The GPU queue: how a GPU backend's operations are ordered on CUDA streams, followed, and
+stopped. Every stream-ordered GPU backend (nccl, ipc) queues through one of these.
+
+Ordering, as torch.distributed's NCCL backend does it: an async operation runs on the queue's
+own stream, after the work already queued on the callers' streams (an event recorded there,
+waited on here); a blocking one runs right on the caller's stream. Either way it also follows
+the queue's previous operation, wherever that ran, so one communicator's operations run in
+issue order. An event recorded after each operation is what the caller's stream, a `GpuWork`,
+or the watchdog wait for. Queuing never blocks the host.
+
+The watchdog thread follows every queued operation's event. When one is not finished by its
+deadline, a health check reports a problem (the transport's asynchronous error, a peer process
+that died), the queue is aborted: the backend's abort actions run (so no kernel stays stuck and
+a host blocked on the stream wakes up), and the error is recorded; the next call raises it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from .. import gpu
+from ..errors import (
+    AnycclError,
+    CommunicatorClosedError,
+    PeerLostError,
+    TimeoutError,
+    UnsupportedError,
+)
+from ..trace import FlightRecorder, OpRecord
+
+Enqueue = Callable[[int], None]          # issues an operation's GPU work on the stream given
+Health = Callable[[OpRecord], "BaseException | None"]
+LostPeer = Callable[[], "tuple[int, str] | None"]
+
+_EVENT_RING = 1024          # events recycled in order; reuse only ever waits for a later point
+_WATCH_POLL_S = 0.01        # how often the watchdog looks at queued events (never per op:
+                            # waking a thread per call would cost the caller the GIL)
+_HEALTH_POLL_S = 0.1        # how often it runs the health checks
+
+
+@dataclass
+class _Queued:
+    record: OpRecord
+    event: int
+    deadline: float
+    keep: Any              # the user's arrays, alive until the operation finished
+    entries: list[dict]    # the flight recorder's lines for it
+
+
+class GpuQueue:
+    """One GPU's ordered queue for one communicator: its stream, events and watchdog.
+
+    `lost_peer` is the host transport's word on peers (a process that died); `what` names the
+    queue's transport in messages ("NCCL communicator"). `enqueue_errors` are the exceptions an
+    enqueue function may raise for a call the transport refused, turned into AnycclErrors by
+    `describe_error(record, exc)`.
+    """
+
+    def __init__(self, device: int, label: str, lost_peer: LostPeer, *, rank: int,
+                 what: str = "communicator",
+                 enqueue_errors: tuple[type[BaseException], ...] = (),
+                 describe_error: Callable[[OpRecord, BaseException], AnycclError] | None = None
+                 ) -> None:
+        self.device, self.rank, self.label, self.what = device, rank, label, what
+        self._lost_peer = lost_peer
+        self._enqueue_errors = enqueue_errors
+        self._describe_error = describe_error
+        self.stream = gpu.new_stream(device)
+        self._start = gpu.new_event(device)
+        self._events = [gpu.new_event(device) for _ in range(_EVENT_RING)]
+        self._next_event = 0
+        self._last_stream: int | None = None     # where the last operation was queued
+        self._last_event = 0
+        self.lock = threading.Lock()             # enqueueing vs aborting
+        self._wake = threading.Event()           # set when work arrives in an empty queue
+        self._queued: deque[_Queued] = deque()   # appended here, popped by the watchdog
+        self._watchdog: threading.Thread | None = None
+        self._closing = False
+        self.failure: BaseException | None = None
+        self._reported = False
+        self._health: list[Health] = []
+        self._aborts: list[Callable[[], None]] = []
+
+    def watch(self, health: Health | None = None,
+              abort: Callable[[], None] | None = None) -> None:
+        """Have the watchdog call `health(record)` at its health polls (an error it returns
+        aborts the queue) and `abort()` when the queue is aborted, the last added first, under
+        `lock` (abort actions must not wait for work queued on the GPU)."""
+        if health is not None:
+            self._health.append(health)
+        if abort is not None:
+            self._aborts.append(abort)
+
+    # ---- queuing -----------------------------------------------------------------------------
+    def run(self, record: OpRecord, after: Sequence[int], deadline: float, enqueue: Enqueue,
+            keep: Any, entries: list[dict], on: int | None = None) -> int:
+        """Queue `enqueue(stream)` and return the event that marks its end.
+
+        on=None: on this queue's stream, after the work queued so far on each stream of `after`
+        (async operations, which may overlap the caller's later work). on=stream: right on the
+        caller's stream (blocking calls: already ordered both ways, no extra sync). Either way
+        it also follows the previous operation of this queue, wherever that was queued."""
+        self.raise_if_failed()
+        if on is not None and gpu.is_capturing(on):
+            return self._captured(on, enqueue, record, entries)
+        if on is None and any(gpu.is_capturing(s) for s in after):
+            raise UnsupportedError(f"rank {self.rank}: {record}: async_op=True while the stream "
+                                   f"is captured into a CUDA graph; capture blocking calls")
+        with self.lock:
+            stream = self.stream if on is None else on
+            if stream in gpu.NULL_STREAMS or any(s in gpu.NULL_STREAMS for s in after):
+                gpu.use_device(self.device)  # a null stream is the current device's
+            if on is None:
+                for user_stream in after:
+                    gpu.record(self._start, user_stream)
+                    gpu.stream_wait(stream, self._start)
+            if self._last_stream is not None and self._last_stream != stream:
+                gpu.stream_wait(stream, self._last_event)
+            self._enqueue(enqueue, stream, record)
+            event = self._events[self._next_event]
+            self._next_event = (self._next_event + 1) % _EVENT_RING
+            gpu.record(event, stream)
+            self._last_stream, self._last_event = stream, event
+        for entry in entries:
+            FlightRecorder.started(entry)
+        self._watch(_Queued(record, event, deadline, keep, entries))
+        return event
+
+    def _enqueue(self, enqueue: Enqueue, stream: int, record: OpRecord) -> None:
+        try:
+            enqueue(stream)
+        except self._enqueue_errors as exc:
+            assert self._describe_error is not None
+            raise self._describe_error(record, exc) from None
+
+    def _captured(self, stream: int, enqueue: Enqueue, record: OpRecord,
+                  entries: list[dict]) -> int:
+        """Record the operation into the CUDA graph being captured on `stream`: no event, no
+        deadline (it runs each time the graph is launched); ordering is the graph's."""
+        with self.lock:
+            self._enqueue(enqueue, stream, record)
+        for entry in entries:
+            FlightRecorder.started(entry)
+            FlightRecorder.ended(entry)
+        return 0
+
+    # ---- waiting -----------------------------------------------------------------------------
+    def host_wait(self, event: int, record: OpRecord, deadline: float) -> None:
+        """Block the host until `event` completed; TimeoutError at `deadline`, or the
+        watchdog's error if it aborted the queue meanwhile."""
+        if not gpu.wait_event(event, deadline, self.raise_if_failed):
+            raise TimeoutError(f"rank {self.rank}: {record} is not complete on GPU "
+                               f"{self.device} after {time.monotonic() - record.issued_at:.3g} s")
+        self.raise_if_failed()
+
+    def raise_if_failed(self) -> None:
+        """Raise the error that aborted the queue: itself the first time, then as
+        CommunicatorClosedError."""
+        failure = self.failure
+        if failure is None:
+            return
+        if not self._reported:
+            self._reported = True
+            raise failure
+        raise CommunicatorClosedError(
+            f"{self.label}: the {self.what} was aborted on an earlier error: {failure}"
+        ) from failure
+
+    # ---- the watchdog ------------------------------------------------------------------------
+    def _watch(self, item: _Queued) -> None:
+        was_empty = not self._queued
+        self._queued.append(item)
+        if self._watchdog is None:
+            self._watchdog = threading.Thread(target=self._watchdog_loop, daemon=True,
+                                              name=f"anyccl-gpu-watchdog-{self.label}")
+            self._watchdog.start()
+        if was_empty:
+            self._wake.set()
+
+    def _finished(self) -> None:
+        """Retire the operations that completed (they complete in issue order)."""
+        count = len(self._queued)  # items appended from here on are not looked at
+        done = count if gpu.event_done(self._queued[count - 1].event) else 0
+        while not done and self._queued and gpu.event_done(self._queued[0].event):
+            for entry in self._queued.popleft().entries:
+                FlightRecorder.ended(entry)
+        for _ in range(done):
+            for entry in self._queued.popleft().entries:
+                FlightRecorder.ended(entry)
+
+    def _watchdog_loop(self) -> None:
+        gpu.set_device(self.device)
+        gpu.relax_capture_mode()   # its event queries must not break the caller's graph capture
+        last_health = 0.0
+        while not self._closing:
+            if not self._queued:
+                self._wake.wait()
+                self._wake.clear()
+                continue
+            time.sleep(_WATCH_POLL_S)
+            self._finished()
+            record = self._queued[0].record if self._queued else OpRecord("(last operation)", 0)
+            problem: BaseException | None = None
+            now = time.monotonic()
+            if self._queued and now >= self._queued[0].deadline:
+                head = self._queued[0]
+                problem = TimeoutError(
+                    f"rank {self.rank}: {head.record} did not finish on GPU {self.device} within "
+                    f"{head.deadline - head.record.issued_at:.3g} s (the anyccl timeout); the "
+                    f"{self.what} was aborted")
+            elif now - last_health >= _HEALTH_POLL_S:
+                last_health = now
+                problem = self.check_health(record)
+            if problem is not None:
+                self.abort(problem)
+                return
+
+    def check_health(self, record: OpRecord) -> BaseException | None:
+        """The first problem a health check reports: a lost peer, then the backend's own."""
+        lost = self._lost_peer()
+        if lost is not None:
+            return PeerLostError(f"rank {self.rank}: {lost[1]} while {record} was queued on GPU "
+                                 f"{self.device}; the {self.what} was aborted", lost[0])
+        for health in self._health:
+            problem = health(record)
+            if problem is not None:
+                return problem
+        return None
+
+    def abort(self, problem: BaseException) -> None:
+        """Record `problem`, run the abort actions (stuck kernels return), and fail every
+        queued operation with it. Safe from any thread; the first problem wins."""
+        if self.failure is None:
+            self.failure = problem
+        got = self.lock.acquire(timeout=1.0)  # a call stuck in the transport must not block us
+        try:
+            for stop in reversed(self._aborts):  # the last added (the innermost) first
+                stop()
+        finally:
+            if got:
+                self.lock.release()
+        failed = list(self._queued)
+        self._queued.clear()
+        for item in failed:
+            for entry in item.entries:
+                FlightRecorder.ended(entry, self.failure)
+
+    @property
+    def pending(self) -> bool:
+        """Whether operations are queued that the watchdog has not seen finish."""
+        return bool(self._queued)
+
+    # ---- lifetime ----------------------------------------------------------------------------
+    def drain(self, timeout_s: float = 10.0) -> bool:
+        """Wait (briefly) for queued work; whether it all finished without a failure."""
+        deadline = time.monotonic() + timeout_s
+        while self.failure is None and self._queued and time.monotonic() < deadline:
+            time.sleep(0.001)
+        return self.failure is None and not self._queued
+
+    def close(self) -> None:
+        """Stop the watchdog and free the stream and events (after `drain`, and after the
+        backend released its transport)."""
+        self._closing = True
+        self._wake.set()
+        if self._watchdog is not None:
+            self._watchdog.join(timeout=1.0)
+        for event in (self._start, *self._events):
+            gpu.destroy_event(event)
+        gpu.destroy_stream(self.stream)
