@@ -33,11 +33,23 @@ class RankFailure(AssertionError):
         super().__init__(f"{len(errors)} rank(s) failed:\n{text}")
 
 
+def run_setup() -> None:
+    """Call the function ANYCCL_TEST_SETUP names ("module:function"), if any: what a test needs
+    done in every rank before anyccl.init(), such as registering a backend of its own."""
+    target = os.environ.get("ANYCCL_TEST_SETUP")
+    if target:
+        import importlib
+
+        module, _, function = target.partition(":")
+        getattr(importlib.import_module(module), function)()
+
+
 def _worker(conn, rank: int, env: dict[str, str]) -> None:
     os.environ.update(env)
     os.environ["RANK"] = os.environ["LOCAL_RANK"] = str(rank)
     import anyccl
 
+    run_setup()
     serve(conn, anyccl.init())
 
 

@@ -7,10 +7,11 @@ from multiprocessing.connection import Client
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from harness import serve  # noqa: E402
+from harness import run_setup, serve  # noqa: E402
 
 import anyccl  # noqa: E402
 
+run_setup()
 comm = anyccl.init()
 conn = Client((sys.argv[1], int(sys.argv[2])), authkey=bytes.fromhex(
     os.environ["ANYCCL_TEST_AUTHKEY"]))
