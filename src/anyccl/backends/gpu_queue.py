@@ -182,16 +182,19 @@ class GpuQueue:
         if was_empty:
             self._wake.set()
 
-    def _finished(self) -> None:
-        """Retire the operations that completed (they complete in issue order)."""
+    def _finished(self) -> int:
+        """Retire the operations that completed (they complete in issue order); how many."""
         count = len(self._queued)  # items appended from here on are not looked at
         done = count if gpu.event_done(self._queued[count - 1].event) else 0
+        retired = 0
         while not done and self._queued and gpu.event_done(self._queued[0].event):
             for entry in self._queued.popleft().entries:
                 FlightRecorder.ended(entry)
+            retired += 1
         for _ in range(done):
             for entry in self._queued.popleft().entries:
                 FlightRecorder.ended(entry)
+        return retired + done
 
     def _watchdog_loop(self) -> None:
         gpu.set_device(self.device)
@@ -203,7 +206,7 @@ class GpuQueue:
                 self._wake.clear()
                 continue
             time.sleep(_WATCH_POLL_S)
-            self._finished()
+            retired = self._finished()
             record = self._queued[0].record if self._queued else OpRecord("(last operation)", 0)
             problem: BaseException | None = None
             now = time.monotonic()
@@ -213,7 +216,9 @@ class GpuQueue:
                     f"rank {self.rank}: {head.record} did not finish on GPU {self.device} within "
                     f"{head.deadline - head.record.issued_at:.3g} s (the anyccl timeout); the "
                     f"{self.what} was aborted")
-            elif now - last_health >= _HEALTH_POLL_S:
+            elif retired or now - last_health >= _HEALTH_POLL_S:
+                # also as operations finish: one may have ended early on an error its
+                # transport reports (an ipc kernel's status word)
                 last_health = now
                 problem = self.check_health(record)
             if problem is not None:

@@ -263,7 +263,8 @@ class SharedMemoryBackend(Backend):
         if comm_name == WORLD:
             reclaim_dead_segments()
 
-        name = f"/anyccl-{job_id}-{comm_name}-{rank}-{secrets.token_hex(4)}"
+        part = comm_name.replace("/", ".")  # a POSIX shared-memory name has one slash
+        name = f"/anyccl-{job_id}-{part}-{rank}-{secrets.token_hex(4)}"
         try:
             self._own = _Segment(name, layout.total, create=True)
         except SharedMemoryFull:

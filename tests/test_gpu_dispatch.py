@@ -1,0 +1,328 @@
+"""The communicator's GPU path without a GPU: argument checks, routing to the GPU backend,
+stream ordering (async on the backend's stream after the producer's work, blocking right on
+the caller's stream, Work.wait making the caller's stream wait), and the error paths (a
+deadline aborts the queue, the next call raises, a lost peer), on tests/fake_gpu.py's simulated
+device. The GPU backend here is registered from this file; its "kernels" run on the fake
+streams and move bytes through a host backend of their own, queued through anyccl's real
+`GpuQueue`."""
+
+from __future__ import annotations
+
+import ctypes
+import time
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+from fake_gpu import FakeDevice, FakeGpuArray, install, launch
+from harness import run_ranks
+
+import anyccl
+from anyccl.backends import registry
+from anyccl.backends.gpu_base import QueuedGpuBackend
+from anyccl.backends.gpu_queue import Enqueue, GpuQueue
+from anyccl.buffers import GpuArray
+from anyccl.ops import ReduceOp
+from anyccl.trace import OpRecord
+
+pytestmark = pytest.mark.shm_only  # the fake GPU's wire is its own shm backend
+SETUP = {"ANYCCL_TEST_SETUP": "test_gpu_dispatch:setup", "ANYCCL_BACKEND": "cpu:shm,cuda:fake"}
+DEVICE: FakeDevice | None = None
+
+
+def _host(x: GpuArray) -> np.ndarray:
+    """The fake device's memory is host memory: a NumPy view of a GPU array."""
+    if not x.nbytes:
+        return np.empty(0, x.dtype)
+    return np.frombuffer((ctypes.c_uint8 * x.nbytes).from_address(x.ptr), x.dtype)
+
+
+class FakeGpuBackend(QueuedGpuBackend):
+    """GPU arrays on the fake device, reduced and moved by a host backend of their own from
+    "kernels" queued on the fake streams."""
+
+    name = "fake"
+
+    def __init__(self, ctx: registry.GpuContext) -> None:
+        self.rank, self.size, self.device, self.timeout_s = ctx.rank, ctx.size, ctx.device, \
+            ctx.timeout_s
+        self.wire = ctx.host.subgroup(list(range(ctx.size)), f"{ctx.key}/wire", ctx.timeout_s)
+        self.queue = GpuQueue(ctx.device, ctx.label, ctx.host.lost_peer, rank=ctx.rank,
+                              what="fake GPU communicator")
+        self.kernel_errors: list[BaseException] = []
+        self.aborted = False
+        self.queue.watch(health=lambda record: self.kernel_errors[0] if self.kernel_errors
+                         else None, abort=self._abort)
+
+    def _abort(self) -> None:
+        self.aborted = True
+
+    def _kernel(self, what: str, body: Callable[[], None]) -> Enqueue:
+        def run() -> None:
+            if self.aborted:
+                return
+            # the queue's deadline, not the wire's, is what a stuck operation runs into
+            self.wire.begin(OpRecord(what, 0), time.monotonic() + 10 * self.timeout_s)
+            try:
+                body()
+            except BaseException as exc:  # a kernel that failed: the watchdog reports it
+                self.kernel_errors.append(exc)
+            finally:
+                self.wire.end(OpRecord(what, 0))
+        return lambda stream: launch(DEVICE, stream, run)
+
+    def all_reduce(self, x: GpuArray, op: ReduceOp) -> Enqueue:
+        return self._kernel("all_reduce", lambda: self.wire.all_reduce(_host(x), op))
+
+    def reduce(self, x: GpuArray, root: int, op: ReduceOp) -> Enqueue:
+        return self._kernel("reduce", lambda: self.wire.reduce(_host(x), root, op))
+
+    def broadcast(self, x: GpuArray, root: int) -> Enqueue:
+        return self._kernel("broadcast", lambda: self.wire.broadcast(_host(x), root))
+
+    def all_gather(self, outs: list[GpuArray], x: GpuArray) -> Enqueue:
+        return self._kernel("all_gather", lambda: self.wire.all_gather(
+            [_host(o) for o in outs], _host(x)))
+
+    def gather(self, x: GpuArray, outs: list[GpuArray] | None, root: int) -> Enqueue:
+        return self._kernel("gather", lambda: self.wire.gather(
+            _host(x), [_host(o) for o in outs] if outs is not None else None, root))
+
+    def scatter(self, out: GpuArray, chunks: list[GpuArray] | None, root: int) -> Enqueue:
+        return self._kernel("scatter", lambda: self.wire.scatter(
+            _host(out), [_host(c) for c in chunks] if chunks is not None else None, root))
+
+    def reduce_scatter(self, out: GpuArray, inputs: list[GpuArray], op: ReduceOp) -> Enqueue:
+        return self._kernel("reduce_scatter", lambda: self.wire.reduce_scatter(
+            _host(out), [_host(i) for i in inputs], op))
+
+    def all_to_all(self, outs: list[GpuArray], inputs: list[GpuArray]) -> Enqueue:
+        return self._kernel("all_to_all", lambda: self.wire.all_to_all(
+            [_host(o) for o in outs], [_host(i).copy() for i in inputs]))
+
+    def _message(self, kind: str, x: GpuArray, peer: int, tag: int) -> Enqueue:
+        def body() -> None:
+            done: list[BaseException | None] = []
+            post = self.wire.post_send if kind == "send" else self.wire.post_recv
+            record = OpRecord(kind, 0)
+            deadline = time.monotonic() + self.timeout_s
+            post(_host(x), peer, tag, record, deadline, done.append)
+            self.wire.wait_for_messages(lambda: bool(done), record, deadline)
+            if done[0] is not None:
+                raise done[0]
+        return self._kernel(kind, body)
+
+    def send(self, x: GpuArray, dst: int, tag: int = 0) -> Enqueue:
+        return self._message("send", x, dst, tag)
+
+    def recv(self, x: GpuArray, src: int, tag: int = 0) -> Enqueue:
+        return self._message("recv", x, src, tag)
+
+    def group(self, calls: list[Enqueue]) -> Enqueue:
+        def enqueue(stream: int) -> None:
+            for call in calls:
+                call(stream)
+        return enqueue
+
+    def split(self, color: int | None, key: int, label: str, store: Any = None,
+              group: str = "") -> None:
+        return None  # a child communicator makes its own on first use
+
+    def close(self) -> None:
+        self.queue.drain()
+        self.queue.close()
+        self.wire.close()
+
+
+def setup() -> None:
+    """In every rank, before anyccl.init(): the fake device, and the backend registered."""
+    global DEVICE
+    DEVICE = install()
+    registry.register_gpu(registry.GpuEntry("fake", "fake GPU arrays (tests)", FakeGpuBackend,
+                                            lambda: "available (tests)"))
+
+
+def _landed(stream: int = 0) -> None:
+    from anyccl import gpu
+
+    gpu.synchronize_stream(stream)
+
+
+# ---- every collective through the GPU path ---------------------------------------------------
+def check_every_collective(comm) -> bool:
+    n, r = comm.size, comm.rank
+    assert comm.backend == "cpu:shm,cuda:fake"
+    x = FakeGpuArray(np.arange(6, dtype=np.float32) + r)
+    comm.all_reduce(x)
+    _landed()
+    assert np.array_equal(x.a, np.arange(6) * n + n * (n - 1) / 2), x.a
+    comm.all_reduce(x, op=anyccl.ReduceOp.MAX)
+    b = FakeGpuArray(np.full(4, float(r)))
+    comm.broadcast(b, src=n - 1)
+    red = FakeGpuArray(np.full(3, r + 1, np.int64))
+    comm.reduce(red, dst=0)
+    whole = FakeGpuArray(np.zeros(2 * n, np.int32))
+    comm.all_gather(whole, FakeGpuArray(np.full(2, r, np.int32)))
+    pieces = [FakeGpuArray(np.zeros(2, np.int32)) for _ in range(n)]
+    comm.all_gather(pieces, FakeGpuArray(np.full(2, 10 + r, np.int32)))
+    rs = FakeGpuArray(np.zeros(2))
+    comm.reduce_scatter(rs, FakeGpuArray(np.arange(2 * n, dtype=np.float64) * (r + 1)))
+    a2a = FakeGpuArray(np.arange(n, dtype=np.int64) + 100 * r)
+    comm.all_to_all(a2a, a2a)  # in place
+    got = FakeGpuArray(np.zeros(1))
+    outs = [FakeGpuArray(np.zeros(1)) for _ in range(n)] if r == 0 else None
+    comm.gather(FakeGpuArray(np.array([float(r)])), outs, dst=0)
+    chunks = [FakeGpuArray(np.array([5.0 * j])) for j in range(n)] if r == 0 else None
+    comm.scatter(got, chunks, src=0)
+    _landed()
+    assert np.array_equal(b.a, np.full(4, n - 1.0))
+    assert np.array_equal(red.a, np.full(3, n * (n + 1) // 2 if r == 0 else r + 1))
+    assert np.array_equal(whole.a, np.repeat(np.arange(n, dtype=np.int32), 2))
+    assert [int(p.a[0]) for p in pieces] == [10 + q for q in range(n)]
+    assert np.array_equal(rs.a, np.arange(2 * r, 2 * r + 2) * n * (n + 1) / 2)
+    assert np.array_equal(a2a.a, np.arange(n) * 100 + r)
+    assert got.a[0] == 5.0 * r
+    if r == 0:
+        assert [o.a[0] for o in outs] == list(range(n))
+    return True
+
+
+@pytest.mark.parametrize("world_size", (1, 2, 3))
+def test_every_collective_runs_through_the_gpu_path(world_size):
+    assert all(run_ranks(check_every_collective, world_size, env=SETUP))
+
+
+def check_messages(comm) -> bool:
+    peer, source = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
+    got = FakeGpuArray(np.zeros(4))
+    if comm.rank % 2 == 0:
+        comm.send(FakeGpuArray(np.full(4, float(comm.rank))), peer, tag=2)
+        comm.recv(got, source, tag=2)
+    else:
+        comm.recv(got, source, tag=2)
+        comm.send(FakeGpuArray(np.full(4, float(comm.rank))), peer, tag=2)
+    _landed()
+    return bool((got.a == source).all())
+
+
+def test_gpu_messages_run_through_the_gpu_path():
+    assert all(run_ranks(check_messages, 2, env=SETUP))
+
+
+# ---- ordering --------------------------------------------------------------------------------
+def check_async_ordering(comm) -> tuple[bool, bool, bool]:
+    from anyccl import gpu
+
+    n = comm.size
+    stream = gpu.new_stream(0)
+    x = np.zeros(20_000)
+    # the producer: a slow kernel on the caller's stream writes the input
+    launch(DEVICE, stream, lambda: (time.sleep(0.2), x.__setitem__(slice(None), comm.rank + 1.0)))
+    work = comm.all_reduce(FakeGpuArray(x, stream), async_op=True)
+    early = work.is_completed()
+    work.wait()                     # the caller's stream waits; the host does not
+    seen: list[np.ndarray] = []
+    launch(DEVICE, stream, lambda: seen.append(x.copy()))  # the consumer, after wait()
+    gpu.synchronize_stream(stream)
+    expected = n * (n + 1) / 2
+    return (not early, bool((seen[0] == expected).all()), work.is_completed())
+
+
+def test_async_ops_run_after_the_producers_stream_and_wait_orders_the_consumer():
+    for not_early, consumer_saw_result, completed in run_ranks(check_async_ordering, 2,
+                                                                env=SETUP):
+        assert not_early, "the operation completed before the producer's kernel ran"
+        assert consumer_saw_result, "work queued after Work.wait() ran before the result"
+        assert completed
+
+
+def check_blocking_returns_before_the_gpu_finishes(comm) -> tuple[float, bool]:
+    from anyccl import gpu
+
+    stream = gpu.new_stream(0)
+    x = np.zeros(1000)
+    launch(DEVICE, stream, lambda: (time.sleep(0.5), x.__setitem__(slice(None), 1.0)))
+    start = time.monotonic()
+    comm.all_reduce(FakeGpuArray(x, stream))   # queued on the caller's stream itself
+    returned_after = time.monotonic() - start
+    gpu.synchronize_stream(stream)
+    return returned_after, bool((x == comm.size).all())
+
+
+def test_a_blocking_call_is_queued_on_the_callers_stream_without_blocking_the_host():
+    for returned_after, right in run_ranks(check_blocking_returns_before_the_gpu_finishes, 2,
+                                           env=SETUP):
+        assert returned_after < 0.4, f"the host waited {returned_after:.2f} s for the GPU"
+        assert right
+
+
+# ---- error paths ---------------------------------------------------------------------------
+def check_argument_errors(comm) -> list[str]:
+    errors = []
+    host, device = np.zeros(4), FakeGpuArray(np.zeros(4))
+    for call in (lambda: comm.all_gather(FakeGpuArray(np.zeros(8)), host),
+                 lambda: comm.all_reduce(host, stream=3),
+                 lambda: comm.all_reduce(FakeGpuArray(np.zeros(4, np.complex64)),
+                                         op=anyccl.ReduceOp.MAX)):
+        try:
+            call()
+        except anyccl.AnycclError as exc:
+            errors.append(str(exc))
+    comm.all_reduce(device)  # and the communicator is still usable
+    _landed()
+    return errors
+
+
+def test_bad_gpu_arguments_are_refused_before_anything_is_queued():
+    errors = run_ranks(check_argument_errors, 2, env=SETUP)[0]
+    assert len(errors) == 3
+    assert "is a GPU array but tensor is in host memory" in errors[0]
+    assert "stream= applies to GPU arrays only" in errors[1]
+    assert "complex64" in errors[2] and "MAX" in errors[2]
+
+
+def check_deadline(comm) -> str:
+    if comm.rank == 1:
+        return "stayed away"
+    comm.all_reduce(FakeGpuArray(np.ones(4)))   # rank 1 never joins
+    time.sleep(2.5)
+    try:
+        comm.all_reduce(FakeGpuArray(np.ones(4)))
+    except anyccl.TimeoutError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_a_gpu_operation_past_its_deadline_aborts_the_queue_and_the_next_call_raises():
+    env = {**SETUP, "ANYCCL_TIMEOUT": "1"}
+    message, _ = run_ranks(check_deadline, 2, env=env)
+    assert message.startswith("rank 0: all_reduce(float64 x 4, op=SUM) #1 did not finish on "
+                              "GPU 0 within"), message
+    assert "the fake GPU communicator was aborted" in message
+
+
+def check_lost_peer(comm, report: str) -> str:
+    import os
+    import signal
+
+    if comm.rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    message = "not lost"
+    try:
+        for _ in range(100):
+            comm.all_reduce(FakeGpuArray(np.ones(4)))
+            time.sleep(0.1)
+    except anyccl.PeerLostError as exc:
+        message = str(exc)
+    with open(report, "w") as f:
+        f.write(message)
+    return message
+
+
+def test_a_peer_that_dies_aborts_the_gpu_queue_with_peer_lost(tmp_path):
+    report = tmp_path / "rank0.txt"
+    with pytest.raises(AssertionError, match="rank 1 died"):  # the harness sees rank 1 go
+        run_ranks(check_lost_peer, 2, str(report), env={**SETUP, "ANYCCL_TIMEOUT": "30"})
+    message = report.read_text()
+    assert message.startswith("rank 0: rank 1 (pid "), message
+    assert "died" in message and "the fake GPU communicator was aborted" in message
