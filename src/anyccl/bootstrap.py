@@ -18,8 +18,9 @@ from datetime import timedelta
 from urllib.parse import urlparse
 
 from . import settings
+from .arguments import seconds
 from .backends import registry
-from .communicator import Communicator, _seconds, close_all
+from .communicator import Communicator, close_all
 from .errors import InvalidArgumentError, RendezvousError, UnsupportedError
 from .store import FileStore, PrefixStore, Store, StoreServer, TCPStore
 
@@ -278,7 +279,7 @@ def init(backend: str | None = None, *, rank: int | None = None,
     if world_size < 1 or not 0 <= rank < world_size:
         raise InvalidArgumentError(f"rank={rank} must be in 0..world_size-1 and world_size="
                                    f"{world_size} at least 1")
-    timeout_s = _seconds(timeout, settings.TIMEOUT.get())
+    timeout_s = seconds(timeout, settings.TIMEOUT.get())
     name, gpu_name = parse_backend(backend)
     device = None if device_id is None else _device_index(device_id)
     global _generation

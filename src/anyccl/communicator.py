@@ -1,9 +1,11 @@
-"""The Communicator: the public operations, their argument checks, sub-groups and routing.
+"""The Communicator: the public operations, their ordering, sub-groups and objects.
 
-Every argument is checked here, once, before any byte moves; a refused call raises on the
-calling rank alone and leaves the communicator usable. Host arrays go, as flat NumPy views, to
-the host backend (run through the `Engine`); GPU arrays go, as `GpuArray`s, to the GPU backend
-(nccl), whose operations are queued on CUDA streams. Backends trust what they receive.
+Each operation's arguments are checked first (`arguments.py`), once, before any byte moves; a
+refused call raises on the calling rank alone and leaves the communicator usable. Host arrays
+go, as flat NumPy views, to the host backend, run in issue order by the `Engine`; GPU arrays
+go, as `GpuArray`s, to the GPU backend through `gpu_dispatch.py`, which queues them on CUDA
+streams. Every operation gets a sequence number, a flight-recorder line and, in debug mode, an
+agreement check across ranks. Backends trust what they receive.
 """
 
 from __future__ import annotations
@@ -13,13 +15,12 @@ import pickle
 import time
 import weakref
 from collections.abc import Iterator, Sequence
-from datetime import timedelta
 from typing import Any, Callable
 
 import numpy as np
 
 from . import gpu
-from .backends import registry
+from .arguments import Arguments
 from .backends.base import Backend
 from .backends.gpu_base import GpuBackend
 from .buffers import (
@@ -27,20 +28,17 @@ from .buffers import (
     Array,
     GpuArray,
     Pieces,
-    as_array,
     current_stream,
-    overlaps,
 )
 from .engine import Engine
 from .errors import (
     AnycclError,
     CollectiveMismatchError,
-    InvalidArgumentError,
     PeerLostError,
     TimeoutError,
-    UnsupportedError,
 )
-from .ops import COLLECTIVES, ReduceOp, check_reduce_op
+from .gpu_dispatch import GpuDispatch
+from .ops import COLLECTIVES, ReduceOp
 from .store import Store
 from .trace import FlightRecorder, OpRecord, flight_directory, format_bytes
 from .work import GpuWork, Work
@@ -50,17 +48,6 @@ _REDOP_CODES = list(ReduceOp)
 _DTYPE_CODES = {d: i for i, d in enumerate(SUPPORTED_DTYPES)}
 
 _live: weakref.WeakSet[Communicator] = weakref.WeakSet()
-_VALID_OPS: dict[tuple[Any, np.dtype], ReduceOp] = {}  # (op as given, dtype) -> checked op
-
-
-def _seconds(timeout: float | timedelta | None, default: float) -> float:
-    if timeout is None:
-        return default
-    if isinstance(timeout, timedelta):
-        timeout = timeout.total_seconds()
-    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
-        raise InvalidArgumentError(f"timeout={timeout!r} must be a positive number of seconds")
-    return float(timeout)
 
 
 class Communicator:
@@ -88,6 +75,7 @@ class Communicator:
         self.debug = debug
         self.job_id = job_id
         self.flight_recorder = FlightRecorder(rank, name)
+        self._check = Arguments(rank, size)
         self._backend = backend
         self._store = store
         self._owns_store = owns_store  # the world communicator; sub-communicators share it
@@ -97,9 +85,10 @@ class Communicator:
         self._p2p_seq: dict[tuple[str, int], int] = {}
         self._splits = 0
         self._closed = False
-        self._device = device         # this rank's GPU; chosen on first use when None
-        self._gpu = gpu_backend       # the GPU backend; created by the first GPU collective
-        self._gpu_kind = gpu_kind     # its registered name; None: the host backend's default
+        self._gpu_side = GpuDispatch(self._check, backend, store, rank=rank, size=size,
+                                     local_rank=local_rank, name=name, timeout_s=timeout_s,
+                                     meet=self.barrier, post_mortem=self._post_mortem,
+                                     device=device, backend=gpu_backend, kind=gpu_kind)
         self._batch: list[tuple] | None = None
         _live.add(self)
 
@@ -108,182 +97,33 @@ class Communicator:
     def backend(self) -> str:
         """The host backend's name ("shm", ...), then the GPU backend's once it exists:
         "shm" or "cpu:shm,cuda:nccl"."""
-        if self._gpu is None:
+        gpu_backend = self._gpu_side.gpu
+        if gpu_backend is None:
             return self._backend.name
-        return f"cpu:{self._backend.name},cuda:{self._gpu.name}"
+        return f"cpu:{self._backend.name},cuda:{gpu_backend.name}"
 
     @property
     def gpu_backend(self) -> GpuBackend | None:
         """The backend serving this communicator's GPU arrays, once created (see
         `connect_gpu`); None before."""
-        return self._gpu
+        return self._gpu_side.gpu
 
     @property
     def device(self) -> int | None:
         """The CUDA device this rank's GPU arrays must be on: device_id given to init(), else
         local_rank modulo the visible GPUs; None where no GPU is visible."""
-        if self._device is None and gpu.device_count() > 0:
-            self._gpu_device("device")
-        return self._device
+        return self._gpu_side.device_if_any()
 
     def __repr__(self) -> str:
         return (f"<anyccl.Communicator {self._name} rank {self.rank}/{self.size} "
                 f"backend={self.backend}{' closed' if self._closed else ''}>")
 
-    # ---- argument checks ---------------------------------------------------------------------
-    def _fail(self, op: str, message: str, kind: type = InvalidArgumentError) -> AnycclError:
-        return kind(f"rank {self.rank}: {op}: {message}")
-
-    def _array(self, op: str, x: Any, name: str, *, writable: bool) -> Array:
-        try:
-            return as_array(x, name, writable=writable).reshape(-1)
-        except AnycclError as exc:
-            raise type(exc)(f"rank {self.rank}: {op}: {exc}") from None
-
-    def _peer(self, op: str, value: Any, name: str) -> int:
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-            raise self._fail(op, f"{name}={value!r} must be an int rank")
-        if not 0 <= value < self.size:
-            raise self._fail(op, f"{name}={value} is out of range; this communicator has "
-                                 f"{self.size} rank{'s' if self.size > 1 else ''} "
-                                 f"(0..{self.size - 1})")
-        return int(value)
-
-    def _reduce_op(self, op_name: str, op: Any, dtype: np.dtype) -> ReduceOp:
-        try:
-            return _VALID_OPS[(op, dtype)]  # every call of a training loop asks the same
-        except (KeyError, TypeError):
-            pass
-        try:
-            reduce_op = ReduceOp.parse(op)
-            check_reduce_op(reduce_op, dtype)
-        except AnycclError as exc:
-            raise type(exc)(f"rank {self.rank}: {op_name}: {exc}") from None
-        if len(_VALID_OPS) < 1024:
-            try:
-                _VALID_OPS[(op, dtype)] = reduce_op
-            except TypeError:  # an unhashable op spelling: just not cached
-                pass
-        return reduce_op
-
-    def _pieces(self, op: str, arg: Any, name: str, like: Array, *,
-                writable: bool) -> list[Array]:
-        """`arg` as `size` flat arrays shaped like `like`: a list of them, or one array of
-        size * like.size elements split evenly."""
-        if isinstance(arg, (list, tuple)):
-            if len(arg) != self.size:
-                raise self._fail(op, f"{name} has {len(arg)} entries; expected one per rank "
-                                     f"({self.size})")
-            pieces = [self._array(op, a, f"{name}[{i}]", writable=writable)
-                      for i, a in enumerate(arg)]
-        else:
-            whole = self._array(op, arg, name, writable=writable)
-            if whole.size != self.size * like.size:
-                raise self._fail(op, f"{name} has {whole.size} elements; expected {self.size} x "
-                                     f"{like.size} = {self.size * like.size} (one piece per rank)")
-            if whole.dtype != like.dtype:  # every piece alike: one dtype check for all
-                self._same(op, whole, like, name)
-            return Pieces(whole, like.size, self.size)
-        for i, piece in enumerate(pieces):
-            self._same(op, piece, like, f"{name}[{i}]")
-        return pieces
-
-    def _root_pieces(self, op: str, arg: Any, name: str, like: Array, root: int,
-                     root_name: str, *, writable: bool) -> list[Array] | None:
-        """The root's list argument of gather/scatter as pieces; None, as required, elsewhere."""
-        if self.rank != root:
-            if arg is not None:
-                raise self._fail(op, f"{name} must be None on ranks other than "
-                                     f"{root_name}={root}")
-            return None
-        if arg is None:
-            raise self._fail(op, f"{name} is None on the {root_name} rank {root}; pass "
-                                 f"{self.size} arrays like {'tensor' if op == 'gather' else 'out'}")
-        return self._pieces(op, arg, name, like, writable=writable)
-
-    def _same(self, op: str, x: Array, like: Array, name: str) -> None:
-        if x.dtype != like.dtype:
-            raise self._fail(op, f"{name} has dtype {x.dtype.name}; expected {like.dtype.name} "
-                                 f"like the other arrays of this call")
-        if x.size != like.size:
-            raise self._fail(op, f"{name} has {x.size} elements; expected {like.size}")
-
-    def _others_disjoint(self, op: str, pieces: list[Array], name: str, x: Array,
-                         x_name: str) -> None:
-        """Only this rank's own piece may share memory with `x` (the in-place form)."""
-        if isinstance(pieces, Pieces) and not overlaps(pieces.whole, x):
-            return  # one check for the common case: pieces of one array apart from x
-        for i, piece in enumerate(pieces):
-            if i != self.rank:
-                self._disjoint(op, piece, f"{name}[{i}]", x, x_name)
-
-    def _disjoint(self, op: str, a: Array, a_name: str, b: Array, b_name: str) -> None:
-        if overlaps(a, b):
-            raise self._fail(op, f"{a_name} and {b_name} overlap in memory; the result would "
-                                 f"corrupt the input")
-
     # ---- running -----------------------------------------------------------------------------
-    def _on_gpu(self, op: str, arrays: Sequence[tuple[str, Array]], stream: Any) -> bool:
-        """Whether this call's arrays are GPU arrays (all on this rank's device) rather than host
-        arrays; refuses a mix, and stream= with host arrays."""
-        on_gpu = [isinstance(a, GpuArray) for _, a in arrays]
-        if any(on_gpu) and not all(on_gpu):
-            g = next(n for (n, _), g in zip(arrays, on_gpu) if g)
-            h = next(n for (n, _), g in zip(arrays, on_gpu) if not g)
-            raise self._fail(op, f"{g} is a GPU array but {h} is in host memory; pass arrays of "
-                                 f"one kind")
-        if not any(on_gpu):
-            if stream is not None:
-                raise self._fail(op, "stream= applies to GPU arrays only; these are host arrays")
-            return False
-        device = self._gpu_device(op)
-        for name, a in arrays:
-            if a.device != device:
-                raise self._fail(op, f"{name} is on GPU {a.device}, but this rank's communicator "
-                                     f"uses GPU {device} (choose with anyccl.init(device_id=...))")
-        return True
-
-    def _gpu_device(self, op: str) -> int:
-        if self._device is None:
-            count = gpu.device_count()
-            if count == 0:
-                what = ("a GPU backend was asked for" if op == "init" else
-                        "GPU arrays were passed")
-                raise self._fail(op, f"{what}, but no CUDA device is visible "
-                                     f"(CUDA_VISIBLE_DEVICES={gpu.visible_devices()})",
-                                 UnsupportedError)
-            self._device = self.local_rank % count
-        return self._device
-
-    def _gpu_backend(self, op: str, *, collective: bool) -> GpuBackend:
-        """The GPU backend, created on the first GPU collective (every rank calls it)."""
-        if self._gpu is None:
-            if not collective:
-                raise self._fail(op, "GPU point-to-point needs the GPU backend, which the "
-                                     "first GPU collective creates; create it up front with "
-                                     "anyccl.init(backend='nccl') or init(device_id=...)")
-            self.connect_gpu(op)
-        assert self._gpu is not None
-        return self._gpu
-
-    def connect_gpu(self, op: str = "init") -> None:
+    def connect_gpu(self) -> None:
         """Collective: create this communicator's GPU backend now, on this rank's device (the
         one named at init, else local_rank modulo the visible GPUs), instead of at the first
         collective on GPU arrays. Does nothing if it exists."""
-        if self._gpu is not None:
-            return
-        device = self._gpu_device(op)
-        count = gpu.device_count()
-        if not 0 <= device < count:
-            raise self._fail(op, f"device_id={device} but this process sees {count} CUDA "
-                                 f"device{'s' if count != 1 else ''} (CUDA_VISIBLE_DEVICES="
-                                 f"{gpu.visible_devices()})", UnsupportedError)
-        kind = self._gpu_kind or registry.host_entry(self._backend.name).gpu_arrays
-        context = registry.GpuContext(
-            store=self._store, key=f"{self._name}/gpu", rank=self.rank, size=self.size,
-            device=device, label=f"rank {self.rank} ({self._name})", timeout_s=self.timeout_s,
-            host=self._backend, meet=self.barrier)
-        self._gpu = registry.gpu_entry(kind).create(context)
+        self._gpu_side.connect("init")
 
     def _collective(self, name: str, args: str, nbytes: int, call: Callable[[Any], Any],
                     async_op: bool, *, like: Array | None = None, root: int = -1,
@@ -292,10 +132,10 @@ class Communicator:
         """Run collective `name` in issue order: `call(backend)` runs it on the host backend, or
         returns the function that queues it on the GPU backend. `like` (the array whose dtype
         and size every rank must agree on), `root` and `op` are what debug mode compares."""
-        on_gpu = self._on_gpu(name, arrays, stream)
+        on_gpu = self._gpu_side.on_gpu(name, arrays, stream)
         enqueue = None
         if on_gpu:
-            gpu_backend = self._gpu_backend(name, collective=True)
+            gpu_backend = self._gpu_side.backend(name, collective=True)
             try:
                 enqueue = call(gpu_backend)  # refuses what NCCL cannot do, before any byte moves
             except AnycclError as exc:
@@ -313,7 +153,7 @@ class Communicator:
             if signature is not None:
                 self._engine.call(self._host_task(record, entry, signature, None),
                                   Work(record, self.rank))
-            return self._queue_on_gpu(record, [entry], enqueue, [a for _, a in arrays],
+            return self._gpu_side.queue(record, [entry], enqueue, [a for _, a in arrays],
                                       async_op, stream)
         task, work = self._host_task(record, entry, signature, call), Work(record, self.rank)
         if async_op:
@@ -343,48 +183,6 @@ class Communicator:
                 FlightRecorder.ended(entry)
             backend.end(record)
         return task
-
-    def _queue_on_gpu(self, record: OpRecord, entries: list[dict],
-                      enqueue: Callable[[int], None], arrays: list[GpuArray], async_op: bool,
-                      stream: Any, work: GpuWork | None = None) -> GpuWork | None:
-        """Queue GPU work after what the callers' streams (or `stream`) hold; a blocking call
-        makes that stream wait for it, an async one returns a GpuWork."""
-        backend = self._gpu
-        if stream is not None:
-            after = [gpu.stream_pointer(stream)]
-            host_synced = False
-        elif arrays[0].stream is not None and all(a.stream == arrays[0].stream
-                                                  for a in arrays):  # the common case, quickly
-            after, host_synced = [arrays[0].stream], False
-        else:
-            after = list(dict.fromkeys(a.stream for a in arrays if a.stream is not None))
-            for a in arrays:
-                a.synchronize_producer()  # arrays without a stream (JAX): on the host
-            host_synced = any(a.stream is None for a in arrays)
-        deadline = time.monotonic() + self.timeout_s
-        # a blocking call on one stream runs right on it; the rest on the backend's stream
-        on = after[0] if (not async_op and work is None and not host_synced
-                          and len(after) == 1) else None
-        try:
-            event = backend.run(record, after, deadline, enqueue, arrays, entries, on)
-        except BaseException as exc:
-            for entry in entries:
-                FlightRecorder.ended(entry, exc)
-            self._post_mortem(exc)
-            raise
-        if async_op or work is not None:
-            if work is None:
-                waits_on = (lambda: None) if host_synced else (
-                    current_stream(arrays[0]) if stream is None else (lambda: after[0]))
-                work = GpuWork(record, self.rank, backend, waits_on)
-            work._bind(event, deadline)
-            return work
-        if host_synced:
-            backend.host_wait(event, record, deadline)
-        elif on is None:
-            for s in after:
-                gpu.stream_wait(s, event)
-        return None
 
     def _check_agreement(self, record: OpRecord, signature: np.ndarray) -> None:
         """Debug mode: every rank learns what every rank called; all raise on a difference."""
@@ -421,10 +219,10 @@ class Communicator:
         record = OpRecord(kind, seq, f"{arrow}={peer}, tag={tag}, {format_bytes(x.nbytes)}",
                           x.nbytes)
         op = kind if not async_op else "i" + kind
-        if self._on_gpu(op, [("tensor", x)], stream):
+        if self._gpu_side.on_gpu(op, [("tensor", x)], stream):
             return self._gpu_message(op, record, x, peer, tag, async_op, stream)
         if self._batch is not None and not async_op:
-            raise self._fail(op, f"use i{kind} inside `with comm.batch():`")
+            raise self._check.fail(op, f"use i{kind} inside `with comm.batch():`")
         backend, engine, timeout_s = self._backend, self._engine, self.timeout_s
         post = backend.post_send if kind == "send" else backend.post_recv
         work = Work(record, self.rank)
@@ -467,18 +265,18 @@ class Communicator:
                      async_op: bool, stream: Any) -> Work | None:
         """GPU point-to-point: messages between two ranks match in the order they were issued
         (NCCL has no tags; the ipc backend checks them)."""
-        backend = self._gpu_backend(op, collective=False)
+        backend = self._gpu_side.backend(op, collective=False)
         enqueue = (backend.send if record.name == "send" else backend.recv)(x, peer, tag)
         entry = self.flight_recorder.queued(record)
         if self._batch is not None:
             if not async_op:
-                raise self._fail(op, f"use i{record.name} inside `with comm.batch():`")
+                raise self._check.fail(op, f"use i{record.name} inside `with comm.batch():`")
             waits_on = current_stream(x) if stream is None else (
                 lambda s=gpu.stream_pointer(stream): s)
             work = GpuWork(record, self.rank, backend, waits_on)
             self._batch.append((record, entry, enqueue, x, stream, work))
             return work
-        return self._queue_on_gpu(record, [entry], enqueue, [x], async_op, stream)
+        return self._gpu_side.queue(record, [entry], enqueue, [x], async_op, stream)
 
     @contextlib.contextmanager
     def batch(self) -> Iterator[None]:
@@ -495,7 +293,7 @@ class Communicator:
         """
         self._check_open("batch")
         if self._batch is not None:
-            raise self._fail("batch", "comm.batch() blocks do not nest")
+            raise self._check.fail("batch", "comm.batch() blocks do not nest")
         self._batch = []
         try:
             yield
@@ -507,32 +305,29 @@ class Communicator:
             return
         streams = {s for *_, s, _ in pending if s is not None}
         if len(streams) > 1:
-            raise self._fail("batch", "the messages of one batch name different stream= values")
+            raise self._check.fail("batch", "the messages of one batch name different stream= "
+                                   "values")
         record = OpRecord("batch", pending[0][0].seq,
                           ", ".join(f"{r.name} {r.args}" for r, *_ in pending),
                           sum(r.nbytes for r, *_ in pending))
-        enqueue = self._gpu.group([e for _, _, e, *_ in pending])
+        enqueue = self._gpu_side.gpu.group([e for _, _, e, *_ in pending])
         arrays = [x for _, _, _, x, _, _ in pending]
         works = [w for *_, w in pending]
-        self._queue_on_gpu(record, [entry for _, entry, *_ in pending], enqueue, arrays, True,
+        self._gpu_side.queue(record, [entry for _, entry, *_ in pending], enqueue, arrays, True,
                            next(iter(streams), None), works[0])
         for w in works[1:]:
             w._bind(works[0]._event, works[0]._deadline)
-
-    def _tag(self, op: str, tag: Any) -> int:
-        if isinstance(tag, bool) or not isinstance(tag, (int, np.integer)) or not \
-                0 <= tag < 2 ** 63:
-            raise self._fail(op, f"tag={tag!r} must be an int from 0 to 2**63-1")
-        return int(tag)
 
     # ---- point to point ----------------------------------------------------------------------
     def _p2p_args(self, op: str, tensor: Any, peer: Any, peer_name: str, tag: Any,
                   writable: bool) -> tuple[Array, int, int]:
         self._check_open(op)
-        peer = self._peer(op, peer, peer_name)
+        peer = self._check.peer(op, peer, peer_name)
         if peer == self.rank:
-            raise self._fail(op, f"{peer_name}={peer} is this rank; a rank cannot message itself")
-        return self._array(op, tensor, "tensor", writable=writable), peer, self._tag(op, tag)
+            raise self._check.fail(op, f"{peer_name}={peer} is this rank; a rank cannot message "
+                                       f"itself")
+        x = self._check.array(op, tensor, "tensor", writable=writable)
+        return x, peer, self._check.tag(op, tag)
 
     def send(self, tensor: Any, dst: int, tag: int = 0, *, stream: Any = None) -> None:
         """Send `tensor` to rank `dst`. Host arrays: returns once the data is out of `tensor`
@@ -565,8 +360,8 @@ class Communicator:
                   stream: Any = None) -> Work | None:
         """Every rank's `tensor` becomes a copy of rank `src`'s `tensor`."""
         self._check_open("broadcast")
-        x = self._array("broadcast", tensor, "tensor", writable=True)
-        src = self._peer("broadcast", src, "src")
+        x = self._check.array("broadcast", tensor, "tensor", writable=True)
+        src = self._check.peer("broadcast", src, "src")
         return self._collective("broadcast", f"{_shape(x)}, src={src}", x.nbytes,
                                 lambda b: b.broadcast(x, src), async_op, like=x, root=src,
                                 arrays=[("tensor", x)], stream=stream)
@@ -575,8 +370,8 @@ class Communicator:
                    async_op: bool = False, *, stream: Any = None) -> Work | None:
         """Every rank's `tensor` becomes the element-wise reduction of all ranks' `tensor`."""
         self._check_open("all_reduce")
-        x = self._array("all_reduce", tensor, "tensor", writable=True)
-        rop = self._reduce_op("all_reduce", op, x.dtype)
+        x = self._check.array("all_reduce", tensor, "tensor", writable=True)
+        rop = self._check.reduce_op("all_reduce", op, x.dtype)
         return self._collective("all_reduce", f"{_shape(x)}, op={rop.name}", x.nbytes,
                                 lambda b: b.all_reduce(x, rop), async_op, like=x, op=rop,
                                 arrays=[("tensor", x)], stream=stream)
@@ -586,9 +381,9 @@ class Communicator:
         """Rank `dst`'s `tensor` becomes the reduction of all ranks' `tensor`; the other ranks'
         arrays are left as they were."""
         self._check_open("reduce")
-        x = self._array("reduce", tensor, "tensor", writable=True)
-        dst = self._peer("reduce", dst, "dst")
-        rop = self._reduce_op("reduce", op, x.dtype)
+        x = self._check.array("reduce", tensor, "tensor", writable=True)
+        dst = self._check.peer("reduce", dst, "dst")
+        rop = self._check.reduce_op("reduce", op, x.dtype)
         return self._collective("reduce", f"{_shape(x)}, dst={dst}, op={rop.name}", x.nbytes,
                                 lambda b: b.reduce(x, dst, rop), async_op, like=x, root=dst,
                                 op=rop, arrays=[("tensor", x)], stream=stream)
@@ -598,9 +393,9 @@ class Communicator:
         """`out` receives every rank's `tensor` in rank order: a list of `size` arrays, or one
         array of size * tensor.size elements."""
         self._check_open("all_gather")
-        x = self._array("all_gather", tensor, "tensor", writable=False)
-        outs = self._pieces("all_gather", out, "out", x, writable=True)
-        self._others_disjoint("all_gather", outs, "out", x, "tensor")
+        x = self._check.array("all_gather", tensor, "tensor", writable=False)
+        outs = self._check.pieces("all_gather", out, "out", x, writable=True)
+        self._check.others_disjoint("all_gather", outs, "out", x, "tensor")
         return self._collective("all_gather", _shape(x), x.nbytes * self.size,
                                 lambda b: b.all_gather(outs, x), async_op, like=x,
                                 arrays=[("tensor", x), *_named("out", outs)], stream=stream)
@@ -610,9 +405,9 @@ class Communicator:
         """Rank `dst`'s `out_list` receives every rank's `tensor` in rank order; the other ranks
         pass out_list=None."""
         self._check_open("gather")
-        x = self._array("gather", tensor, "tensor", writable=False)
-        dst = self._peer("gather", dst, "dst")
-        outs = self._root_pieces("gather", out_list, "out_list", x, dst, "dst", writable=True)
+        x = self._check.array("gather", tensor, "tensor", writable=False)
+        dst = self._check.peer("gather", dst, "dst")
+        outs = self._check.root_pieces("gather", out_list, "out_list", x, dst, "dst", writable=True)
         return self._collective("gather", f"{_shape(x)}, dst={dst}", x.nbytes * self.size,
                                 lambda b: b.gather(x, outs, dst), async_op, like=x, root=dst,
                                 arrays=[("tensor", x), *_named("out_list", outs or [])],
@@ -623,10 +418,10 @@ class Communicator:
         """Rank i's `out` receives `chunks[i]` of rank `src`; the other ranks pass
         chunks=None."""
         self._check_open("scatter")
-        x = self._array("scatter", out, "out", writable=True)
-        src = self._peer("scatter", src, "src")
-        pieces = self._root_pieces("scatter", chunks, "chunks", x, src, "src", writable=False)
-        self._others_disjoint("scatter", pieces or [], "chunks", x, "out")
+        x = self._check.array("scatter", out, "out", writable=True)
+        src = self._check.peer("scatter", src, "src")
+        pieces = self._check.root_pieces("scatter", chunks, "chunks", x, src, "src", writable=False)
+        self._check.others_disjoint("scatter", pieces or [], "chunks", x, "out")
         return self._collective("scatter", f"{_shape(x)}, src={src}", x.nbytes * self.size,
                                 lambda b: b.scatter(x, pieces, src), async_op, like=x, root=src,
                                 arrays=[("out", x), *_named("chunks", pieces or [])],
@@ -637,10 +432,10 @@ class Communicator:
         """Rank i's `out` becomes the reduction of every rank's piece i of `inp` (a list of
         `size` arrays like `out`, or one array of size * out.size elements)."""
         self._check_open("reduce_scatter")
-        x = self._array("reduce_scatter", out, "out", writable=True)
-        inputs = self._pieces("reduce_scatter", inp, "inp", x, writable=False)
-        self._others_disjoint("reduce_scatter", inputs, "inp", x, "out")
-        rop = self._reduce_op("reduce_scatter", op, x.dtype)
+        x = self._check.array("reduce_scatter", out, "out", writable=True)
+        inputs = self._check.pieces("reduce_scatter", inp, "inp", x, writable=False)
+        self._check.others_disjoint("reduce_scatter", inputs, "inp", x, "out")
+        rop = self._check.reduce_op("reduce_scatter", op, x.dtype)
         return self._collective("reduce_scatter", f"{_shape(x)}, op={rop.name}",
                                 x.nbytes * self.size, lambda b: b.reduce_scatter(x, inputs, rop),
                                 async_op, like=x, op=rop,
@@ -653,20 +448,20 @@ class Communicator:
         self._check_open("all_to_all")
         if isinstance(inp, (list, tuple)):
             if not inp:
-                raise self._fail("all_to_all", "inp is an empty list")
-            first = self._array("all_to_all", inp[0], "inp[0]", writable=False)
+                raise self._check.fail("all_to_all", "inp is an empty list")
+            first = self._check.array("all_to_all", inp[0], "inp[0]", writable=False)
         else:
-            whole = self._array("all_to_all", inp, "inp", writable=False)
+            whole = self._check.array("all_to_all", inp, "inp", writable=False)
             if whole.size % self.size:
-                raise self._fail("all_to_all", f"inp has {whole.size} elements, not divisible "
-                                               f"into {self.size} equal pieces")
+                raise self._check.fail("all_to_all", f"inp has {whole.size} elements, not "
+                                       f"divisible into {self.size} equal pieces")
             first = whole[: whole.size // self.size]
-        inputs = self._pieces("all_to_all", inp, "inp", first, writable=False)
-        outs = self._pieces("all_to_all", out, "out", first, writable=True)
+        inputs = self._check.pieces("all_to_all", inp, "inp", first, writable=False)
+        outs = self._check.pieces("all_to_all", out, "out", first, writable=True)
         for i, o in enumerate(outs):
             for j, piece in enumerate(inputs):
                 if i != j:
-                    self._disjoint("all_to_all", o, f"out[{i}]", piece, f"inp[{j}]")
+                    self._check.disjoint("all_to_all", o, f"out[{i}]", piece, f"inp[{j}]")
         return self._collective("all_to_all", _shape(first), first.nbytes * self.size,
                                 lambda b: b.all_to_all(outs, inputs), async_op, like=first,
                                 arrays=[*_named("inp", inputs), *_named("out", outs)],
@@ -685,7 +480,7 @@ class Communicator:
         Objects travel as pickles: unpickling runs code, so use this only among trusted peers.
         """
         self._check_open("broadcast_object")
-        src = self._peer("broadcast_object", src, "src")
+        src = self._check.peer("broadcast_object", src, "src")
         payload = np.frombuffer(pickle.dumps(obj), np.uint8) if self.rank == src else None
         length = np.array([payload.size if payload is not None else 0], np.int64)
         self.broadcast(length, src)
@@ -714,16 +509,17 @@ class Communicator:
         self._check_open("split")
         if color is not None and (isinstance(color, bool) or not isinstance(color, int)
                                   or color < 0):
-            raise self._fail("split", f"color={color!r} must be a non-negative int or None")
+            raise self._check.fail("split", f"color={color!r} must be a non-negative int or None")
         if key is not None and (isinstance(key, bool) or not isinstance(key, int)):
-            raise self._fail("split", f"key={key!r} must be an int or None")
+            raise self._check.fail("split", f"key={key!r} must be an int or None")
         choices = self.all_gather_object((color, self.rank if key is None else key))
         self._splits += 1
         name = f"{self._name}.{self._splits}.{color}"
         members = sorted((k, r) for r, (c, k) in enumerate(choices) if c == color)
         ranks = [r for _, r in members]
         # an existing NCCL communicator splits too (collective over all of its ranks)
-        gpu_child = None if self._gpu is None else self._gpu.split(
+        parent = self._gpu_side.gpu
+        gpu_child = None if parent is None else parent.split(
             color, choices[self.rank][1],
             f"rank {ranks.index(self.rank)} ({name})" if color is not None else "",
             store=self._store, group=name)
@@ -732,8 +528,8 @@ class Communicator:
         backend = self._backend.subgroup(ranks, name, self.timeout_s)
         return Communicator(backend, self._store, rank=ranks.index(self.rank), size=len(ranks),
                             local_rank=self.local_rank, timeout_s=self.timeout_s, name=name,
-                            job_id=self.job_id, debug=self.debug, device=self._device,
-                            gpu_backend=gpu_child, gpu_kind=self._gpu_kind)
+                            job_id=self.job_id, debug=self.debug, device=self._gpu_side.device,
+                            gpu_backend=gpu_child, gpu_kind=self._gpu_side.kind)
 
     def new_group(self, ranks: Sequence[int]) -> Communicator | None:
         """Collective over all ranks: a communicator of `ranks` (in ascending order, as
@@ -741,10 +537,10 @@ class Communicator:
         self._check_open("new_group")
         members = list(ranks)
         for r in members:
-            self._peer("new_group", r, "ranks[...]")
+            self._check.peer("new_group", r, "ranks[...]")
         if not members or len(set(members)) != len(members):
-            raise self._fail("new_group", f"ranks={members} must be a non-empty list of "
-                                          f"distinct ranks")
+            raise self._check.fail("new_group", f"ranks={members} must be a non-empty list of "
+                                   f"distinct ranks")
         ordered = sorted(members)
         inside = self.rank in ordered
         return self.split(0 if inside else None, ordered.index(self.rank) if inside else None)
@@ -764,8 +560,8 @@ class Communicator:
         self._closed = True
         _live.discard(self)
         try:
-            if self._gpu is not None:
-                self._gpu.close()
+            if self._gpu_side.gpu is not None:
+                self._gpu_side.gpu.close()
         finally:
             try:
                 self._engine.close()

@@ -1,0 +1,131 @@
+"""Argument checks: every argument of a public operation is checked here, once, before any
+byte moves, and a refusal names the rank, the operation, the argument and what was expected.
+What passes is handed on as flat arrays (`Array`) that backends trust."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+
+from .buffers import Array, Pieces, as_array, overlaps
+from .errors import AnycclError, InvalidArgumentError
+from .ops import ReduceOp, check_reduce_op
+
+_VALID_OPS: dict[tuple[Any, np.dtype], ReduceOp] = {}  # (op as given, dtype) -> checked op
+
+
+def seconds(timeout: float | timedelta | None, default: float) -> float:
+    if timeout is None:
+        return default
+    if isinstance(timeout, timedelta):
+        timeout = timeout.total_seconds()
+    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
+        raise InvalidArgumentError(f"timeout={timeout!r} must be a positive number of seconds")
+    return float(timeout)
+
+
+class Arguments:
+    """The checks for rank `rank` of a communicator of `size` ranks."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        self.rank, self.size = rank, size
+
+    def fail(self, op: str, message: str, kind: type = InvalidArgumentError) -> AnycclError:
+        return kind(f"rank {self.rank}: {op}: {message}")
+
+    def array(self, op: str, x: Any, name: str, *, writable: bool) -> Array:
+        try:
+            return as_array(x, name, writable=writable).reshape(-1)
+        except AnycclError as exc:
+            raise type(exc)(f"rank {self.rank}: {op}: {exc}") from None
+
+    def peer(self, op: str, value: Any, name: str) -> int:
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise self.fail(op, f"{name}={value!r} must be an int rank")
+        if not 0 <= value < self.size:
+            raise self.fail(op, f"{name}={value} is out of range; this communicator has "
+                                f"{self.size} rank{'s' if self.size > 1 else ''} "
+                                f"(0..{self.size - 1})")
+        return int(value)
+
+    def reduce_op(self, op_name: str, op: Any, dtype: np.dtype) -> ReduceOp:
+        try:
+            return _VALID_OPS[(op, dtype)]  # every call of a training loop asks the same
+        except (KeyError, TypeError):
+            pass
+        try:
+            reduce_op = ReduceOp.parse(op)
+            check_reduce_op(reduce_op, dtype)
+        except AnycclError as exc:
+            raise type(exc)(f"rank {self.rank}: {op_name}: {exc}") from None
+        if len(_VALID_OPS) < 1024:
+            try:
+                _VALID_OPS[(op, dtype)] = reduce_op
+            except TypeError:  # an unhashable op spelling: just not cached
+                pass
+        return reduce_op
+
+    def pieces(self, op: str, arg: Any, name: str, like: Array, *,
+               writable: bool) -> list[Array]:
+        """`arg` as `size` flat arrays shaped like `like`: a list of them, or one array of
+        size * like.size elements split evenly."""
+        if isinstance(arg, (list, tuple)):
+            if len(arg) != self.size:
+                raise self.fail(op, f"{name} has {len(arg)} entries; expected one per rank "
+                                    f"({self.size})")
+            pieces = [self.array(op, a, f"{name}[{i}]", writable=writable)
+                      for i, a in enumerate(arg)]
+        else:
+            whole = self.array(op, arg, name, writable=writable)
+            if whole.size != self.size * like.size:
+                raise self.fail(op, f"{name} has {whole.size} elements; expected {self.size} x "
+                                    f"{like.size} = {self.size * like.size} (one piece per rank)")
+            if whole.dtype != like.dtype:  # every piece alike: one dtype check for all
+                self.same(op, whole, like, name)
+            return Pieces(whole, like.size, self.size)
+        for i, piece in enumerate(pieces):
+            self.same(op, piece, like, f"{name}[{i}]")
+        return pieces
+
+    def root_pieces(self, op: str, arg: Any, name: str, like: Array, root: int,
+                    root_name: str, *, writable: bool) -> list[Array] | None:
+        """The root's list argument of gather/scatter as pieces; None, as required, elsewhere."""
+        if self.rank != root:
+            if arg is not None:
+                raise self.fail(op, f"{name} must be None on ranks other than "
+                                    f"{root_name}={root}")
+            return None
+        if arg is None:
+            raise self.fail(op, f"{name} is None on the {root_name} rank {root}; pass "
+                                f"{self.size} arrays like {'tensor' if op == 'gather' else 'out'}")
+        return self.pieces(op, arg, name, like, writable=writable)
+
+    def same(self, op: str, x: Array, like: Array, name: str) -> None:
+        if x.dtype != like.dtype:
+            raise self.fail(op, f"{name} has dtype {x.dtype.name}; expected {like.dtype.name} "
+                                f"like the other arrays of this call")
+        if x.size != like.size:
+            raise self.fail(op, f"{name} has {x.size} elements; expected {like.size}")
+
+    def others_disjoint(self, op: str, pieces: list[Array], name: str, x: Array,
+                        x_name: str) -> None:
+        """Only this rank's own piece may share memory with `x` (the in-place form)."""
+        if isinstance(pieces, Pieces) and not overlaps(pieces.whole, x):
+            return  # one check for the common case: pieces of one array apart from x
+        for i, piece in enumerate(pieces):
+            if i != self.rank:
+                self.disjoint(op, piece, f"{name}[{i}]", x, x_name)
+
+    def disjoint(self, op: str, a: Array, a_name: str, b: Array, b_name: str) -> None:
+        if overlaps(a, b):
+            raise self.fail(op, f"{a_name} and {b_name} overlap in memory; the result would "
+                                f"corrupt the input")
+
+    def tag(self, op: str, tag: Any) -> int:
+        if isinstance(tag, bool) or not isinstance(tag, (int, np.integer)) or not \
+                0 <= tag < 2 ** 63:
+            raise self.fail(op, f"tag={tag!r} must be an int from 0 to 2**63-1")
+        return int(tag)
+
