@@ -18,7 +18,7 @@ _C_TYPES = {"u64": ctypes.c_uint64, "float": ctypes.c_float, "int": ctypes.c_int
 
 def c_fields() -> list[tuple[str, str, bool, bool]]:
     """(name, C type, is a pointer, is an array) of kernels.cu's struct Args fields, in order."""
-    source = compiler.SOURCE.read_text()
+    source = (compiler.KERNELS / "primitives.cuh").read_text()
     body = re.search(r"struct Args \{(.*?)\};", source, re.S).group(1)
     fields = []
     for line in body.splitlines():
@@ -115,9 +115,42 @@ def test_compiled_kernels_are_cached_under_anyccl_cache_dir(monkeypatch, tmp_pat
     monkeypatch.setattr(compiler.gpu, "compute_capability", lambda device: (8, 0))
     compiler.cubin(0)
     assert compiled == ["sm_90", "sm_80"]  # another architecture: its own cubin
-    changed = tmp_path / "kernels.cu"
-    changed.write_text(compiler.SOURCE.read_text() + "\n// changed\n")
-    monkeypatch.setattr(compiler, "SOURCE", changed)
+    changed = tmp_path / "movement.cu"
+    changed.write_text((compiler.KERNELS / "movement.cu").read_text() + "\n// changed\n")
+    monkeypatch.setattr(compiler, "SOURCES", [changed if p.name == "movement.cu" else p
+                                              for p in compiler.SOURCES])
     compiler.cubin(0)
     assert compiled == ["sm_90", "sm_80", "sm_80"]  # a changed source is compiled again
     assert len(list((tmp_path / "kernels").iterdir())) == 3
+
+
+def test_the_shared_constants_are_defined_once_in_python_for_the_kernels():
+    from anyccl.backends.ipc import memory
+
+    text = compiler.source()
+    for name, value in memory.KERNEL_DEFINES.items():
+        assert text.count(f"#define {name} ") == 1, name  # only the one Python writes
+        assert f"#define {name} {value}\n" in text
+    for path in compiler.SOURCES:  # and no file defines one itself
+        assert not re.search(r"#define (MAX_RANKS|THREADS|MIN_TILE_BYTES|SIG_FLAGS|STATUS_)",
+                             path.read_text()), path.name
+
+
+def test_every_kernel_the_backend_launches_is_an_entry_point_of_the_source(tmp_path):
+    import shutil
+    import subprocess
+
+    names = compiler.kernel_names()
+    assert len(names) == len(set(names)) == 7 + 5 * 3 * 3
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("no nvcc here to compile the kernels without a GPU")
+    source = tmp_path / "kernels.cu"
+    source.write_text(compiler.source())
+    cubin = tmp_path / "kernels.cubin"
+    proc = subprocess.run([nvcc, "-cubin", "-arch=sm_90", "-std=c++17", str(source), "-o",
+                           str(cubin)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    symbols = set(re.findall(rb"[a-z_0-9]+", cubin.read_bytes()))
+    missing = [n for n in names if n.encode() not in symbols]
+    assert not missing, missing

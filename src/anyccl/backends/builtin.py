@@ -11,7 +11,7 @@ register_host(HostEntry("mpi", "cpu (many nodes)", mpi.create, mpi.status,
                         gpu_arrays="mpi-staged"))
 register_gpu(GpuEntry("nccl", "cuda", nccl.create, nccl.status))
 register_gpu(GpuEntry("ipc", "cuda (one node)", ipc.creator("ipc"), ipc.status))
-register_gpu(GpuEntry("auto", "cuda (one node): ipc where measured faster, else nccl",
+register_gpu(GpuEntry("auto", "cuda (one node, measured)",
                       ipc.creator("auto"), ipc.status))
 register_gpu(GpuEntry("mpi-staged", "cuda, on mpi", staging.create, staging.status,
                       selectable=False))

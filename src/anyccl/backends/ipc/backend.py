@@ -1,7 +1,7 @@
 """The `ipc` backend: GPU arrays moved and reduced by anyccl's own kernels over peer memory.
 
 Within one node, every rank maps the others' buffers (CUDA IPC, `memory.py`), and the kernels in
-`kernels.cu` push data into them and signal through flags, with no CPU in the loop once queued.
+`kernels/` push data into them and signal through flags, with no CPU in the loop once queued.
 It serves all_reduce (data and flags in one word for small arrays, one shot -- every rank
 pushes everything -- for medium, two shots -- reduce-scatter then all-gather -- for large, and
 for the largest the copy engines move the data while a kernel only reduces: `ce.py`) and
@@ -34,9 +34,8 @@ from ..gpu_base import QueuedGpuBackend
 from ..nccl import NcclBackend
 from ..registry import GpuContext
 from . import ce, compiler
-from .memory import PeerMemory, describe_args
+from .memory import STATUS_ERROR, THREADS, PeerMemory, describe_args
 
-THREADS = 512  # kernels.cu: THREADS
 _TYPES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16", BFLOAT16: "bfloat16"}
 _OPS = {ReduceOp.SUM: "sum", ReduceOp.AVG: "sum", ReduceOp.MIN: "min", ReduceOp.MAX: "max"}
 _TAG_BITS = 24  # the part of a tag a message carries (kernels.cu: meta_of)
@@ -156,7 +155,7 @@ class IpcBackend(QueuedGpuBackend):
 
     # ---- the queue: NCCL's -----------------------------------------------------------------------
     def run(self, *args: Any, **kwargs: Any) -> int:
-        if self._status[1]:           # a kernel ended an operation early (one word: cheap)
+        if self._status[STATUS_ERROR]:  # a kernel ended an operation early (one word: cheap)
             self.raise_if_failed()
         return self.queue.run(*args, **kwargs)
 
@@ -209,12 +208,12 @@ class IpcBackend(QueuedGpuBackend):
         slot = self.layout.slot_bytes // size      # elements one rank may push per kernel
         one_shot = min(slot, self.one_shot_bytes // size)
         # one shot: reduce_scatter's kernel with every rank's piece the whole array
-        one, two = f"reduce_scatter_{dtype}_{kind}", f"all_reduce_2_{dtype}_{kind}"
+        one, two = f"all_reduce_one_shot_{dtype}_{kind}", f"all_reduce_two_shot_{dtype}_{kind}"
         total = x.size
         if x.nbytes >= self.ce_bytes:   # largest: copy engines move, a kernel reduces
             return self._all_reduce_ce(x, f"reduce_local_{dtype}_{kind}", scale)
         if x.nbytes <= self.ll_bytes:   # small: one kernel of data+flag words
-            words, ll = -(-x.nbytes // 4), f"all_reduce_0_{dtype}_{kind}"
+            words, ll = -(-x.nbytes // 4), f"all_reduce_low_latency_{dtype}_{kind}"
             blocks = max(1, min(self.max_blocks, -(-words // THREADS)))
 
             def small(stream: int) -> None:
@@ -437,9 +436,10 @@ def status() -> str:
     """What `anyccl info` says of the ipc backend here."""
     from .. import nccl
 
-    if not compiler.SOURCE.is_file():
+    missing = [str(path) for path in compiler.SOURCES if not path.is_file()]
+    if missing:
         return (f"not usable: this installation of anyccl lacks its kernels' source "
-                f"({compiler.SOURCE})")
+                f"({', '.join(missing)})")
     try:
         try:
             from cuda.core import Program  # noqa: F401

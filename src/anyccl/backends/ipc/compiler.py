@@ -1,6 +1,8 @@
 """The ipc kernels, compiled at run time for this GPU's architecture and cached.
 
-NVRTC (through cuda.core's `Program`) turns `kernels.cu` into a cubin for `sm_<major><minor>`;
+NVRTC (through cuda.core's `Program`) turns the sources in `kernels/` -- the shared constants of
+memory.py as #defines, then the primitives, then the kernels -- into one cubin for
+`sm_<major><minor>`;
 the cubin is kept under ~/.cache/anyccl (ANYCCL_CACHE_DIR overrides), named by a hash of the
 source and the architecture, so later processes skip the compiler. Each process loads the module
 once per device (cuModuleLoadData) and looks its kernels up by name.
@@ -15,8 +17,19 @@ from pathlib import Path
 from typing import Any
 
 from ... import gpu, settings
+from .memory import KERNEL_DEFINES
 
-SOURCE = Path(__file__).with_name("kernels.cu")
+KERNELS = Path(__file__).with_name("kernels")
+SOURCES = [KERNELS / name for name in ("primitives.cuh", "all_reduce.cu", "movement.cu",
+                                       "messages.cu", "copy_engine_flags.cu")]
+KINDS = ("all_reduce_low_latency", "all_reduce_one_shot", "all_reduce_two_shot",
+         "reduce_scatter", "reduce_local")  # typed kernels: <kind>_<dtype>_<op>
+
+
+def source() -> str:
+    """The whole source NVRTC compiles: the shared constants, then every file in order."""
+    defines = "".join(f"#define {name} {value}\n" for name, value in KERNEL_DEFINES.items())
+    return defines + "".join(f"\n// ---- {path.name}\n{path.read_text()}" for path in SOURCES)
 _loaded: dict[int, dict[str, int]] = {}
 _modules: list[Any] = []
 
@@ -41,14 +54,14 @@ def cubin(device: int) -> bytes:
     """The compiled kernels for `device`'s architecture: from the cache, else from NVRTC."""
     major, minor = gpu.compute_capability(device)
     arch = f"sm_{major}{minor}"
-    source = SOURCE.read_text()
-    digest = hashlib.sha256(f"{arch}\n{source}".encode()).hexdigest()[:20]
+    text = source()
+    digest = hashlib.sha256(f"{arch}\n{text}".encode()).hexdigest()[:20]
     path = cache_dir() / f"ipc-{arch}-{digest}.cubin"
     try:
         return path.read_bytes()
     except OSError:
         pass
-    code = _compile(source, arch)
+    code = _compile(text, arch)
     try:  # written whole under a temporary name, then renamed: readers never see half a file
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".part")
@@ -60,6 +73,13 @@ def cubin(device: int) -> bytes:
     return code
 
 
+def kernel_names() -> list[str]:
+    """Every kernel the backend launches, by the name it has in the source."""
+    names = ["all_gather", "broadcast", "barrier", "send", "recv", "ce_flags", "ce_wait"]
+    return names + [f"{kind}_{dtype}_{op}" for kind in KINDS
+                    for dtype in ("float32", "float16", "bfloat16") for op in ("sum", "min", "max")]
+
+
 def kernels(device: int) -> dict[str, int]:
     """name -> CUfunction (its address) of every kernel, loaded into `device`'s primary context
     (made current by the caller)."""
@@ -67,10 +87,6 @@ def kernels(device: int) -> dict[str, int]:
     if functions is None:
         module = gpu.load_module(cubin(device))
         _modules.append(module)  # loaded for the life of the process
-        names = ["all_gather", "broadcast", "barrier", "send", "recv", "ce_flags", "ce_wait"]
-        kinds = ("all_reduce_0", "all_reduce_2", "reduce_scatter", "reduce_local")
-        names += [f"{kind}_{dtype}_{op}" for kind in kinds
-                  for dtype in ("float32", "float16", "bfloat16") for op in ("sum", "min", "max")]
         functions = _loaded[device] = {name: int(gpu.module_function(module, name))
-                                       for name in names}
+                                       for name in kernel_names()}
     return functions

@@ -5,7 +5,8 @@ A data buffer holds two halves (alternate collectives use alternate halves) of 2
 each, then one ring of message slots per sending rank, then the copy-engine area: one slot per
 peer, into which that peer's copy engine pushes (`ce.py`). The signal area holds the flags the
 kernels raise in each other's memory, then the copy-engine flags; it starts zeroed.
-`kernels.cu` describes the kernels' part of both layouts.
+`kernels/primitives.cuh` describes the kernels' part of both layouts; the constants below
+are the kernels' too: compiler.py defines them in the kernels' source (`KERNEL_DEFINES`).
 """
 
 from __future__ import annotations
@@ -20,11 +21,20 @@ from ... import gpu, settings
 from ...errors import RendezvousError, UnsupportedError
 from ...store import Store
 
-MAX_RANKS = 8            # kernels.cu: MAX_RANKS
-TILE_BYTES = 64 << 10    # kernels.cu: MIN_TILE_BYTES (flags are sized for tiles this small)
-SIG_FLAGS = 64           # kernels.cu: SIG_FLAGS (u64 words before the flag arrays)
-STATUS_WORDS = 8         # kernels.cu: STATUS_* (abort, error, peer, expected, got)
+MAX_RANKS = 8            # ranks one set of kernels serves (the argument block's arrays)
+THREADS = 512            # threads per block of every kernel
+TILE_BYTES = 64 << 10    # the smallest tile: the signal area's flags are sized for it
+SIG_FLAGS = 64           # u64 words of a signal area before its flag arrays
+STATUS_WORDS = 8         # host-mapped status words per rank, of which:
+STATUS_ABORT, STATUS_ERROR, STATUS_PEER, STATUS_EXPECTED, STATUS_GOT = 0, 1, 2, 3, 4
 CE_POSITIONS = 64        # chunk positions in a copy-engine slot (flags are sized for this many)
+
+# what the kernels' source is compiled with: the constants both sides must agree on
+KERNEL_DEFINES = {"MAX_RANKS": MAX_RANKS, "THREADS": THREADS,
+                  "MIN_TILE_BYTES": f"{TILE_BYTES}ULL", "SIG_FLAGS": SIG_FLAGS,
+                  "STATUS_ABORT": STATUS_ABORT, "STATUS_ERROR": STATUS_ERROR,
+                  "STATUS_PEER": STATUS_PEER, "STATUS_EXPECTED": STATUS_EXPECTED,
+                  "STATUS_GOT": STATUS_GOT}
 
 
 class Layout:
@@ -133,7 +143,7 @@ class PeerMemory:
         """Tell every kernel of this rank to return (status[0], read while they spin), and
         release every stream waiting on a copy-engine flag (all raised, on a stream of its
         own: the waiting ones are stuck)."""
-        self.status[0] = 1
+        self.status[STATUS_ABORT] = 1
         if self.sig and self.layout.ce_slot_bytes:
             gpu.memset32_async(self.sig + self.layout.ce_sig_offset, 1,
                                2 * self.layout.ce_flag_words, self._release_stream)
@@ -158,7 +168,7 @@ class PeerMemory:
     def error(self) -> tuple[int, int, int, int]:
         """(error code, peer, expected, got) a kernel reported; code 0 when none."""
         s = self.status
-        return s[1], s[2], s[3], s[4]
+        return s[STATUS_ERROR], s[STATUS_PEER], s[STATUS_EXPECTED], s[STATUS_GOT]
 
     def close(self) -> None:
         for ptr in self._opened:
