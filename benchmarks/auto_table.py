@@ -8,8 +8,9 @@ Each RUN.json is written by `anyccl bench --device cuda --json`, with the ipc ke
 main backend (`--backend ipc --compare nccl`) or a peer (`--backend auto --compare ipc,nccl`).
 Several files (e.g. a small-size and a large-size sweep) merge; they must have one rank count.
 A size goes to ipc when its time is below NCCL's by more than --margin (a fraction); sizes
-between two measured ones go with the larger one's winner. Prints a Python literal to paste,
-and a table of the ratios it was decided on.
+between two measured ones go with the larger one's winner. Prints the routes,
+and a table of the ratios it was decided on; with --write, the routes go into the package's
+routes.json, the data `AUTO_IPC_RANGES` is loaded from.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 from collections import defaultdict
+from pathlib import Path
 
 # nccl-tests' size (bytes) -> the size routes_to_ipc decides on (each rank's array)
 PER_RANK = {"all_reduce": lambda size, n: size, "broadcast": lambda size, n: size,
@@ -76,10 +78,42 @@ def _bytes(v: int) -> str:
     return str(v)
 
 
+ROUTES = Path(__file__).resolve().parent.parent / "src" / "anyccl" / "backends" / "ipc" / \
+    "routes.json"
+
+
+def derived(table: dict[str, dict[int, dict[str, float]]], margin: float
+            ) -> dict[str, list[tuple[int, int]]]:
+    """{op: ranges} as routes_to_ipc reads them (a send/recv row decides both directions)."""
+    routes: dict[str, list[tuple[int, int]]] = {}
+    for op, sizes in table.items():
+        spans = ranges(sizes, margin)
+        for name in (("send", "recv") if op == "sendrecv" else (op,)):
+            routes[name] = spans
+    return routes
+
+
+def write(path: Path, ranks: int, routes: dict[str, list[tuple[int, int]]], runs: list[str],
+          machine: str) -> None:
+    """Put `routes` into the routes file for `ranks`: ops measured now replace the old ones,
+    ops not measured now stay as they were."""
+    doc = json.loads(path.read_text())
+    entry = doc["ranks"].setdefault(str(ranks), {"measured_on": machine, "from": [],
+                                                 "routes": {}})
+    entry["routes"].update({op: [list(span) for span in spans] for op, spans in routes.items()})
+    entry["from"] = sorted(set(entry["from"]) | {Path(r).name for r in runs})
+    if machine:
+        entry["measured_on"] = machine
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("runs", nargs="+")
     p.add_argument("--margin", type=float, default=0.03)
+    p.add_argument("--write", action="store_true",
+                   help=f"update the routes file ({ROUTES.name}) the auto policy reads")
+    p.add_argument("--machine", default="", help="what the runs were measured on")
     a = p.parse_args()
     n, table = load(a.runs)
     print(f"# {n} ranks; ratio = ipc time / nccl time (below {1 - a.margin:.2f}: ipc)")
@@ -87,14 +121,12 @@ def main() -> None:
         cells = [f"{s}:{t['ipc'] / t['nccl']:.2f}" for s, t in sorted(sizes.items())
                  if "ipc" in t and "nccl" in t]
         print(f"#   {op:<15} " + " ".join(cells))
-    print(f"    {n}: {{")
-    for op, sizes in table.items():
-        name = "send" if op == "sendrecv" else op
-        spans = ", ".join(f"({_bytes(lo)}, {_bytes(hi)})" for lo, hi in ranges(sizes, a.margin))
-        print(f'        "{name}": [{spans}],')
-        if op == "sendrecv":
-            print(f'        "recv": [{spans}],')
-    print("    },")
+    routes = derived(table, a.margin)
+    for op, spans in routes.items():
+        print(f"    {op}: " + ", ".join(f"({_bytes(lo)}, {_bytes(hi)}]" for lo, hi in spans))
+    if a.write:
+        write(ROUTES, n, routes, a.runs, a.machine)
+        print(f"wrote the {n}-rank routes into {ROUTES}")
 
 
 if __name__ == "__main__":

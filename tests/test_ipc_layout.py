@@ -154,3 +154,35 @@ def test_every_kernel_the_backend_launches_is_an_entry_point_of_the_source(tmp_p
     symbols = set(re.findall(rb"[a-z_0-9]+", cubin.read_bytes()))
     missing = [n for n in names if n.encode() not in symbols]
     assert not missing, missing
+
+
+def test_the_auto_routes_are_data_that_auto_table_writes(tmp_path):
+    import json
+    import sys
+    from pathlib import Path
+
+    from anyccl.backends.ipc.backend import ROUTES, load_routes
+
+    assert load_routes() == AUTO_IPC_RANGES and 2 in AUTO_IPC_RANGES
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    try:
+        import auto_table
+    finally:
+        sys.path.pop(0)
+    rows = []
+    measured = ((1 << 20, 5.0, 10.0), (4 << 20, 9.0, 10.0), (16 << 20, 12.0, 10.0))
+    for size, ipc_us, nccl_us in measured:
+        for library, us in (("anyccl-ipc", ipc_us), ("anyccl-nccl", nccl_us)):
+            rows.append({"op": "broadcast", "library": library, "size": size, "time_us": us,
+                         "variant": "in-place"})
+    run = tmp_path / "run.json"
+    run.write_text(json.dumps({"meta": {"ranks": 4, "backend": "cpu:shm,cuda:auto"},
+                               "rows": rows}))
+    copy = tmp_path / "routes.json"
+    copy.write_text(ROUTES.read_text())
+    ranks, table = auto_table.load([str(run)])
+    auto_table.write(copy, ranks, auto_table.derived(table, 0.03), [str(run)], "test machine")
+    routes = load_routes(copy)
+    # ipc wins at 1 and 4 MiB (by more than 3%), loses at 16 MiB
+    assert routes[4] == {"broadcast": [(0, 4 << 20)]}
+    assert routes[2] == AUTO_IPC_RANGES[2]  # other rank counts untouched

@@ -4,6 +4,7 @@ every link and reference resolved."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -43,3 +44,16 @@ def test_the_docs_build_strictly(tmp_path):
     for page in results.glob("*.md"):
         assert (site / "results" / page.stem / "index.html").is_file(), page.name
     shutil.rmtree(site)
+
+
+def test_every_recorded_run_the_code_and_docs_cite_exists():
+    results = ROOT / "benchmarks" / "results"
+    cited: dict[str, str] = {}
+    for path in [*(ROOT / "src").rglob("*.py"), *(ROOT / "src").rglob("*.cu*"),
+                 *(ROOT / "benchmarks").rglob("*.py"), *(ROOT / "docs").rglob("*.md"),
+                 ROOT / "README.md", *(ROOT / "src").rglob("*.json")]:
+        for name in re.findall(r"(20\d\d-\d\d-\d\d-[\w.-]+?\.(?:md|json|png))", path.read_text()):
+            cited.setdefault(name, str(path.relative_to(ROOT)))
+    assert cited, "found no citations at all: the pattern is wrong"
+    missing = {name: where for name, where in cited.items() if not (results / name).is_file()}
+    assert not missing, f"cited but not recorded: {missing}"

@@ -12,9 +12,9 @@ import numpy as np
 from ..ops import ReduceOp, accumulate, finish
 from .symmetric import split_bounds
 
-# Below these sizes the staging path is faster (fewer system calls, data already in cache).
-# Measured with `anyccl bench -n 2 --compare mpi` on the 2-core CI machine class
-# (benchmarks/results/2026-11-22-ci2core-shm.md).
+# Below these sizes the staging path is faster (fewer system calls, data already in cache), as
+# `anyccl bench -n 2 --compare mpi` showed on the 2-core CI machine class
+# (benchmarks/results/2026-11-22-ci2core-shm-2ranks.md).
 MIN_BYTES = {"all_reduce": 2 << 20, "broadcast": 256 << 10, "all_gather": 256 << 10,
              "gather": 256 << 10, "scatter": 256 << 10}
 ALL_REDUCE_CHUNK_BYTES = 8 << 20  # slices are cut per chunk, so every rank works at once

@@ -20,6 +20,8 @@ NCCL on this kind of machine (`AUTO_IPC_RANGES`).
 from __future__ import annotations
 
 import ctypes
+import json
+from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
@@ -40,25 +42,21 @@ _TYPES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16", BFLO
 _OPS = {ReduceOp.SUM: "sum", ReduceOp.AVG: "sum", ReduceOp.MIN: "min", ReduceOp.MAX: "max"}
 _TAG_BITS = 24  # the part of a tag a message carries (kernels.cu: meta_of)
 
-# policy="auto": the sizes (bytes of each rank's array: the input of all_reduce, broadcast,
-# all_gather and messages, the output of reduce_scatter) that run on the ipc kernels, as ranges
-# (above, at most], by the number of ranks they were measured on; every other size runs on NCCL.
-# Only where the kernels were measured faster than NCCL by 3% or more in the same run, derived by
-# benchmarks/auto_table.py from the runs named (GPU time: CUDA-graph timing for small sizes).
-AUTO_IPC_RANGES: dict[int, dict[str, list[tuple[int, int]]]] = {
-    # 2 x H200 (NV18): 2026-11-22-h200x2-ipc-vs-nccl-small-graph.json and -large.json; messages
-    # from benchmarks/ipc_p2p.py (16 MiB-1 GiB 1.00-1.04x, 1-4 MiB 0.76-0.79x); all_reduce
-    # from 2026-11-23-h200x2-allreduce-ipc-nccl-torch-16M-1G.json (16 MiB-1 GiB: 0.82-0.91x
-    # NCCL's time; 1 GiB by copy engines)
-    2: {
-        "all_reduce": [(0, 1 << 62)],
-        "broadcast": [(0, 8 << 20), (16 << 20, 64 << 20)],
-        "all_gather": [(8 << 20, 128 << 20)],
-        "reduce_scatter": [(8 << 20, 128 << 20)],
-        "send": [(8 << 20, 1 << 62)],
-        "recv": [(8 << 20, 1 << 62)],
-    },
-}
+ROUTES = Path(__file__).with_name("routes.json")
+
+
+def load_routes(path: Path = ROUTES) -> dict[int, dict[str, list[tuple[int, int]]]]:
+    """policy="auto"'s table, by the number of ranks it was measured on: for each op, the sizes
+    (bytes of each rank's array: the input of all_reduce, broadcast, all_gather and messages,
+    the output of reduce_scatter) that run on the ipc kernels, as (above, at most] ranges; every
+    other size runs on NCCL. Data written by benchmarks/auto_table.py from measured runs."""
+    ranks = json.loads(path.read_text())["ranks"]
+    return {int(n): {op: [(int(lo), int(hi)) for lo, hi in spans]
+                     for op, spans in entry["routes"].items()}
+            for n, entry in ranks.items()}
+
+
+AUTO_IPC_RANGES = load_routes()
 POLICIES = ("ipc", "auto")
 # all_reduce's paths by the bytes of the array, by default: data+flag words up to LL_BYTES, one
 # shot up to ONE_SHOT_BYTES, two shots above; copy engines from CE_BYTES up (settings.py)
@@ -102,15 +100,13 @@ class IpcBackend(QueuedGpuBackend):
         self._args = describe_args(memory)
         self._params = (ctypes.c_void_p * 1)(ctypes.addressof(self._args))
         self._params_address = ctypes.addressof(self._params)
-        # measured on 2 x H200: 32 blocks moved 252 GB/s (all_reduce busbw, 1 GiB), 64 298, 128 335
+        # fewer blocks leave NVLink bandwidth unused (results: the blocks-per-kernel sweeps)
         self.max_blocks = settings.IPC_BLOCKS.get()
         # all_reduce: data+flag words up to ll_bytes, one shot up to one_shot_bytes, else two
         self.ll_bytes = min(settings.IPC_LL_KB.get(), self.layout.slot_bytes // 2)
         self.one_shot_bytes = settings.IPC_ONE_SHOT_KB.get()
-        # copy engines from ce_bytes up (where the layout has their area, and there are peers);
-        # on 2 x H200 (benchmarks/lab/ce_modes.py, 2 chunks, a 512 MiB slot) they beat the two-shot
-        # kernels at 1 GiB (364-373 GB/s busbw vs 333), not reliably at 256 MiB (312-352 from
-        # run to run vs 331-335), not at 128 or 64 MiB (311-313 vs 329; 239-249 vs 310)
+        # copy engines from ce_bytes up (where the layout has their area, and there are peers):
+        # the size from which they beat the two-shot kernels in the recorded runs
         self.ce_bytes = settings.IPC_CE_KB.get()
         self.ce_chunks = settings.IPC_CE_CHUNKS.get()  # per segment
         # streams wait for its flags in ce_wait kernels, or by cuStreamWaitValue32
@@ -389,9 +385,7 @@ class IpcBackend(QueuedGpuBackend):
 class _CeKernels:
     """ce.Kernels for one copy-engine all_reduce: `reduce_local` (the `kernel` named), flags
     raised by a one-thread kernel (ce_flags) and waited for by another (ce_wait) or, with
-    ANYCCL_IPC_CE_SYNC=memop-wait, by stream memory operations (cuStreamWaitValue32). Measured
-    alike on 2 x H200 (benchmarks/lab/ce_modes.py); both beat flags written by stream memory
-    operations, which ce.py no longer uses."""
+    ANYCCL_IPC_CE_SYNC=memop-wait, by stream memory operations (cuStreamWaitValue32)."""
 
     def __init__(self, backend: IpcBackend, kernel: str, itemsize: int, scale: float) -> None:
         self.b, self.kernel, self.itemsize, self.scale = backend, kernel, itemsize, scale
@@ -406,7 +400,6 @@ class _CeKernels:
         self._pointers(arrays, arrays)
         a = self.b._args
         a.count, a.scale = count, self.scale
-        # (1024 blocks of one 64 KiB tile each measured no faster: 307-353 GB/s at 1 GiB)
         self.b._launch(self.kernel, self.b._blocks(count * self.itemsize), stream)
 
     def flags(self, stream: int, clear: list[int], raise_: list[int]) -> None:

@@ -2,13 +2,10 @@
 NVLink, a small kernel reduces what arrived in local memory, and flags in the ranks' signal
 areas (raised by one-thread kernels) order the two across ranks.
 
-Why: on 2 x H200 (NV18) the copy engines move 392-396 GB/s per direction where SM stores
-reach 368-371, and a two-shot all_reduce driven by them from one process reached 345-372 GB/s
-busbw at 256 MiB and 380-387 at 1 GiB against 334 for the SM kernels
-(`benchmarks/lab/ce_allreduce.py`, `link_ceiling.py`). Between processes this module reaches
-364-373 at 1 GiB (`benchmarks/lab/ce_modes.py`, anyccl bench; the SM kernels 333, torch 327-330),
-but from 312 to 352 at 256 MiB from run to run (SM kernels 331-335) and less below, so it
-serves 512 MiB and up.
+Why: the copy engines move more per direction over NVLink than SM stores do, and for the
+largest arrays this path beats the two-shot kernels; below ANYCCL_IPC_CE_KB it does not (the
+per-chunk flags cost more than the engines gain). The figures are in benchmarks/results/
+(the copy-engine all_reduce runs) and benchmarks/lab/ (the experiments behind this design).
 
 The array is cut into `nranks` segments; rank q reduces segment q. Each segment is cut into
 chunks; chunk k goes through position k % positions of the slots (memory.py: one slot per
@@ -23,16 +20,8 @@ peer in each rank's copy-engine area). For each chunk, on three streams of this 
               its slot for me into the output; clear those flags
 
 Flags are written by a one-thread kernel (`ce_flags`) and waited for by another (`ce_wait`),
-or by cuStreamWaitValue32 (ANYCCL_IPC_CE_SYNC=memop-wait: measured alike). Not written by
-cuStreamWriteValue32: CUDA precedes it with a system-wide memory fence, slow with copies in
-flight (one process, 256 MiB: 331-333 GB/s with stream-memop flags, 348-352 with kernels;
-between processes, 2 chunks: 321 and 337 at 256 MiB and 1 GiB against 347 and 370:
-ce_modes.py).
-
-Tried and measured slower, so not kept: returning results by pushes into a second slot per
-peer, copied out locally (with stream-memop flags, 4 chunks: 308 and 341 GB/s at 256 MiB and
-1 GiB against 328-332 and 349-354 for pulls), although in one process pushing back beats
-pulling (ce_allreduce.py --back); more chunks (4: 311 and 347; 8: 271 and 275).
+or by cuStreamWaitValue32 (ANYCCL_IPC_CE_SYNC=memop-wait). Not written by cuStreamWriteValue32:
+CUDA precedes it with a system-wide memory fence, which slows the copies in flight.
 
 S is the caller's stream; P and B fork from it and join it again at the end. A push into a
 position waits until this rank's pull from that position (chunk k - positions) finished.

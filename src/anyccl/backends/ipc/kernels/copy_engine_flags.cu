@@ -22,10 +22,9 @@ extern "C" __global__ void ce_wait(Args a) {
 // One thread clears the flags at ins[q] (this rank's own, 32-bit), then raises those at outs[q]
 // (in peers' signal areas) to 1, after every write the stream made before it (the copies and the
 // reduction queued ahead: the kernel boundary orders them; the system fence makes them visible
-// to the peers first). A null pointer is skipped. A kernel instead of cuStreamWriteValue32,
-// which CUDA precedes with a system-wide memory fence: with copies in flight on the other
-// streams those writes measured slow (ce_allreduce.py --sync, one process, 256 MiB: 333 GB/s
-// with stream-memop flags, 352 with kernel-raised ones).
+// to the peers first). A null pointer is skipped. A kernel rather than cuStreamWriteValue32,
+// which CUDA precedes with a system-wide memory fence that slows the copies in flight on the
+// other streams.
 extern "C" __global__ void ce_flags(Args a) {
     if (threadIdx.x != 0 || blockIdx.x != 0) return;
     for (int q = 0; q < a.nranks; ++q)
