@@ -316,7 +316,7 @@ class Communicator:
         self._gpu_side.queue(record, [entry for _, entry, *_ in pending], enqueue, arrays, True,
                            next(iter(streams), None), works[0])
         for w in works[1:]:
-            w._bind(works[0]._event, works[0]._deadline)
+            w.bind(*works[0].bound_to())
 
     # ---- point to point ----------------------------------------------------------------------
     def _p2p_args(self, op: str, tensor: Any, peer: Any, peer_name: str, tag: Any,

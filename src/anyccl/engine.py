@@ -84,7 +84,7 @@ class Engine:
         return done
 
     def _finished(self, work: Work, error: BaseException | None) -> None:
-        work._finish(error)
+        work.complete(error)
         with self._state:
             self._outstanding -= 1
             self._state.notify_all()

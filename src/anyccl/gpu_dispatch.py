@@ -141,7 +141,7 @@ class GpuDispatch:
                 waits_on = (lambda: None) if host_synced else (
                     current_stream(arrays[0]) if stream is None else (lambda: after[0]))
                 work = GpuWork(record, self.rank, backend, waits_on)
-            work._bind(event, deadline)
+            work.bind(event, deadline)
             return work
         if host_synced:
             backend.host_wait(event, record, deadline)

@@ -26,7 +26,8 @@ class Work:
         self._done = threading.Event()
         self._error: BaseException | None = None
 
-    def _finish(self, error: BaseException | None = None) -> None:
+    def complete(self, error: BaseException | None = None) -> None:
+        """Mark the operation finished, with `error` if it failed (called by the engine)."""
         self._error = error
         self._done.set()
 
@@ -73,8 +74,13 @@ class GpuWork(Work):
         self._deadline = 0.0
         self._current_stream = current_stream
 
-    def _bind(self, event: int, deadline: float) -> None:
+    def bind(self, event: int, deadline: float) -> None:
+        """Attach the event that marks the operation's end (set by the GPU dispatch)."""
         self._event, self._deadline = event, deadline
+
+    def bound_to(self) -> tuple[int, float]:
+        """(event, deadline) this Work was bound to (a batch's Works share one)."""
+        return self._bound(), self._deadline
 
     def _bound(self) -> int:
         if self._event is None:
