@@ -411,3 +411,40 @@ def check_gradient_averager_on_gpu_arrays(comm):
 def test_gradient_averager_on_torch_cupy_and_jax_gpu_arrays(world):
     assert all(run_ranks(check_gradient_averager_on_gpu_arrays, world, env=GPU_ENV,
                          deadline_s=90))
+
+
+# ---- bit-identical reductions on every GPU backend --------------------------------------------
+def check_order_dependent_sums(comm, count: int, dtype_name: str) -> list[str]:
+    import hashlib
+
+    from test_collectives import order_sensitive
+
+    from anyccl.buffers import BFLOAT16
+
+    dtype = np.dtype(BFLOAT16 if dtype_name == "bfloat16" else dtype_name)
+    d, n, r = comm.device, comm.size, comm.rank
+    mine = order_sensitive(r, count, dtype)
+    digests = []
+    for op in (ReduceOp.SUM, ReduceOp.AVG):
+        x = to_gpu(mine, d)
+        comm.all_reduce(x, op=op)
+        digests.append(hashlib.sha256(to_host(x).tobytes()).hexdigest())
+        out = to_gpu(np.zeros(count, dtype), d)
+        comm.reduce_scatter(out, to_gpu(np.concatenate([mine] * n), d), op=op)
+        everything = to_gpu(np.zeros(count * n, dtype), d)
+        comm.all_gather(everything, out)
+        digests.append(hashlib.sha256(to_host(everything).tobytes()).hexdigest())
+    return digests
+
+
+@two_gpus()
+@pytest.mark.parametrize("backend", ["nccl", "ipc", "auto"])
+@pytest.mark.parametrize("count", [1000, 300_001, 4_194_307])  # low latency, one, two shots
+@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
+def test_order_dependent_sums_are_bit_identical_on_every_gpu(backend, count, dtype_name):
+    env = {**GPU_ENV, "ANYCCL_BACKEND": f"cpu:shm,cuda:{backend}"}
+    n = gpu.device_count()
+    results = run_ranks(check_order_dependent_sums, n, count, dtype_name, env=env,
+                        deadline_s=240)
+    assert all(digests == results[0] for digests in results), \
+        f"{backend}: ranks hold different results of one reduction"
