@@ -14,10 +14,9 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from ._units import size_of
 from .errors import InvalidArgumentError
 
-_SIZE_SUFFIXES = {"B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20,
-                  "MB": 1 << 20, "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 _UNITS = {"bytes": 1, "KiB": 1 << 10, "MiB": 1 << 20}
 
@@ -50,7 +49,7 @@ class Setting:
         """`text` as this setting's type; InvalidArgumentError naming the variable if not."""
         value: Any
         if self.kind == "size":
-            value = _size(text, _UNITS[self.unit])
+            value = size_of(text, _UNITS[self.unit])
             if value is None:
                 self._refuse(text, f"a size, e.g. 64K, 16M, 1G, or a number of {self.unit}")
         elif self.kind == "int":
@@ -95,19 +94,6 @@ class Setting:
         if self.kind == "bool":
             return "1" if self.default else "0"
         return str(self.default)
-
-
-def _size(text: str, unit: int) -> int | None:
-    s = text.strip().upper()
-    digits = s.rstrip("KMGIB")
-    suffix = s[len(digits):]
-    try:
-        number = float(digits)
-    except ValueError:
-        return None
-    if number < 0 or (suffix and suffix not in _SIZE_SUFFIXES):
-        return None
-    return int(number * (_SIZE_SUFFIXES[suffix] if suffix else unit))
 
 
 def _format_size(n: int) -> str:
