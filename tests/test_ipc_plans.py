@@ -11,6 +11,7 @@ import pytest
 
 from anyccl import ReduceOp, gpu
 from anyccl.backends.ipc import backend as ipc
+from anyccl.backends.ipc import compiler
 from anyccl.backends.ipc.memory import TILE_BYTES, KernelArgs, Layout
 from anyccl.buffers import BFLOAT16, GpuArray
 from anyccl.errors import InvalidArgumentError
@@ -68,10 +69,7 @@ def make_backend(names, size=2, rank=0, policy="ipc", half_mb=2):
     b.max_blocks, b.ll_bytes, b.one_shot_bytes = 128, min(16 << 10, layout.slot_bytes // 2), \
         256 << 10
     b.ce_bytes = 1 << 62  # the copy-engine path: tests/test_ipc_copy_engines.py
-    kernels = ["all_gather", "broadcast", "barrier", "send", "recv"] + [
-        f"{k}_{d}_{o}" for k in ("all_reduce_0", "all_reduce_2", "reduce_scatter")
-        for d in ("float32", "float16", "bfloat16") for o in ("sum", "min", "max")]
-    b._kernels = {name: i for i, name in enumerate(kernels)}
+    b._kernels = {name: i for i, name in enumerate(compiler.kernel_names())}
     names.update({i: name for name, i in b._kernels.items()})
     backend_under_test.append(b)
     return b
@@ -94,18 +92,18 @@ def test_all_reduce_rounds_cover_every_element_once_within_the_buffers(launches,
         assert stream == 7 and a["scale"] == 0.5 and 1 <= blocks <= b.max_blocks
         assert a["inp"] == a["out"] == x.ptr + covered * size      # rounds in order, no gap
         nbytes = a["count"] * size
-        if kernel.startswith("all_reduce_0"):                       # data+flag words
+        if kernel.startswith("all_reduce_low_latency"):             # data+flag words
             assert len(seen) == 1 and 2 * nbytes <= slot and nbytes <= b.ll_bytes
-        elif kernel.startswith("reduce_scatter"):                   # one shot: all in a slot
+        elif kernel.startswith("all_reduce_one_shot"):              # one shot: all in a slot
             assert nbytes <= min(slot, b.one_shot_bytes)
             assert a["ins"][:2] == [a["inp"]] * 2                   # every piece: the array
         else:                                                       # two shots: a segment
-            assert kernel.startswith("all_reduce_2")
+            assert kernel.startswith("all_reduce_two_shot")
             assert -(-a["count"] // 2) * size <= slot
-        if not kernel.startswith("all_reduce_0"):
+        if not kernel.startswith("all_reduce_low_latency"):
             tile = a["tile_bytes"]
             assert TILE_BYTES <= tile <= b.layout.tile_bytes and tile % TILE_BYTES == 0
-            per_block = nbytes if kernel.startswith("reduce_scatter") else \
+            per_block = nbytes if kernel.startswith("all_reduce_one_shot") else \
                 -(-a["count"] // 2) * size
             assert -(-per_block // tile) <= b.layout.max_tiles       # every tile has a flag
         covered += a["count"]
