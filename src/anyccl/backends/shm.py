@@ -314,15 +314,17 @@ class SharedMemoryBackend(Backend):
                     continue
                 published = store.get(f"shm/{j}", timeout_s).decode()
                 if published.startswith(_NO_ROOM):
-                    raise RendezvousError(f"rank {self.rank}: rank {j} could not create its "
-                                          f"shared memory; it said: {published[len(_NO_ROOM):]}")
+                    raise self._no_room_elsewhere(j, published)
                 peer_host, peer_name = published.split("\n")
                 if peer_host != host:
                     raise RendezvousError(
                         f"rank {self.rank}: the shm backend serves ranks of one machine, but rank "
                         f"{j} runs on {peer_host!r} and this rank on {host!r}; use "
                         f"backend='mpi' across machines")
-                seg = _Segment(peer_name, self._layout.total, create=False)
+                try:
+                    seg = _Segment(peer_name, self._layout.total, create=False)
+                except FileNotFoundError:  # its owner gave up and removed it: say why
+                    raise self._start_up_failure(store, j) from None
                 if seg.words[_W_MAGIC] != _MAGIC:
                     raise RendezvousError(f"rank {self.rank}: rank {j}'s segment is not ready")
                 segments.append(seg)
@@ -334,6 +336,21 @@ class SharedMemoryBackend(Backend):
             raise
         self._own.unlink()
         return segments
+
+    def _no_room_elsewhere(self, j: int, published: str) -> RendezvousError:
+        return RendezvousError(f"rank {self.rank}: rank {j} could not create its shared memory; "
+                               f"it said: {published[len(_NO_ROOM):]}")
+
+    def _start_up_failure(self, store: Store, j: int) -> RendezvousError:
+        """Rank j's segment vanished during start-up: the reason a rank published, if one
+        did (no room in /dev/shm), else that rank j gave up."""
+        for q in range(self.size):
+            if q != self.rank and store.check(f"shm/{q}"):
+                published = store.get(f"shm/{q}", 1.0).decode()
+                if published.startswith(_NO_ROOM):
+                    return self._no_room_elsewhere(q, published)
+        return RendezvousError(f"rank {self.rank}: rank {j}'s shared-memory segment vanished "
+                               f"during start-up: rank {j} gave up or died")
 
     def _agree_on_cross_memory(self, store: Store, timeout_s: float) -> bool:
         """Whether every rank can read every peer's memory directly (probed, then agreed)."""
