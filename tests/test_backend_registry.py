@@ -173,7 +173,7 @@ def backend_name(comm) -> str:
 
 
 @pytest.mark.shm_only
-@pytest.mark.parametrize("world_size", (1, 2, 3))
+@pytest.mark.parametrize("world_size", (2, 3))
 @pytest.mark.parametrize("check", CHECKS, ids=lambda f: f.__name__.removeprefix("check_"))
 def test_a_backend_registered_from_a_test_file_runs_the_collective_suite(check, world_size):
     assert run_ranks(backend_name, world_size, env=SETUP) == ["store"] * world_size

@@ -147,12 +147,12 @@ def test_every_kernel_the_backend_launches_is_an_entry_point_of_the_source(tmp_p
         pytest.skip("no nvcc here to compile the kernels without a GPU")
     source = tmp_path / "kernels.cu"
     source.write_text(compiler.source())
-    cubin = tmp_path / "kernels.cubin"
-    proc = subprocess.run([nvcc, "-cubin", "-arch=sm_90", "-std=c++17", str(source), "-o",
-                           str(cubin)], capture_output=True, text=True, timeout=600)
+    ptx = tmp_path / "kernels.ptx"  # the front end is what can fail here; PTX is quicker
+    proc = subprocess.run([nvcc, "-ptx", "-arch=sm_90", "-std=c++17", str(source), "-o",
+                           str(ptx)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    symbols = set(re.findall(rb"[a-z_0-9]+", cubin.read_bytes()))
-    missing = [n for n in names if n.encode() not in symbols]
+    entries = set(re.findall(r"\.entry\s+([A-Za-z_0-9]+)", ptx.read_text()))
+    missing = [n for n in names if n not in entries]
     assert not missing, missing
 
 
