@@ -10,14 +10,17 @@ host time that is anyccl's code. `benchmarks/lab/gpu_overhead.py` measures the w
 import argparse
 import collections
 import cProfile
+import itertools
 import pstats
 import time
+from types import SimpleNamespace
 
 import numpy as np
 
 import anyccl
 from anyccl import gpu
 from anyccl.backends import nccl as nccl_module
+from anyccl.backends.gpu_queue import GpuQueue
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--op", default="all_reduce",
@@ -28,8 +31,12 @@ parser.add_argument("--calls", type=int, default=20000)
 parser.add_argument("--profile", action="store_true")
 args = parser.parse_args()
 
+
+
+handles = itertools.count(10)
 for name in ("record", "stream_wait"):
     setattr(gpu, name, lambda *a: None)
+gpu.new_stream = gpu.new_event = lambda device: next(handles)
 gpu.is_capturing = lambda stream: False
 gpu.use_device = gpu.set_device = lambda device: None
 gpu.device_count = lambda: 1
@@ -56,26 +63,20 @@ class DeviceArray:
                                          "stream": 7}
 
 
+queue = GpuQueue(0, "rank 0", lambda: None, rank=0, what="NCCL communicator")
+queue._watch = lambda item: None  # no watchdog thread: this measures the caller's side only
 backend = nccl_module.NcclBackend.__new__(nccl_module.NcclBackend)
-backend.__dict__.update(dict(
-    _b=Bindings(), _comm=0, rank=0, size=2, device=0, _label="rank 0", _lost_peer=lambda: None,
-    stream=5, _start=1, _events=list(range(10, 10 + nccl_module._EVENT_RING)), _next_event=0,
-    _last_stream=None, _last_event=0, _lock=__import__("threading").Lock(),
-    _wake=__import__("threading").Event(), _queued=__import__("collections").deque(),
-    _watchdog=None, _closing=False, failure=None, _reported=False, timeout_s=60.0,
-    _more_health=[], _more_aborts=[]))
-backend._watch = lambda item: None  # no thread: this measures the caller's side only
+backend.__dict__.update(dict(_b=Bindings(), _comm=0, rank=0, size=2, device=0, _label="rank 0",
+                             _lost_peer=lambda: None, timeout_s=60.0, queue=queue))
 
 if args.backend == "ipc":  # the kernels' side: real argument block and routing, no launches
-    from types import SimpleNamespace
-
     from anyccl.backends.ipc import backend as ipc_module
     from anyccl.backends.ipc.memory import KernelArgs, Layout
 
     gpu.launch = lambda *a: None
     ipc = ipc_module.IpcBackend.__new__(ipc_module.IpcBackend)
     ipc.__dict__.update(dict(
-        nccl=backend, policy="ipc", rank=0, size=2, device=0, layout=Layout(2),
+        nccl=backend, queue=queue, policy="ipc", rank=0, size=2, device=0, layout=Layout(2),
         memory=SimpleNamespace(error=lambda: (0, 0, 0, 0)), _status=np.zeros(8, np.uint64),
         _kernels=collections.defaultdict(int), _args=KernelArgs(), max_blocks=128,
         ll_bytes=1 << 20, one_shot_bytes=2 << 20, ce_bytes=1 << 62, _side=[], _fork=0))
@@ -83,8 +84,10 @@ if args.backend == "ipc":  # the kernels' side: real argument block and routing,
     backend = ipc
 
 comm = anyccl.init("shm")
-comm._device, comm._gpu = 0, backend
-comm.size = 2  # the communicator's view: two ranks (pieces, roots), while NCCL is stubbed
+gpu_side = comm._gpu_side  # this tool measures anyccl's internals: it installs the stubs there
+gpu_side.device, gpu_side.gpu = 0, backend
+# the communicator's view: two ranks (pieces, roots), while NCCL is stubbed
+comm.size = comm._check.size = gpu_side.size = 2
 x, whole = DeviceArray(2), DeviceArray(4, 1 << 33)
 call = {"all_reduce": lambda: comm.all_reduce(x),
         "all_gather": lambda: comm.all_gather(whole, x),
@@ -101,5 +104,5 @@ print(f"anyccl.{args.op} on a GPU array ({args.backend}), CUDA and NCCL stubbed:
 if args.profile:
     cProfile.run("for _ in range(5000): call()", "/tmp/host_path.prof")
     pstats.Stats("/tmp/host_path.prof").sort_stats("tottime").print_stats(16)
-comm._gpu = None
+gpu_side.gpu = None
 comm.close()

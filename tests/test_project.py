@@ -57,3 +57,13 @@ def test_every_recorded_run_the_code_and_docs_cite_exists():
     assert cited, "found no citations at all: the pattern is wrong"
     missing = {name: where for name, where in cited.items() if not (results / name).is_file()}
     assert not missing, f"cited but not recorded: {missing}"
+
+
+@pytest.mark.parametrize("backend", ["nccl", "ipc"])
+def test_the_host_path_benchmark_runs_anywhere(backend):
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "host_path.py"), "--op",
+                           "reduce_scatter", "--backend", backend, "--calls", "50"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"anyccl.reduce_scatter on a GPU array ({backend}), CUDA and NCCL stubbed:" in \
+        proc.stdout

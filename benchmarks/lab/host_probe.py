@@ -36,7 +36,7 @@ g_inp, g_out, g_tiny = (gpu_array(t, "x") for t in (inp, out, tiny))
 raw_rs = comm.gpu_backend.reduce_scatter(g_out, [g_inp[i * g_out.size:(i + 1) * g_out.size]
                                           for i in range(n)], ReduceOp.SUM)
 raw_nccl_tiny = comm.gpu_backend.all_reduce(g_tiny, ReduceOp.SUM)
-raw_ipc_tiny = kernels._gpu.all_reduce(g_tiny, ReduceOp.SUM)
+raw_ipc_tiny = kernels.gpu_backend.all_reduce(g_tiny, ReduceOp.SUM)
 
 
 def on_side():
