@@ -105,6 +105,13 @@ def test_a_failing_rank_stops_the_others_and_sets_the_exit_code(no_leftovers):
     assert "rank 1 failed first" in err
 
 
+def test_the_rank_the_others_lost_is_named_first_even_when_they_fail_before_it(no_leftovers):
+    proc = _launch(3, "slow-exit", str(no_leftovers), "1", "3")
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 3, err
+    assert "rank 1 failed first: it exited with code 3" in err, err
+
+
 def test_a_rank_killed_by_sigkill_stops_the_job_within_five_seconds(no_leftovers):
     proc = _launch(4, "kill", str(no_leftovers), "2")
     _pids(no_leftovers, 4)

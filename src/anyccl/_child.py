@@ -10,6 +10,7 @@ import signal
 import sys
 
 from . import settings
+from .errors import PeerLostError
 
 _PR_SET_PDEATHSIG = 1
 
@@ -24,15 +25,33 @@ def _die_with_launcher() -> None:
         os._exit(1)
 
 
+def lost_marker(job_id: str, rank: int) -> str:
+    """Where a rank that ends on an uncaught PeerLostError says which rank it lost, so the
+    launcher blames that rank, not the ones that only reacted to its loss."""
+    from .trace import flight_directory
+
+    return os.path.join(flight_directory(job_id), f"lost-by-rank{rank}")
+
+
 def main() -> None:
     _die_with_launcher()
     mode, target, *args = sys.argv[1:]
     sys.argv = [target, *args]
-    if mode == "-m":
-        runpy.run_module(target, run_name="__main__", alter_sys=True)
-    else:
-        sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
-        runpy.run_path(target, run_name="__main__")
+    try:
+        if mode == "-m":
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        else:
+            sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
+            runpy.run_path(target, run_name="__main__")
+    except PeerLostError as exc:
+        try:
+            path = lost_marker(settings.JOB_ID.get() or "local", int(os.environ["RANK"]))
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "w") as f:
+                f.write(str(exc.lost_rank))
+        except (OSError, KeyError, ValueError):
+            pass
+        raise
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from . import settings
 from .store import StoreServer
 
 GRACE_S = 3.0
+_REACTION_GRACE_S = 1.0  # how long a rank that lost a peer may wait for the rank it lost
 _POLL_S = 0.02
 
 
@@ -137,7 +138,7 @@ def run(nprocs: int, target: str, args: list[str], *, module: bool = False,
             ranks.append(RankProcess(rank, proc))
             relay.follow(proc.stdout, rank, sys.stdout)
             relay.follow(proc.stderr, rank, sys.stderr)
-        code = _watch(ranks, stop_requested)
+        code = _watch(ranks, stop_requested, job_id)
     finally:
         for rp in ranks:
             if rp.proc.poll() is None:
@@ -181,8 +182,20 @@ def print_flight_summary(job_id: str) -> None:
               file=sys.stderr)
 
 
-def _watch(ranks: list[RankProcess], stop_requested: list[int]) -> int:
+def _lost_by(job_id: str, rank: int) -> int | None:
+    """The rank that `rank` lost, if it ended on an uncaught PeerLostError."""
+    from ._child import lost_marker
+
+    try:
+        with open(lost_marker(job_id, rank)) as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None
+
+
+def _watch(ranks: list[RankProcess], stop_requested: list[int], job_id: str) -> int:
     first_failure: RankProcess | None = None
+    grace_until = 0.0
     while True:
         if stop_requested:
             signum = stop_requested[0]
@@ -193,9 +206,17 @@ def _watch(ranks: list[RankProcess], stop_requested: list[int]) -> int:
         running = [rp for rp in ranks if rp.proc.poll() is None]
         failed = [rp for rp in ranks if rp.proc.returncode not in (None, 0)]
         if failed and first_failure is None:
+            lost = {rp.rank: _lost_by(job_id, rp.rank) for rp in failed}
+            reacting = {r for r, j in lost.items() if j is not None}
+            if len(reacting) == len(failed) and running and \
+                    time.monotonic() < (grace_until := grace_until or
+                                        time.monotonic() + _REACTION_GRACE_S):
+                time.sleep(_POLL_S)  # only ranks that lost a peer so far: wait for the cause
+                continue
             # Seen in the same poll, a rank killed by a signal is the likelier cause: the others
-            # often exit because they lost it.
-            first_failure = min(failed, key=lambda rp: (rp.proc.returncode >= 0, rp.rank))
+            # often exit because they lost it; and a rank that ended on a lost peer is not.
+            first_failure = min(failed, key=lambda rp: (rp.rank in reacting,
+                                                        rp.proc.returncode >= 0, rp.rank))
             if running:
                 what = _describe(first_failure.proc.returncode)
                 print(f"anyccl run: rank {first_failure.rank} {what} (first failure); stopping "

@@ -4,6 +4,8 @@
   kill RANK              rank RANK kills itself with SIGKILL mid-loop
   forever                every rank loops on collectives until stopped
   chatty                 every rank prints 300 lines in pieces and ends on a line without newline
+  slow-exit RANK CODE    rank RANK closes its communicator, and exits with CODE half a second
+                         later: the others lose it first and fail before it does
 """
 
 import os
@@ -32,6 +34,10 @@ for step in range(10**9):
     if mode == "ok" and step == 20:
         break
     if mode == "exit" and comm.rank == int(sys.argv[3]) and step == 5:
+        sys.exit(int(sys.argv[4]))
+    if mode == "slow-exit" and comm.rank == int(sys.argv[3]) and step == 5:
+        comm.close()
+        time.sleep(0.5)
         sys.exit(int(sys.argv[4]))
     if mode == "kill" and comm.rank == int(sys.argv[3]) and step == 5:
         os.kill(os.getpid(), signal.SIGKILL)

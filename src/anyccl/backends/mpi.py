@@ -79,7 +79,8 @@ class Departures:
 
     def __init__(self, store: Store, world_rank: int, world_size: int) -> None:
         self._store, self.world_rank, self.world_size = store, world_rank, world_size
-        self._left: dict[int, str] = {}
+        self._left: dict[int, tuple[int, str]] = {}  # rank -> (the rank it lost or -1, why)
+        self.lost_world_rank = -1  # set once this process reported losing that rank
         self._wanted_until = 0.0
         self._wake = threading.Event()
         self._watcher: threading.Thread | None = None
@@ -94,7 +95,8 @@ class Departures:
 
         def tell() -> None:
             try:
-                self._store.set(f"mpi/left/{self.world_rank}", why.encode())
+                self._store.set(f"mpi/left/{self.world_rank}",
+                                f"{self.lost_world_rank}\n{why}".encode())
                 self._store.add("mpi/left", 1)
             except Exception:  # noqa: BLE001 - the store may be gone with rank 0 at exit
                 pass
@@ -113,7 +115,13 @@ class Departures:
         self._wake.set()
         for r in world_ranks:
             if r in self._left:
-                return r, self._left[r]
+                origin, seen = r, {r}   # name the rank whose loss made the others leave
+                while self._left.get(origin, (-1, ""))[0] not in (-1, *seen):
+                    origin = self._left[origin][0]
+                    seen.add(origin)
+                if origin != r and origin in self._left:
+                    return origin, f"{self._left[origin][1]} (rank {r} left after losing it)"
+                return r, self._left[r][1]
         return None
 
     def _watch(self) -> None:
@@ -130,7 +138,9 @@ class Departures:
                     for r in range(self.world_size):
                         if r not in self._left and r != self.world_rank and \
                                 self._store.check(f"mpi/left/{r}"):
-                            self._left[r] = self._store.get(f"mpi/left/{r}", 1.0).decode()
+                            lost, _, why = self._store.get(f"mpi/left/{r}", 1.0).decode() \
+                                .partition("\n")
+                            self._left[r] = (int(lost), why)
             except Exception:  # noqa: BLE001 - a store that stopped answering: rank 0 left
                 return
             time.sleep(_DEPARTURE_CHECK_S)
@@ -268,6 +278,7 @@ class MpiBackend(Backend):
         rank, what = self._lost
         self._lost_since = None
         if not _lost_a_peer:
+            self._departures.lost_world_rank = self._world_ranks[rank]
             _lost_a_peer.append(f"rank {self._departures.world_rank} lost {what.split(' ')[0]} "
                                 f"{what.split(' ')[1]}")
             atexit.register(_exit_without_finalize)  # after mpi4py's: runs before it

@@ -55,6 +55,7 @@ _W_MAGIC, _W_PID, _W_ARRIVE, _W_CLOSED, _W_STATUS_LEN = 0, 1, 2, 3, 8
 _BELL_OFFSET = 32                  # bytes; SEM_BYTES long, words 4..7
 _STATUS_OFFSET, _STATUS_BYTES = 72, 256
 _W_SEGMENT_ADDRESS = 42            # where the owner maps its own segment (to probe CMA)
+_W_LOST = 43                       # 1 + the rank whose loss this rank reported (0: none)
 _W_SENT = 64                       # words 64 .. 64+n: bytes this rank wrote into channel to j
 _HEADER = 32                       # message header: tag, nbytes, dtype code, 0 (int64 each)
 _PEER_CHECK_S = 0.25
@@ -437,12 +438,37 @@ class SharedMemoryBackend(Backend):
         # a death first: a peer that closed may only have reacted to that death
         lost = self.lost_peer()
         if lost is not None:
-            raise PeerLostError(f"rank {self.rank}: {lost[1]} while this rank was in "
-                                f"{self._record}", lost[0])
+            origin = self._origin(lost[0])
+            if origin == lost[0]:
+                raise self._lost(origin, f"{lost[1]} while this rank was in {self._record}")
+            raise self._lost(origin, f"rank {origin} left while this rank was in {self._record} "
+                                     f"({lost[1]} after losing it)")
         for j in range(self.size):
             if j != self.rank and self._ctl[j][_W_CLOSED]:
-                raise PeerLostError(f"rank {self.rank}: rank {j} closed its communicator while "
-                                    f"this rank was in {self._record}", j)
+                origin = self._origin(j)
+                if origin == j:
+                    raise self._lost(j, f"rank {j} closed its communicator while this rank was "
+                                        f"in {self._record}")
+                raise self._lost(origin, f"rank {origin} left while this rank was in "
+                                         f"{self._record} (rank {j}, which lost it, has closed)")
+
+    def _origin(self, j: int) -> int:
+        """The rank whose loss started the departures that reached rank j: each rank that
+        reported a lost peer says which (in its control block), so every rank names the same
+        first one, not a peer that only left because of it."""
+        seen = {j}
+        while True:
+            lost = int(self._ctl[j][_W_LOST])
+            if not lost or lost - 1 in seen or lost - 1 == self.rank:
+                return j
+            j = lost - 1
+            seen.add(j)
+
+    def _lost(self, j: int, what: str) -> PeerLostError:
+        """The error for losing rank j, noted in this rank's control block for the others."""
+        if not self._own.words[_W_LOST]:
+            self._own.words[_W_LOST] = j + 1
+        return PeerLostError(f"rank {self.rank}: {what}", j)
 
     def lost_peer(self) -> tuple[int, str] | None:
         if self._closed:
