@@ -177,6 +177,8 @@ def abort_job_on_uncaught_exceptions() -> None:
         rank = _mpi().COMM_WORLD.Get_rank()
         print(f"anyccl: rank {rank} raised {kind.__name__} and did not catch it; aborting the "
               f"MPI job so that the other ranks do not wait for it", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        time.sleep(0.5)  # MPI_Abort tears the job down at once: let the launcher forward this
         _mpi().COMM_WORLD.Abort(1)
 
     hook.anyccl_aborts = True  # type: ignore[attr-defined]
