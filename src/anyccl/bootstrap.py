@@ -26,8 +26,6 @@ from .store import FileStore, PrefixStore, Store, StoreServer, TCPStore
 
 log = logging.getLogger("anyccl")
 
-DEFAULT_TIMEOUT_S = settings.TIMEOUT.default
-
 # (rank, world size, local rank) variables of the launchers we recognise, in order of preference
 _LAUNCHER_ENV = (
     ("RANK", "WORLD_SIZE", "LOCAL_RANK"),

@@ -58,9 +58,8 @@ def load_routes(path: Path = ROUTES) -> dict[int, dict[str, list[tuple[int, int]
 
 AUTO_IPC_RANGES = load_routes()
 POLICIES = ("ipc", "auto")
-# all_reduce's paths by the bytes of the array, by default: data+flag words up to LL_BYTES, one
-# shot up to ONE_SHOT_BYTES, two shots above; copy engines from CE_BYTES up (settings.py)
-LL_BYTES = settings.IPC_LL_KB.default
+# all_reduce's paths by the bytes of the array, by default (the model in benchmarks/roofline
+# reads these): one shot up to ONE_SHOT_BYTES, two shots above, copy engines from CE_BYTES up
 ONE_SHOT_BYTES = settings.IPC_ONE_SHOT_KB.default
 CE_BYTES = settings.IPC_CE_KB.default
 
