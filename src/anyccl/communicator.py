@@ -40,7 +40,7 @@ from .errors import (
 from .gpu_dispatch import GpuDispatch
 from .ops import COLLECTIVES, ReduceOp
 from .store import Store
-from .trace import FlightRecorder, OpRecord, flight_directory, format_bytes
+from .trace import ArgsText, FlightRecorder, OpRecord, flight_directory, format_bytes
 from .work import GpuWork, Work
 
 _OP_CODES = list(COLLECTIVES)
@@ -125,7 +125,7 @@ class Communicator:
         collective on GPU arrays. Does nothing if it exists."""
         self._gpu_side.connect("init")
 
-    def _collective(self, name: str, args: str, nbytes: int, call: Callable[[Any], Any],
+    def _collective(self, name: str, args: ArgsText, nbytes: int, call: Callable[[Any], Any],
                     async_op: bool, *, like: Array | None = None, root: int = -1,
                     op: ReduceOp | None = None, arrays: Sequence[tuple[str, Array]] = (),
                     stream: Any = None) -> Work | None:
@@ -152,13 +152,13 @@ class Communicator:
         if enqueue is not None:  # the GPU path: the host engine only runs debug mode's check
             if signature is not None:
                 self._engine.call(self._host_task(record, entry, signature, None),
-                                  Work(record, self.rank))
+                                  lambda: Work(record, self.rank))
             return self._gpu_side.queue(record, [entry], enqueue, [a for _, a in arrays],
                                       async_op, stream)
-        task, work = self._host_task(record, entry, signature, call), Work(record, self.rank)
+        task = self._host_task(record, entry, signature, call)
         if async_op:
-            return self._engine.submit(task, work)
-        self._engine.call(task, work)
+            return self._engine.submit(task, Work(record, self.rank))
+        self._engine.call(task, lambda: Work(record, self.rank))
         return None
 
     def _host_task(self, record: OpRecord, entry: dict, signature: np.ndarray | None,
@@ -216,7 +216,7 @@ class Communicator:
         key = (kind, peer)
         self._p2p_seq[key] = seq = self._p2p_seq.get(key, 0) + 1
         arrow = "dst" if kind == "send" else "src"
-        record = OpRecord(kind, seq, f"{arrow}={peer}, tag={tag}, {format_bytes(x.nbytes)}",
+        record = OpRecord(kind, seq, lambda: f"{arrow}={peer}, tag={tag}, {format_bytes(x.nbytes)}",
                           x.nbytes)
         op = kind if not async_op else "i" + kind
         if self._gpu_side.on_gpu(op, [("tensor", x)], stream):
@@ -225,7 +225,6 @@ class Communicator:
             raise self._check.fail(op, f"use i{kind} inside `with comm.batch():`")
         backend, engine, timeout_s = self._backend, self._engine, self.timeout_s
         post = backend.post_send if kind == "send" else backend.post_recv
-        work = Work(record, self.rank)
         entry = self.flight_recorder.queued(record)
 
         def finished(error: BaseException | None) -> None:
@@ -239,7 +238,7 @@ class Communicator:
                 done = engine.completion(w)
                 post(x, peer, tag, record, time.monotonic() + timeout_s,
                      lambda error: (finished(error), done(error)))
-            return engine.submit(task, work, finishes_itself=True)
+            return engine.submit(task, Work(record, self.rank), finishes_itself=True)
 
         outcome: list[BaseException | None] = []
 
@@ -248,18 +247,19 @@ class Communicator:
             deadline = time.monotonic() + timeout_s
             backend.begin(record, deadline)
             post(x, peer, tag, record, deadline, outcome.append)
-            try:
-                backend.wait_for_messages(lambda: bool(outcome), record, deadline)
-            except BaseException as exc:
-                finished(exc)
-                raise
+            if not outcome:
+                try:
+                    backend.wait_for_messages(lambda: bool(outcome), record, deadline)
+                except BaseException as exc:
+                    finished(exc)
+                    raise
             backend.end(record)
             finished(outcome[0])
             if outcome[0] is not None:
                 raise outcome[0]
 
-        engine.call(blocking, work)
-        return work
+        engine.call(blocking, lambda: Work(record, self.rank))
+        return None
 
     def _gpu_message(self, op: str, record: OpRecord, x: GpuArray, peer: int, tag: int,
                      async_op: bool, stream: Any) -> Work | None:
@@ -346,7 +346,7 @@ class Communicator:
     def isend(self, tensor: Any, dst: int, tag: int = 0, *, stream: Any = None) -> Work:
         """Start sending `tensor` to `dst`; do not modify it until the Work completes."""
         return self._message("send", *self._p2p_args("isend", tensor, dst, "dst", tag, False),
-                             True, stream)
+                             True, stream)  # type: ignore[return-value]
 
     def irecv(self, tensor: Any, src: int, tag: int = 0, *, stream: Any = None) -> Work:
         """Start receiving into `tensor`; read it only after the Work completes."""
@@ -362,7 +362,7 @@ class Communicator:
         self._check_open("broadcast")
         x = self._check.array("broadcast", tensor, "tensor", writable=True)
         src = self._check.peer("broadcast", src, "src")
-        return self._collective("broadcast", f"{_shape(x)}, src={src}", x.nbytes,
+        return self._collective("broadcast", lambda: f"{_shape(x)}, src={src}", x.nbytes,
                                 lambda b: b.broadcast(x, src), async_op, like=x, root=src,
                                 arrays=[("tensor", x)], stream=stream)
 
@@ -372,7 +372,7 @@ class Communicator:
         self._check_open("all_reduce")
         x = self._check.array("all_reduce", tensor, "tensor", writable=True)
         rop = self._check.reduce_op("all_reduce", op, x.dtype)
-        return self._collective("all_reduce", f"{_shape(x)}, op={rop.name}", x.nbytes,
+        return self._collective("all_reduce", lambda: f"{_shape(x)}, op={rop.name}", x.nbytes,
                                 lambda b: b.all_reduce(x, rop), async_op, like=x, op=rop,
                                 arrays=[("tensor", x)], stream=stream)
 
@@ -384,7 +384,7 @@ class Communicator:
         x = self._check.array("reduce", tensor, "tensor", writable=True)
         dst = self._check.peer("reduce", dst, "dst")
         rop = self._check.reduce_op("reduce", op, x.dtype)
-        return self._collective("reduce", f"{_shape(x)}, dst={dst}, op={rop.name}", x.nbytes,
+        return self._collective("reduce", lambda: f"{_shape(x)}, dst={dst}, op={rop.name}", x.nbytes,
                                 lambda b: b.reduce(x, dst, rop), async_op, like=x, root=dst,
                                 op=rop, arrays=[("tensor", x)], stream=stream)
 
@@ -396,7 +396,7 @@ class Communicator:
         x = self._check.array("all_gather", tensor, "tensor", writable=False)
         outs = self._check.pieces("all_gather", out, "out", x, writable=True)
         self._check.others_disjoint("all_gather", outs, "out", x, "tensor")
-        return self._collective("all_gather", _shape(x), x.nbytes * self.size,
+        return self._collective("all_gather", lambda: _shape(x), x.nbytes * self.size,
                                 lambda b: b.all_gather(outs, x), async_op, like=x,
                                 arrays=[("tensor", x), *_named("out", outs)], stream=stream)
 
@@ -408,7 +408,7 @@ class Communicator:
         x = self._check.array("gather", tensor, "tensor", writable=False)
         dst = self._check.peer("gather", dst, "dst")
         outs = self._check.root_pieces("gather", out_list, "out_list", x, dst, "dst", writable=True)
-        return self._collective("gather", f"{_shape(x)}, dst={dst}", x.nbytes * self.size,
+        return self._collective("gather", lambda: f"{_shape(x)}, dst={dst}", x.nbytes * self.size,
                                 lambda b: b.gather(x, outs, dst), async_op, like=x, root=dst,
                                 arrays=[("tensor", x), *_named("out_list", outs or [])],
                                 stream=stream)
@@ -422,7 +422,7 @@ class Communicator:
         src = self._check.peer("scatter", src, "src")
         pieces = self._check.root_pieces("scatter", chunks, "chunks", x, src, "src", writable=False)
         self._check.others_disjoint("scatter", pieces or [], "chunks", x, "out")
-        return self._collective("scatter", f"{_shape(x)}, src={src}", x.nbytes * self.size,
+        return self._collective("scatter", lambda: f"{_shape(x)}, src={src}", x.nbytes * self.size,
                                 lambda b: b.scatter(x, pieces, src), async_op, like=x, root=src,
                                 arrays=[("out", x), *_named("chunks", pieces or [])],
                                 stream=stream)
@@ -436,7 +436,7 @@ class Communicator:
         inputs = self._check.pieces("reduce_scatter", inp, "inp", x, writable=False)
         self._check.others_disjoint("reduce_scatter", inputs, "inp", x, "out")
         rop = self._check.reduce_op("reduce_scatter", op, x.dtype)
-        return self._collective("reduce_scatter", f"{_shape(x)}, op={rop.name}",
+        return self._collective("reduce_scatter", lambda: f"{_shape(x)}, op={rop.name}",
                                 x.nbytes * self.size, lambda b: b.reduce_scatter(x, inputs, rop),
                                 async_op, like=x, op=rop,
                                 arrays=[("out", x), *_named("inp", inputs)], stream=stream)
@@ -462,7 +462,7 @@ class Communicator:
             for j, piece in enumerate(inputs):
                 if i != j:
                     self._check.disjoint("all_to_all", o, f"out[{i}]", piece, f"inp[{j}]")
-        return self._collective("all_to_all", _shape(first), first.nbytes * self.size,
+        return self._collective("all_to_all", lambda: _shape(first), first.nbytes * self.size,
                                 lambda b: b.all_to_all(outs, inputs), async_op, like=first,
                                 arrays=[*_named("inp", inputs), *_named("out", outs)],
                                 stream=stream)

@@ -35,15 +35,31 @@ class Engine:
         self.failure: BaseException | None = None
 
     # ---- issuing -----------------------------------------------------------------------------
-    def call(self, task: Callable[[], None], work: Work) -> None:
-        """Run `task` to completion after everything issued before it; raise its error."""
+    def call(self, task: Callable[[], None], work: Callable[[], Work]) -> None:
+        """Run `task` to completion after everything issued before it; raise its error.
+        `work()` makes the Work that tracks it, needed only if it must queue."""
+        # The common case, nothing asynchronous outstanding and no other thread driving: run
+        # inline without touching the queue's condition. A submit that races in after the
+        # check queues behind this call (its worker needs `_drive`), as if issued after it.
+        if self._outstanding == 0 and self._drive.acquire(False):
+            try:
+                if self._outstanding == 0 and self.failure is None and not self._closing:
+                    try:
+                        task()
+                    except BaseException as exc:
+                        self._note_failure(exc)
+                        raise
+                    return
+            finally:
+                self._drive.release()
         with self._state:
             self._raise_if_unusable()
             inline = self._outstanding == 0 and not self._inline
             self._inline |= inline
         if not inline:
-            self._enqueue(lambda w: task(), work, False)
-            work.wait()
+            queued = work()
+            self._enqueue(lambda w: task(), queued, False)
+            queued.wait()
             return
         try:
             with self._drive:

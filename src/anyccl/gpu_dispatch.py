@@ -47,17 +47,20 @@ class GpuDispatch:
     def on_gpu(self, op: str, arrays: Sequence[tuple[str, Array]], stream: Any) -> bool:
         """Whether this call's arrays are GPU arrays (all on this rank's device) rather than host
         arrays; refuses a mix, and stream= with host arrays."""
-        on_gpu = [isinstance(a, GpuArray) for _, a in arrays]
-        if any(on_gpu) and not all(on_gpu):
-            g = next(n for (n, _), g in zip(arrays, on_gpu) if g)
-            h = next(n for (n, _), g in zip(arrays, on_gpu) if not g)
-            raise self._check.fail(op, f"{g} is a GPU array but {h} is in host memory; pass "
-                                       f"arrays of one kind")
-        if not any(on_gpu):
+        for _, a in arrays:  # the common host case first, in one pass
+            if isinstance(a, GpuArray):
+                break
+        else:
             if stream is not None:
                 raise self._check.fail(op, "stream= applies to GPU arrays only; these are host "
                                            "arrays")
             return False
+        on_gpu = [isinstance(a, GpuArray) for _, a in arrays]
+        if not all(on_gpu):
+            g = next(n for (n, _), g in zip(arrays, on_gpu) if g)
+            h = next(n for (n, _), g in zip(arrays, on_gpu) if not g)
+            raise self._check.fail(op, f"{g} is a GPU array but {h} is in host memory; pass "
+                                       f"arrays of one kind")
         device = self.device_for(op)
         for name, a in arrays:
             if a.device != device:

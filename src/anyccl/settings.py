@@ -153,7 +153,7 @@ SHM_CMA = _declare("SHM_CMA", "bool", True,
                    "Move large messages once, reading the peer's memory directly "
                    "(process_vm_readv), where the kernel allows it.")
 SPIN_US = _declare("SPIN_US", "float", None,
-                   "How long a waiting rank spins before it sleeps. Default: 50, or 0 when "
+                   "How long a waiting rank spins before it sleeps. Default: 200, or 0 when "
                    "ranks outnumber cores.", unit="us", minimum=0)
 
 # ---- mpi -------------------------------------------------------------------------------------

@@ -1,27 +1,45 @@
-"""What an operation is, for the messages that name it: op name, sequence number, arguments."""
+"""What an operation is, for the messages that name it: op name, sequence number, arguments.
+
+Both are made for every operation, so both are cheap: an `OpRecord` formats its argument text
+only when something reads it (an error message, a dump), and a flight-recorder entry is a short
+list that becomes a dict only when the record is dumped.
+"""
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from collections import deque
+from typing import Callable, Union
+
+ArgsText = Union[str, Callable[[], str]]
 
 
-@dataclass
 class OpRecord:
     """One operation issued on a communicator.
 
     `seq` counts the communicator's collectives (every rank numbers them alike) or, for
-    point-to-point ops, the messages on that (peer, direction).
+    point-to-point ops, the messages on that (peer, direction). `args` may be given as a
+    function that returns the text; it is called once, when the text is first read.
     """
 
-    name: str
-    seq: int
-    args: str = ""
-    nbytes: int = 0
-    issued_at: float = field(default_factory=time.monotonic)
+    __slots__ = ("name", "seq", "nbytes", "issued_at", "_args")
+
+    def __init__(self, name: str, seq: int, args: ArgsText = "", nbytes: int = 0) -> None:
+        self.name, self.seq, self.nbytes = name, seq, nbytes
+        self._args = args
+        self.issued_at = time.monotonic()
+
+    @property
+    def args(self) -> str:
+        if not isinstance(self._args, str):
+            self._args = self._args()
+        return self._args
 
     def __str__(self) -> str:
         return f"{self.name}({self.args}) #{self.seq}"
+
+    def __repr__(self) -> str:
+        return f"OpRecord({self})"
 
 
 def format_bytes(n: int) -> str:
@@ -34,37 +52,42 @@ def format_bytes(n: int) -> str:
     return f"{n} B"
 
 
+# a flight-recorder entry: [record, state, queued_at, started_at, ended_at, error]
+_RECORD, _STATE, _QUEUED, _STARTED, _ENDED, _ERROR = range(6)
+Entry = list
+
+
 class FlightRecorder:
     """The last `capacity` operations of one communicator on this rank, with their states
     (queued, started, done, failed) and times, for post-mortems of hangs and lost peers."""
 
     def __init__(self, rank: int, name: str, capacity: int = 64) -> None:
-        from collections import deque
-
         self.rank, self.name = rank, name
-        self._entries: deque[dict] = deque(maxlen=capacity)
+        self._entries: deque[Entry] = deque(maxlen=capacity)
         self.dumped_to: str | None = None
 
-    def queued(self, record: OpRecord) -> dict:
-        entry = {"op": record.name, "seq": record.seq, "args": record.args,
-                 "bytes": record.nbytes, "state": "queued", "queued_at": time.time(),
-                 "started_at": None, "ended_at": None, "error": None}
+    def queued(self, record: OpRecord) -> Entry:
+        entry = [record, "queued", time.time(), None, None, None]
         self._entries.append(entry)
         return entry
 
     @staticmethod
-    def started(entry: dict) -> None:
-        entry["state"], entry["started_at"] = "started", time.time()
+    def started(entry: Entry) -> None:
+        entry[_STATE], entry[_STARTED] = "started", time.time()
 
     @staticmethod
-    def ended(entry: dict, error: BaseException | None = None) -> None:
-        entry["state"] = "done" if error is None else "failed"
-        entry["ended_at"] = time.time()
-        if error is not None:
-            entry["error"] = f"{type(error).__name__}: {error}"
+    def ended(entry: Entry, error: BaseException | None = None) -> None:
+        entry[_ENDED] = time.time()
+        if error is None:
+            entry[_STATE] = "done"
+        else:
+            entry[_STATE], entry[_ERROR] = "failed", f"{type(error).__name__}: {error}"
 
     def entries(self) -> list[dict]:
-        return list(self._entries)
+        """The entries, oldest first, as dicts (op, seq, args, bytes, state, times, error)."""
+        return [{"op": r.name, "seq": r.seq, "args": r.args, "bytes": r.nbytes, "state": state,
+                 "queued_at": queued, "started_at": started, "ended_at": ended, "error": error}
+                for r, state, queued, started, ended, error in list(self._entries)]
 
     def dump(self, directory: str) -> str:
         """Write the entries as JSON to `directory`/flight-<name>-rank<r>.json; return the path."""

@@ -9,6 +9,8 @@ from typing import Any, Callable
 from .errors import TimeoutError
 from .trace import OpRecord
 
+_EVENTS = threading.Lock()  # orders a Work's completion against a waiter making its event
+
 
 class Work:
     """Completion of one asynchronous operation.
@@ -19,22 +21,38 @@ class Work:
     without a timeout never hangs for ever.
     """
 
-    __slots__ = ("record", "rank", "_done", "_error")
+    __slots__ = ("record", "rank", "_finished", "_event", "_error")
 
     def __init__(self, record: OpRecord, rank: int) -> None:
         self.record, self.rank = record, rank
-        self._done = threading.Event()
+        self._finished = False
+        self._event: threading.Event | None = None  # made only if someone must block on it
         self._error: BaseException | None = None
 
     def complete(self, error: BaseException | None = None) -> None:
         """Mark the operation finished, with `error` if it failed (called by the engine)."""
         self._error = error
-        self._done.set()
+        with _EVENTS:
+            self._finished = True
+            event = self._event
+        if event is not None:
+            event.set()
+
+    def _wait_finished(self, timeout: float | None) -> bool:
+        if self._finished:
+            return True
+        with _EVENTS:
+            if self._finished:
+                return True
+            if self._event is None:
+                self._event = threading.Event()
+            event = self._event
+        return event.wait(timeout)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until done; return True. Raise the operation's error, or anyccl.TimeoutError if
         `timeout` seconds pass first (the operation itself goes on)."""
-        if not self._done.wait(timeout):
+        if not self._wait_finished(timeout):
             waited = time.monotonic() - self.record.issued_at
             raise TimeoutError(f"rank {self.rank}: {self.record} is not complete after "
                                f"wait(timeout={timeout:g}) ({waited:.3g} s since it was issued)")
@@ -44,14 +62,14 @@ class Work:
 
     def is_completed(self) -> bool:
         """Whether the operation has finished, successfully or not. Never blocks."""
-        return self._done.is_set()
+        return self._finished
 
     def exception(self) -> BaseException | None:
         """The error the operation finished with; None while running or after success."""
-        return self._error if self._done.is_set() else None
+        return self._error if self._finished else None
 
     def __repr__(self) -> str:
-        state = ("failed" if self._error else "completed") if self._done.is_set() else "pending"
+        state = ("failed" if self._error else "completed") if self._finished else "pending"
         return f"<anyccl.Work rank {self.rank}: {self.record} {state}>"
 
 

@@ -42,6 +42,9 @@ class SymmetricStaging(Protocol):
     def peer(self, rank: int, half: int) -> np.ndarray:
         """Rank `rank`'s half as a uint8 array (read only by convention)."""
 
+    def typed(self, half: int, dtype: np.dtype) -> list[np.ndarray]:
+        """Every rank's whole `half` viewed as `dtype`, in rank order (write only this rank's)."""
+
     def barrier(self) -> None:
         """Return once every rank has reached the same barrier."""
 
@@ -81,16 +84,18 @@ def all_reduce(stg: SymmetricStaging, x: np.ndarray, op: ReduceOp, root: int | N
 
 def _one_shot(stg: SymmetricStaging, x: np.ndarray, op: ReduceOp, root: int | None) -> None:
     n, count, dtype = stg.size, x.size, x.dtype
-    for start, c in _chunks(count, max(1, stg.half_bytes // dtype.itemsize)):
-        half = stg.next_half()
-        _typed(stg.mine(half), dtype, c)[:] = x[start:start + c]
+    chunk = max(1, stg.half_bytes // dtype.itemsize)
+    for start in range(0, count, chunk):
+        c = min(chunk, count - start)
+        out = x if c == count else x[start:start + c]
+        staged = stg.typed(stg.next_half(), dtype)
+        staged[stg.rank][:c] = out
         stg.barrier()
         if root is not None and stg.rank != root:
             continue
-        out = x[start:start + c]
-        combine(out, _typed(stg.peer(0, half), dtype, c), _typed(stg.peer(1, half), dtype, c), op)
+        combine(out, staged[0][:c], staged[1][:c], op)
         for j in range(2, n):
-            accumulate(out, _typed(stg.peer(j, half), dtype, c), op)
+            accumulate(out, staged[j][:c], op)
         finish(out, op, n)
 
 
@@ -107,12 +112,12 @@ def _two_shot(stg: SymmetricStaging, x: np.ndarray, op: ReduceOp, root: int | No
     def copy_out(start: int, bounds: list[tuple[int, int]], half: int) -> None:
         for j, (lo, hi) in enumerate(bounds):
             if j != me:
-                x[start + lo:start + hi] = _typed(stg.peer(j, half), dtype, hi)[lo:hi]
+                x[start + lo:start + hi] = stg.typed(half, dtype)[j][lo:hi]
 
     for start, c in _chunks(count, max(1, stg.half_bytes // dtype.itemsize)):
         half = stg.next_half()
         bounds = split_bounds(c, n, align)
-        mine = _typed(stg.mine(half), dtype, c)
+        mine = stg.typed(half, dtype)[me][:c]
         for j, (lo, hi) in enumerate(bounds):
             if j != me:
                 mine[lo:hi] = x[start + lo:start + hi]
@@ -127,7 +132,7 @@ def _two_shot(stg: SymmetricStaging, x: np.ndarray, op: ReduceOp, root: int | No
             acc[:] = x[start + lo:start + hi]
         for j in range(n):
             if j != me:
-                accumulate(acc, _typed(stg.peer(j, half), dtype, hi)[lo:hi], op)
+                accumulate(acc, stg.typed(half, dtype)[j][lo:hi], op)
         finish(acc, op, n)
         if receives:
             mine[lo:hi] = acc

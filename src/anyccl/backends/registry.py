@@ -9,6 +9,7 @@ a program (or a test) can register its own the same way before calling `anyccl.i
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
@@ -74,6 +75,7 @@ _HOST: dict[str, HostEntry] = {}
 _GPU: dict[str, GpuEntry] = {}
 ALIASES = {"gloo": "shm", "cpu": "shm"}          # torch.distributed scripts name gloo
 _loaded = False
+_LOADING = threading.Lock()
 
 
 def register_host(entry: HostEntry) -> None:
@@ -88,9 +90,12 @@ def register_gpu(entry: GpuEntry) -> None:
 
 def _builtin() -> None:
     global _loaded
-    if not _loaded:
-        _loaded = True
-        from . import builtin  # noqa: F401 - registers anyccl's own backends
+    if _loaded:
+        return
+    with _LOADING:  # two threads calling init() at once both see the whole registry
+        if not _loaded:
+            from . import builtin  # noqa: F401 - registers anyccl's own backends
+            _loaded = True
 
 
 def host_backends() -> dict[str, HostEntry]:

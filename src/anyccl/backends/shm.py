@@ -25,6 +25,7 @@ import mmap
 import os
 import secrets
 import socket
+import struct
 import time
 from collections import deque
 from typing import Callable
@@ -35,7 +36,7 @@ from .. import settings
 from ..algorithms import direct, symmetric
 from ..buffers import SUPPORTED_DTYPES
 from ..errors import InvalidArgumentError, PeerLostError, RendezvousError, TimeoutError
-from ..ops import ReduceOp
+from ..ops import COLLECTIVES, ReduceOp
 from ..store import Store
 from ..trace import OpRecord, format_bytes
 from . import cross_memory
@@ -56,11 +57,17 @@ _BELL_OFFSET = 32                  # bytes; SEM_BYTES long, words 4..7
 _STATUS_OFFSET, _STATUS_BYTES = 72, 256
 _W_SEGMENT_ADDRESS = 42            # where the owner maps its own segment (to probe CMA)
 _W_LOST = 43                       # 1 + the rank whose loss this rank reported (0: none)
+_W_DOING = 44                      # what this rank does: seq << 24 | name code << 1 | 1 if in it
+_W_STATUS_FOR = 45                 # the _W_DOING value the status text describes
 _W_SENT = 64                       # words 64 .. 64+n: bytes this rank wrote into channel to j
 _HEADER = 32                       # message header: tag, nbytes, dtype code, 0 (int64 each)
+_HEADER_WORDS = struct.Struct("<4q")
 _PEER_CHECK_S = 0.25
+_SPIN_US = 200  # default spin while every rank has a core: past a sleep's wake-up time
 _NO_ROOM = "no room\n"             # published instead of a segment name when creation failed
 _DTYPE_CODE = {dt: i for i, dt in enumerate(SUPPORTED_DTYPES)}
+_NAMES = ("an operation", *COLLECTIVES, "barrier", "send", "recv", "batch")
+_NAME_CODE = {name: i for i, name in enumerate(_NAMES)}
 
 
 def _round_up(n: int, m: int) -> int:
@@ -207,8 +214,7 @@ class _Send:
 
     def __init__(self, data, tag, dtype, record, deadline, on_done):
         self.data = data
-        self.header = np.array([tag, data.size, _DTYPE_CODE[dtype], 0],
-                               dtype=np.int64).view(np.uint8)
+        self.header = (tag, data.size, _DTYPE_CODE[dtype], 0)
         self.total = _HEADER + _round_up(data.size, _HEADER)
         self.written = 0
         self.record, self.deadline, self.on_done = record, deadline, on_done
@@ -253,7 +259,7 @@ class SharedMemoryBackend(Backend):
         self._store, self._job_id, self._timeout_s = store, job_id, timeout_s
         spin_us = settings.SPIN_US.get()
         if spin_us is None:  # spinning only helps while every rank has a core of its own
-            spin_us = 0 if size > (os.cpu_count() or 1) else 50
+            spin_us = 0 if size > (os.cpu_count() or 1) else _SPIN_US
         self._spin_s = spin_us * 1e-6
         self._half = 1
         self._epoch = 0
@@ -261,6 +267,7 @@ class SharedMemoryBackend(Backend):
         self._deadline = float("inf")
         self._closed = False
         self._next_peer_check = 0.0
+        self._doing = 0
         if comm_name == WORLD:
             reclaim_dead_segments()
 
@@ -285,6 +292,9 @@ class SharedMemoryBackend(Backend):
         self._ctl = [seg.words for seg in self._segments]
         self._bells = [Doorbell(seg.address(_BELL_OFFSET), create=False)
                        for seg in self._segments]
+        self._peer_bells = [bell for j, bell in enumerate(self._bells) if j != rank]
+        self._peer_ctl = [ctl for j, ctl in enumerate(self._ctl) if j != rank]
+        self._typed: dict[tuple[int, np.dtype], list[np.ndarray]] = {}
         self._staging = [[seg.u8[layout.staging + h * layout.staging_bytes:
                                  layout.staging + (h + 1) * layout.staging_bytes]
                           for h in (0, 1)] for seg in self._segments]
@@ -378,23 +388,40 @@ class SharedMemoryBackend(Backend):
                                    timeout_s=timeout_s)
 
     # ---- waiting ---------------------------------------------------------------------------
+    # What a rank does is two integers in its control block, written at every begin and end;
+    # the full text (arguments and all) only when it starts to sleep in a wait, which is where
+    # a rank that holds the others up is found.
     def begin(self, record: OpRecord, deadline: float) -> None:
         self._record, self._deadline = record, deadline
-        self._set_status(str(record))
+        self._doing = (record.seq << 24) | (_NAME_CODE.get(record.name, 0) << 1) | 1
+        self._own.words[_W_DOING] = self._doing
 
     def end(self, record: OpRecord) -> None:
-        self._set_status(f"nothing (idle after {record})")
+        self._own.words[_W_DOING] = self._doing & ~1
 
-    def _set_status(self, text: str) -> None:
-        data = text.encode()[:_STATUS_BYTES]
+    def _describe_waiting(self) -> None:
+        """Write the text of the operation this rank is in, for peers' error messages."""
+        own = self._own.words
+        if self._record is None or own[_W_STATUS_FOR] == self._doing:
+            return
+        data = str(self._record).encode()[:_STATUS_BYTES]
         self._own.u8[_STATUS_OFFSET:_STATUS_OFFSET + len(data)] = np.frombuffer(data, np.uint8)
-        self._own.words[_W_STATUS_LEN] = len(data)
+        own[_W_STATUS_LEN] = len(data)
+        own[_W_STATUS_FOR] = self._doing
 
     def peer_status(self, j: int) -> str:
-        n = min(int(self._ctl[j][_W_STATUS_LEN]), _STATUS_BYTES)
-        text = bytes(self._segments[j].u8[_STATUS_OFFSET:_STATUS_OFFSET + n]).decode(
-            errors="replace")
-        return text or "idle"
+        ctl = self._ctl[j]
+        doing = int(ctl[_W_DOING])
+        if not doing:
+            return "nothing yet"
+        if int(ctl[_W_STATUS_FOR]) == doing | 1:  # it waited in this operation: the full text
+            n = min(int(ctl[_W_STATUS_LEN]), _STATUS_BYTES)
+            op = bytes(self._segments[j].u8[_STATUS_OFFSET:_STATUS_OFFSET + n]).decode(
+                errors="replace")
+        else:
+            code = (doing >> 1) & 0x7FFFFF
+            op = f"{_NAMES[code] if code < len(_NAMES) else _NAMES[0]}() #{doing >> 24}"
+        return op if doing & 1 else f"nothing (idle after {op})"
 
     def _wait_until(self, ready: Callable[[], bool], record: OpRecord | None, deadline: float,
                     waiting_for: Callable[[], str]) -> None:
@@ -405,7 +432,10 @@ class SharedMemoryBackend(Backend):
         while time.perf_counter() < spin_end:
             if ready():
                 return
-        next_check = 0.0
+        # peers are checked (a /proc read each) only once a wait has lasted a while: a check
+        # on every short wait slowed this rank enough to make its peers wait in turn
+        next_check = time.monotonic() + _PEER_CHECK_S
+        self._describe_waiting()
         while True:
             self._bell.drain()
             progressed = self._progress_messages()
@@ -495,15 +525,30 @@ class SharedMemoryBackend(Backend):
     def peer(self, rank: int, half: int) -> np.ndarray:
         return self._staging[rank][half]
 
+    def typed(self, half: int, dtype: np.dtype) -> list[np.ndarray]:
+        try:
+            return self._typed[(half, dtype)]
+        except KeyError:
+            whole = self.half_bytes - self.half_bytes % dtype.itemsize
+            views = self._typed[(half, dtype)] = [self._staging[r][half][:whole].view(dtype)
+                                                  for r in range(self.size)]
+            return views
+
     def barrier(self) -> None:
         self._epoch = epoch = self._epoch + 1
-        self._ctl[self.rank][_W_ARRIVE] = epoch
-        for j, bell in enumerate(self._bells):
-            if j != self.rank:
-                bell.ring()
-        ctl = self._ctl
-        self._wait_until(lambda: all(c[_W_ARRIVE] >= epoch for c in ctl), self._record,
-                         self._deadline, lambda: self._barrier_laggards(epoch))
+        self._own.words[_W_ARRIVE] = epoch
+        for bell in self._peer_bells:
+            bell.ring()
+        peers = self._peer_ctl
+        if all(c[_W_ARRIVE] >= epoch for c in peers):
+            return
+        if len(peers) == 1:
+            peer = peers[0]
+            ready = lambda: peer[_W_ARRIVE] >= epoch  # noqa: E731
+        else:
+            ready = lambda: all(c[_W_ARRIVE] >= epoch for c in peers)  # noqa: E731
+        self._wait_until(ready, self._record, self._deadline,
+                         lambda: self._barrier_laggards(epoch))
 
     def _barrier_laggards(self, epoch: int) -> str:
         late = [j for j, c in enumerate(self._ctl) if c[_W_ARRIVE] < epoch]
@@ -638,8 +683,8 @@ class SharedMemoryBackend(Backend):
                 break
             pos = self._sent[dst]
             lo, hi = msg.written, msg.written + n
-            if lo < _HEADER:
-                _ring_write(ring, pos, msg.header)
+            if lo < _HEADER:  # whole, and never across the ring's end (both multiples of it)
+                _HEADER_WORDS.pack_into(ring, pos % cap, *msg.header)
             a, b = max(lo, _HEADER) - _HEADER, min(hi - _HEADER, msg.data.size)
             if b > a:
                 _ring_write(ring, pos + (a + _HEADER - lo), msg.data[a:b])
@@ -662,8 +707,7 @@ class SharedMemoryBackend(Backend):
         while available > 0:
             msg = self._incoming[src]
             if msg is None:
-                header = _ring_read(ring, pos, _HEADER).view(np.int64)
-                tag, nbytes, code = int(header[0]), int(header[1]), int(header[2])
+                tag, nbytes, code, _ = _HEADER_WORDS.unpack_from(ring, pos % ring.size)
                 pos, available = pos + _HEADER, available - _HEADER
                 msg = self._incoming[src] = _Incoming(tag, nbytes, SUPPORTED_DTYPES[code])
                 self._match(msg, src)
@@ -725,7 +769,7 @@ class SharedMemoryBackend(Backend):
         for j, bell in enumerate(self._bells):
             if j != self.rank:
                 bell.ring()
-        self._bells = []
+        self._bells, self._peer_bells, self._peer_ctl, self._typed = [], [], [], {}
         self._staging, self._rings, self._out_rings, self._ctl = [], [], [], []
         for seg in self._segments:
             seg.close()
