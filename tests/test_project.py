@@ -3,6 +3,7 @@ every link and reference resolved."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -59,11 +60,15 @@ def test_every_recorded_run_the_code_and_docs_cite_exists():
     assert not missing, f"cited but not recorded: {missing}"
 
 
-@pytest.mark.parametrize("backend", ["nccl", "ipc"])
-def test_the_host_path_benchmark_runs_anywhere(backend):
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "host_path.py"), "--op",
-                           "reduce_scatter", "--backend", backend, "--calls", "50"],
-                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+def test_the_host_time_benchmark_runs_anywhere_and_times_every_op_on_every_backend(tmp_path):
+    out = tmp_path / "host-time.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "host_time.py"), "--calls",
+                           "50", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert f"anyccl.reduce_scatter on a GPU array ({backend}), CUDA and NCCL stubbed:" in \
-        proc.stdout
+    table = json.loads(out.read_text())["us_per_call"]
+    for op in ("all_reduce", "broadcast", "reduce", "all_gather", "gather", "scatter",
+               "reduce_scatter", "all_to_all", "send+recv"):
+        assert set(table[op]) == {"shm", "host", "nccl", "ipc"}, (op, table[op])
+        assert all(t > 0 for t in table[op].values()), (op, table[op])
+    assert "| all_reduce |" in proc.stdout

@@ -384,8 +384,9 @@ class Communicator:
         x = self._check.array("reduce", tensor, "tensor", writable=True)
         dst = self._check.peer("reduce", dst, "dst")
         rop = self._check.reduce_op("reduce", op, x.dtype)
-        return self._collective("reduce", lambda: f"{_shape(x)}, dst={dst}, op={rop.name}", x.nbytes,
-                                lambda b: b.reduce(x, dst, rop), async_op, like=x, root=dst,
+        return self._collective("reduce", lambda: f"{_shape(x)}, dst={dst}, op={rop.name}",
+                                x.nbytes, lambda b: b.reduce(x, dst, rop), async_op, like=x,
+                                root=dst,
                                 op=rop, arrays=[("tensor", x)], stream=stream)
 
     def all_gather(self, out: Any, tensor: Any, async_op: bool = False, *,

@@ -58,6 +58,7 @@ class Engine:
             self._inline |= inline
         if not inline:
             queued = work()
+            queued.helper = self.help
             self._enqueue(lambda w: task(), queued, False)
             queued.wait()
             return
@@ -76,8 +77,39 @@ class Engine:
                finishes_itself: bool = False) -> Work:
         """Queue `task`. It completes `work` by returning, or, with `finishes_itself` (posted
         messages), through the callback of `completion(work)`."""
+        work.helper = self.help
         self._enqueue(task, work, finishes_itself)
         return work
+
+    def help(self) -> bool:
+        """Do a step of the worker's job on the calling thread (one waiting on a Work): run the
+        next queued operation, else progress posted messages. False when another thread drives
+        or nothing is outstanding. A waiter that drives itself saves two thread hand-offs per
+        message, which cost more than a small message itself."""
+        if not self._drive.acquire(False):
+            return False
+        try:
+            item = self._take()
+            if item is not None:
+                self._run_queued(*item)
+                return True
+            if self._outstanding == 0 or self.failure is not None or self._closing:
+                return False
+            try:
+                self.backend.progress()
+            except BaseException as exc:  # a lost peer: everything outstanding fails
+                self._note_failure(exc)
+                self.backend.fail_pending(exc)
+                return False
+            return True
+        finally:
+            self._drive.release()
+
+    def _take(self) -> tuple[Callable[[Work], None], Work, bool] | None:
+        """The next queued operation, taken by the thread holding `_drive`, so that operations
+        run in issue order whichever thread runs them."""
+        with self._state:
+            return self._queue.popleft() if self._queue else None
 
     def _enqueue(self, task: Callable[[Work], None], work: Work, finishes_itself: bool) -> None:
         with self._state:
@@ -111,10 +143,13 @@ class Engine:
             with self._state:
                 while not self._queue and self._outstanding == 0 and not self._closing:
                     self._state.wait()
-                item = self._queue.popleft() if self._queue else None
+                queued = bool(self._queue)
                 closing = self._closing
-            if item is not None:
-                self._run_queued(*item)
+            if queued:
+                with self._drive:
+                    item = self._take()
+                    if item is not None:
+                        self._run_queued(*item)
                 continue
             if closing:
                 self._fail_all(CommunicatorClosedError(
@@ -133,14 +168,14 @@ class Engine:
             self.backend.wait_for_activity(_IDLE_POLL_S)
 
     def _run_queued(self, task: Callable[[Work], None], work: Work, finishes_itself: bool) -> None:
+        """Run one queued operation; the caller holds `_drive`."""
         error: BaseException | None = None
         if self.failure is not None:
             error = CommunicatorClosedError(
                 f"{work.record} was not run: the communicator broke earlier: {self.failure}")
         else:
             try:
-                with self._drive:
-                    task(work)
+                task(work)
             except BaseException as exc:
                 error = exc
                 self._note_failure(exc)

@@ -657,7 +657,12 @@ class SharedMemoryBackend(Backend):
 
     def wait_for_messages(self, finished: Callable[[], bool], record: OpRecord,
                           deadline: float) -> None:
-        self._wait_until(finished, record, deadline, lambda: "the matching message")
+        progress = self._progress_messages
+
+        def ready() -> bool:  # messages move only when someone moves them: while spinning too
+            progress()
+            return finished()
+        self._wait_until(ready, record, deadline, lambda: "the matching message")
 
     def _progress_messages(self) -> bool:
         moved = False
