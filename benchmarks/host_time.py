@@ -107,13 +107,19 @@ def host_calls(backend: str) -> dict[str, Callable[[], None]]:
         from anyccl.backends import shm
 
         peer._backend._own.words[shm._W_ARRIVE] = 1 << 62
-    x, y, whole = (np.zeros(2, np.float32), np.zeros(2, np.float32),
-                   np.zeros(4, np.float32))
+    x, y = np.zeros(2, np.float32), np.zeros(2, np.float32)
+    whole, other = np.zeros(4, np.float32), np.zeros(4, np.float32)
 
     def send_recv() -> None:
         comm.send(x, 1)
         (peer if backend == "shm" else comm).recv(y, 0 if backend == "shm" else 1)
 
+    return {**collective_calls(comm, x, whole, other), "barrier": lambda: comm.barrier(),
+            "send+recv": send_recv}
+
+
+def collective_calls(comm: Any, x: Any, whole: Any, other: Any) -> dict[str, Callable[[], None]]:
+    """Rank 0's call of every collective: `x` 2 elements, `whole` and `other` 4."""
     return {"all_reduce": lambda: comm.all_reduce(x),
             "broadcast": lambda: comm.broadcast(x, 0),
             "reduce": lambda: comm.reduce(x, 0),
@@ -121,9 +127,7 @@ def host_calls(backend: str) -> dict[str, Callable[[], None]]:
             "gather": lambda: comm.gather(x, whole, 0),
             "scatter": lambda: comm.scatter(x, whole, 0),
             "reduce_scatter": lambda: comm.reduce_scatter(x, whole),
-            "all_to_all": lambda: comm.all_to_all(whole, whole.copy()),
-            "barrier": lambda: comm.barrier(),
-            "send+recv": send_recv}
+            "all_to_all": lambda: comm.all_to_all(other, whole)}
 
 
 # ---- the GPU columns ---------------------------------------------------------------------------
@@ -192,14 +196,7 @@ def gpu_calls(kind: str) -> dict[str, Callable[[], None]]:
     comm.size = comm._check.size = gpu_side.size = 2
     x, whole = DeviceArray(2), DeviceArray(4, 1 << 33)
     other = DeviceArray(4, 1 << 34)
-    return {"all_reduce": lambda: comm.all_reduce(x),
-            "broadcast": lambda: comm.broadcast(x, 0),
-            "reduce": lambda: comm.reduce(x, 0),
-            "all_gather": lambda: comm.all_gather(whole, x),
-            "gather": lambda: comm.gather(x, whole, 0),
-            "scatter": lambda: comm.scatter(x, whole, 0),
-            "reduce_scatter": lambda: comm.reduce_scatter(x, whole),
-            "all_to_all": lambda: comm.all_to_all(other, whole),
+    return {**collective_calls(comm, x, whole, other),
             "send+recv": lambda: (comm.send(x, 1), comm.recv(x, 1))}
 
 
