@@ -540,15 +540,8 @@ class SharedMemoryBackend(Backend):
         for bell in self._peer_bells:
             bell.ring()
         peers = self._peer_ctl
-        if all(c[_W_ARRIVE] >= epoch for c in peers):
-            return
-        if len(peers) == 1:
-            peer = peers[0]
-            ready = lambda: peer[_W_ARRIVE] >= epoch  # noqa: E731
-        else:
-            ready = lambda: all(c[_W_ARRIVE] >= epoch for c in peers)  # noqa: E731
-        self._wait_until(ready, self._record, self._deadline,
-                         lambda: self._barrier_laggards(epoch))
+        self._wait_until(lambda: all(c[_W_ARRIVE] >= epoch for c in peers), self._record,
+                         self._deadline, lambda: self._barrier_laggards(epoch))
 
     def _barrier_laggards(self, epoch: int) -> str:
         late = [j for j, c in enumerate(self._ctl) if c[_W_ARRIVE] < epoch]
