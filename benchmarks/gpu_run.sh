@@ -13,7 +13,9 @@
 # experiment), cemodes (anyccl's copy-engine all_reduce per flag mechanism and chunks, beside
 # the SM kernels and torch: lab/ce_modes.py with CEMODES_ARGS), probe (eager host loops, anyccl
 # vs torch: lab/host_probe.py), calls (host time of the driver calls each operation makes:
-# lab/cuda_call_cost.py), pack (everything in $RESULTS_DIR into one gpu-out.tgz: last).
+# lab/cuda_call_cost.py), eager (8 B - 1 MiB eager calls: all_reduce on ipc beside nccl, torch
+# and torch's symmetric memory; the other ipc ops beside nccl and torch; every op on nccl beside
+# torch), graph (the four ipc ops as CUDA graph replays), pack (everything in $RESULTS_DIR into one gpu-out.tgz: last).
 # MIN/MAX change small's, large's and scale's sizes, ROUNDS the bench rounds (3); CE_ARGS are
 # ce_allreduce.py's arguments (e.g. "--sync events memops").
 # N=k runs the multi-rank steps on k ranks (default: one per visible GPU); K=expr selects ipc tests.
@@ -84,6 +86,13 @@ for what in "$@"; do
           benchmarks/ipc_check.py --iters 25 --max-elems 200000 2>&1 \
           | tee "$RESULTS_DIR/sanitizer-$tool.txt" | tail -8
     done ;;
+  eager) step eager  # eager calls 8 B - 1 MiB: the strongest peers of each op in one table
+    bench eager-all-reduce "${BENCH_TIMEOUT:-200}" ipc nccl,torch,symm all_reduce "${MIN:-8}" "${MAX:-1M}"
+    bench eager-ipc "${BENCH_TIMEOUT:-200}" ipc nccl,torch all_gather,reduce_scatter,broadcast \
+        "${MIN:-8}" "${MAX:-1M}"
+    bench eager-nccl "${BENCH_TIMEOUT:-200}" nccl torch all "${MIN:-8}" "${MAX:-1M}" ;;
+  graph) step graph  # the same calls captured in CUDA graphs: the GPU's time alone
+    GRAPH=1 bench graph-ipc "${BENCH_TIMEOUT:-200}" ipc nccl,torch "$FOUR" "${MIN:-8}" "${MAX:-1M}" ;;
   ipcsmall) step ipcsmall
     bench "ipc-small${GRAPH:+-graph}" 200 "${IPC_BACKEND:-ipc}" nccl,torch "${OPS:-all_reduce}" 8 \
         "${SMALL_MAX:-8M}" ;;

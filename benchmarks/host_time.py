@@ -12,6 +12,10 @@ What is stubbed, per column, so that only anyccl's code is timed:
     nccl   CUDA and NCCL calls stubbed (each costs nothing here): argument checks, the array
            adapter, routing, op record, stream ordering and queueing.
     ipc    as nccl, plus the kernels' argument block and routing; launches stubbed.
+    nccl-again, ipc-again
+           the same calls on arrays that are seen as torch CUDA tensors: from the second call on
+           the same arrays, a blocking call replays its cached plan (`anyccl/plans.py`) -- what
+           a training loop's calls cost.
 
 `benchmarks/lab/gpu_overhead.py` measures the whole on a GPU; `anyccl bench` measures the wire.
 
@@ -43,7 +47,7 @@ from anyccl.backends.base import Backend
 
 OPS = ("all_reduce", "broadcast", "reduce", "all_gather", "gather", "scatter", "reduce_scatter",
        "all_to_all", "barrier", "send+recv")
-BACKENDS = ("shm", "host", "nccl", "ipc")
+BACKENDS = ("shm", "host", "nccl", "ipc", "nccl-again", "ipc-again")
 
 
 # ---- the host columns --------------------------------------------------------------------------
@@ -187,8 +191,21 @@ def gpu_backend(kind: str) -> Any:
     return ipc
 
 
+def seen_as_torch_tensors() -> None:
+    """Make plans take DeviceArrays for torch CUDA tensors (on a current stream of 7)."""
+    from anyccl import communicator, plans
+
+    plans.cuda_tensor_key = lambda x: ((x.__cuda_array_interface__["data"][0],
+                                        x.__cuda_array_interface__["shape"][0], "float32")
+                                       if isinstance(x, DeviceArray) else None)
+    communicator.torch_stream = lambda device: 7
+
+
 def gpu_calls(kind: str) -> dict[str, Callable[[], None]]:
     stub_cuda()
+    if kind.endswith("-again"):
+        seen_as_torch_tensors()
+        kind = kind[:-len("-again")]
     comm = anyccl.init("shm", rank=0, world_size=1)
     gpu_side = comm._gpu_side  # this tool measures anyccl's internals: the stubs go there
     gpu_side.device, gpu_side.gpu = 0, gpu_backend(kind)
@@ -227,9 +244,10 @@ def main() -> int:
     for name in (*backends, *ops):
         if name not in (*BACKENDS, *OPS):
             parser.error(f"unknown backend or op {name!r}")
-    # the GPU stubs replace module functions for good: host columns first, then GPU ones
     table: dict[str, dict[str, float]] = {}
-    for backend in sorted(backends, key=lambda b: b in ("nccl", "ipc")):
+    # the GPU stubs replace module functions for good: host columns first, then GPU ones, and
+    # the columns of arrays seen as torch tensors last
+    for backend in sorted(backends, key=lambda b: (b not in ("shm", "host"), "again" in b)):
         calls = host_calls(backend) if backend in ("shm", "host") else gpu_calls(backend)
         for op in ops:
             if op not in calls:

@@ -87,8 +87,11 @@ def test_bad_options_are_refused_clearly():
     proc = _bench("--max", "lots")
     assert proc.returncode != 0 and "--max='lots' is not a size" in proc.stderr
     proc = _bench("--compare", "gloo")
-    assert proc.returncode != 0 and "--compare gloo: expected some of torch, mpi, shm, nccl, " \
-        "ipc, auto" in proc.stderr
+    assert proc.returncode != 0 and "--compare gloo: expected some of torch, symm, mpi, shm, " \
+        "nccl, ipc, auto" in proc.stderr
+    proc = _bench("--compare", "symm")
+    assert proc.returncode != 0 and "--compare symm is torch's symmetric-memory all_reduce on " \
+        "GPUs: add --device cuda" in proc.stderr
     proc = _bench("--rounds", "0")
     assert proc.returncode != 0 and "--rounds 0: expected at least 1" in proc.stderr
 

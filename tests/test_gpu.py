@@ -448,3 +448,49 @@ def test_order_dependent_sums_are_bit_identical_on_every_gpu(backend, count, dty
                         deadline_s=240)
     assert all(digests == results[0] for digests in results), \
         f"{backend}: ranks hold different results of one reduction"
+
+
+# ---- repeated blocking calls: cached plans ----------------------------------------------------
+def check_repeated_calls(comm) -> tuple[int, bool]:
+    """A training loop's calls: the same torch tensors, new values each step. From the second
+    call on, each op replays its plan (plans.py); results stay right, and a plan does not keep
+    the tensors alive."""
+    import gc
+    import weakref
+
+    import torch
+
+    d, n, r = comm.device, comm.size, comm.rank
+    dev = f"cuda:{d}"
+    for count in (2, 70_000):   # ipc: the low-latency kernel and the one-shot one
+        x = torch.zeros(count, device=dev)
+        out = torch.zeros(count * n, device=dev)
+        part = torch.zeros(count, device=dev)
+        for step in range(4):
+            x.fill_(r + step)
+            comm.all_reduce(x)
+            total = sum(q + step for q in range(n))
+            assert (x == total).all(), (count, step)
+            comm.all_gather(out, x)
+            assert (out == total).all(), (count, step)
+            out.copy_(torch.arange(count * n, device=dev, dtype=torch.float32) + r)
+            comm.reduce_scatter(part, out)
+            expected = n * torch.arange(r * count, (r + 1) * count, device=dev) + sum(range(n))
+            assert (part == expected).all(), (count, step)
+            x.fill_(r + 10 * step)
+            comm.broadcast(x, n - 1)
+            assert (x == n - 1 + 10 * step).all(), (count, step)
+    planned = len(comm._plans)
+    gone = weakref.ref(x)
+    del x
+    gc.collect()
+    return planned, gone() is None
+
+
+@two_gpus()
+@pytest.mark.parametrize("backend", ["nccl", "ipc"])
+def test_repeated_blocking_calls_on_the_same_tensors_stay_right_and_free_them(backend):
+    env = {**GPU_ENV, "ANYCCL_BACKEND": f"cpu:shm,cuda:{backend}"}
+    for planned, freed in run_ranks(check_repeated_calls, gpu.device_count(), env=env):
+        assert planned == 8         # 4 ops x 2 sizes
+        assert freed, "a cached plan kept the user's tensor alive"

@@ -8,8 +8,10 @@ streams and move bytes through a host backend of their own, queued through anycc
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import time
+from collections.abc import Iterator
 from typing import Any, Callable
 
 import numpy as np
@@ -254,6 +256,72 @@ def test_a_blocking_call_is_queued_on_the_callers_stream_without_blocking_the_ho
                                            env=SETUP):
         assert returned_after < 0.4, f"the host waited {returned_after:.2f} s for the GPU"
         assert right
+
+
+# ---- cached plans of repeated blocking calls --------------------------------------------------
+@contextlib.contextmanager
+def _as_torch_tensors() -> Iterator[None]:
+    """Have plans take FakeGpuArrays for torch CUDA tensors on the default stream."""
+    from anyccl import communicator, plans
+
+    saved = plans.cuda_tensor_key, communicator.torch_stream
+    plans.cuda_tensor_key = lambda x: ((x.a.ctypes.data, x.a.size, x.a.dtype.str)
+                                       if isinstance(x, FakeGpuArray) and not x.stream else None)
+    communicator.torch_stream = lambda device: 0
+    try:
+        yield
+    finally:
+        plans.cuda_tensor_key, communicator.torch_stream = saved
+
+
+def check_plans(comm) -> dict[str, Any]:
+    with _as_torch_tensors():
+        return _plans(comm)
+
+
+def _plans(comm) -> dict[str, Any]:
+    n, r = comm.size, comm.rank
+    first = comm._seq + 1
+    x, whole = np.zeros(4, np.float32), np.zeros(4 * n, np.float32)
+    results = []
+    for step in range(4):   # the first call checks and plans, the next ones replay
+        x[...] = r + step
+        comm.all_reduce(FakeGpuArray(x))
+        comm.all_gather(FakeGpuArray(whole), FakeGpuArray(x))
+        comm.broadcast(FakeGpuArray(x), 1)
+        _landed()
+        results.append((x.copy(), whole.copy()))
+    planned = len(comm._plans)
+    refused = []
+    for call in (lambda: comm.broadcast(FakeGpuArray(x), True),       # 1 as a bool: refused
+                 lambda: comm.all_reduce(FakeGpuArray(x), op="nonsense"),
+                 lambda: comm.all_gather(FakeGpuArray(whole[:-1]), FakeGpuArray(x))):
+        try:
+            call()
+        except anyccl.AnycclError as exc:
+            refused.append(str(exc))
+    time.sleep(0.1)     # the watchdog retires finished operations every 10 ms
+    ours = [e for e in comm.flight_recorder.entries() if e["seq"] >= first]
+    seqs = [e["seq"] - first for e in ours]
+    states = {e["state"] for e in ours}
+    return {"results": results, "planned": planned, "refused": refused, "seqs": seqs,
+            "states": states}
+
+
+def test_repeated_blocking_gpu_calls_replay_their_plan_with_every_check_and_record_kept():
+    n = 2
+    for r, got in enumerate(run_ranks(check_plans, n, env=SETUP)):
+        for step, (x, whole) in enumerate(got["results"]):
+            total = sum(q + step for q in range(n))
+            assert (x == total).all(), (r, step, x)           # broadcast of rank 1's sum
+            assert (whole == np.repeat([total] * n, 4)).all(), (r, step, whole)
+        assert got["planned"] == 3                  # one plan per (operation, arrays, args)
+        assert len(got["refused"]) == 3, got["refused"]
+        assert "src=True must be an int rank" in got["refused"][0]
+        assert "nonsense" in got["refused"][1]
+        assert "out has 7 elements; expected 2 x 4 = 8" in got["refused"][2]
+        assert got["seqs"] == list(range(12)), got["seqs"]   # every replay numbered
+        assert got["states"] == {"done"}
 
 
 # ---- error paths ---------------------------------------------------------------------------

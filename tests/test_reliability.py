@@ -133,6 +133,31 @@ def test_a_timeout_names_the_peers_and_writes_a_flight_record(tmp_path):
     assert record["ops"][-1]["state"] == "failed" and "TimeoutError" in record["ops"][-1]["error"]
 
 
+def check_records_keep_no_array(comm):
+    import gc
+    import weakref
+
+    n, r = comm.size, comm.rank
+    x, out = np.ones(8, np.float32), np.zeros(8 * n, np.float32)
+    comm.all_reduce(x)
+    comm.all_gather(out, x)
+    work = comm.isend(x, (r + 1) % n)
+    comm.recv(np.zeros(8, np.float32), (r - 1) % n)
+    work.wait()
+    alive = [weakref.ref(x), weakref.ref(out)]
+    del x, out, work
+    gc.collect()
+    said = [f"{e['op']}({e['args']})" for e in comm.flight_recorder.entries()]
+    return [ref() is None for ref in alive], said
+
+
+def test_the_flight_recorder_keeps_what_ops_did_but_no_array_alive():
+    for freed, said in run_ranks(check_records_keep_no_array, 2):
+        assert freed == [True, True], "an op record kept the user's array alive"
+        assert said[-4:-2] == ["all_reduce(float32 x 8, op=SUM)", "all_gather(float32 x 8)"]
+        assert said[-2].startswith("send(dst=") and said[-2].endswith(", tag=0, 32 B)")
+
+
 def test_the_launcher_summarises_where_each_rank_was(tmp_path):
     script = os.path.join(os.path.dirname(__file__), "scripts", "rank_behaviour.py")
     proc = subprocess.run([sys.executable, "-m", "anyccl", "run", "-n", "3", script, "kill",

@@ -1,10 +1,11 @@
 """Eager calls of 16 MiB on 2 GPUs, host loop time against time per call: reduce_scatter and
 all_gather by anyccl on the caller's (legacy default) stream, on a side stream given as stream=
 (no torch stream context: isolates the stream NCCL is handed), inside torch.cuda.stream(...), and
-by torch; all_reduce by both; and 8-byte all_reduces on nccl, ipc and torch (is an eager ipc call
-slower on the host or on the GPU?). "raw" rows call the backend's enqueue function straight on the
-stream, without the communicator (no checks, no op record, no watchdog): the floor that
-anyccl's Python sits on. Alternating rounds, medians.
+by torch; all_reduce by both; and 8-byte all_reduces on nccl, ipc, torch and torch's
+symmetric-memory two-shot kernel (is an eager ipc call slower on the host or on the GPU?).
+"raw" rows call the backend's enqueue function straight on the stream, without the communicator
+(no checks, no op record, no watchdog): the floor that anyccl's Python sits on. Alternating
+rounds, medians.
 
     anyccl run -n 2 benchmarks/lab/host_probe.py
 """
@@ -29,6 +30,12 @@ inp = torch.ones(4 << 20, device=dev)
 out = torch.empty((4 << 20) // n, device=dev)
 tiny = torch.ones(2, device=dev)
 side = torch.cuda.Stream(dev)
+import torch.distributed._symmetric_memory as symm_mem  # noqa: E402
+
+group_name = dist.group.WORLD.group_name
+symm_tiny = symm_mem.empty(2, device=dev)
+symm_mem.rendezvous(symm_tiny, group_name)
+two_shot = torch.ops.symm_mem.two_shot_all_reduce_
 comm.all_reduce(tiny)
 kernels.all_reduce(tiny)   # both backends made
 stream = torch.cuda.current_stream(dev).cuda_stream
@@ -57,6 +64,7 @@ runs = {"anyccl reduce_scatter": lambda: comm.reduce_scatter(out, inp),
         "anyccl all_reduce 8 B": lambda: comm.all_reduce(tiny),
         "anyccl-ipc all_reduce 8 B": lambda: kernels.all_reduce(tiny),
         "torch all_reduce 8 B": lambda: dist.all_reduce(tiny),
+        "torch symm two-shot 8 B": lambda: two_shot(symm_tiny, "sum", group_name),
         "raw nccl reduce_scatter": lambda: raw_rs(stream),
         "raw nccl all_reduce 8 B": lambda: raw_nccl_tiny(stream),
         "raw ipc all_reduce 8 B": lambda: raw_ipc_tiny(stream)}

@@ -193,14 +193,37 @@ def _torch_dtype(t: Any, name: str) -> np.dtype:
     return found
 
 
-def _from_torch(t: Any, name: str) -> GpuArray:
+def torch_stream(device: int) -> int:
+    """The handle of torch's current CUDA stream on `device` (0: the legacy default stream)."""
     torch = _torch_module()
+    raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # the cheap lookup
+    if raw_stream is None:
+        return torch.cuda.current_stream(device).cuda_stream
+    return raw_stream(device)
+
+
+def _from_torch(t: Any, name: str) -> GpuArray:
     _check_torch_layout(t, name)
     device = t.get_device()  # an int, without building a torch.device
-    raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # the cheap lookup
-    stream = raw_stream(device) if raw_stream is not None else \
-        torch.cuda.current_stream(device).cuda_stream
-    return GpuArray(t.data_ptr(), t.numel(), _torch_dtype(t, name), device, stream, "torch", t)
+    # the owner is held in a list that a cached plan empties (plans.py): it must not keep the
+    # tensor alive; the pieces of the array share the list
+    return GpuArray(t.data_ptr(), t.numel(), _torch_dtype(t, name), device, torch_stream(device),
+                    "torch", [t])
+
+
+def cuda_tensor_key(x: Any) -> tuple[int, int, Any] | None:
+    """(device pointer, elements, torch dtype) of a dense, contiguous, real CUDA torch tensor:
+    what identifies it to a cached plan (`plans.py`), read in a few cheap calls; None for any
+    other array, which then takes the full checks."""
+    torch = _torch_module()
+    if torch is None or not isinstance(x, torch.Tensor):
+        return None
+    try:
+        if not x.is_cuda or x.is_complex() or x.is_neg() or not x.is_contiguous():
+            return None
+        return x.data_ptr(), x.numel(), x.dtype
+    except RuntimeError:  # sparse and other layouts without a data pointer
+        return None
 
 
 def _from_cupy(x: Any, name: str) -> GpuArray:

@@ -29,6 +29,7 @@ from .buffers import (
     GpuArray,
     Pieces,
     current_stream,
+    torch_stream,
 )
 from .engine import Engine
 from .errors import (
@@ -39,6 +40,7 @@ from .errors import (
 )
 from .gpu_dispatch import GpuDispatch
 from .ops import COLLECTIVES, ReduceOp
+from .plans import Plan, Plans
 from .store import Store
 from .trace import ArgsText, FlightRecorder, OpRecord, flight_directory, format_bytes
 from .work import GpuWork, Work
@@ -90,6 +92,7 @@ class Communicator:
                                      meet=self.barrier, post_mortem=self._post_mortem,
                                      device=device, backend=gpu_backend, kind=gpu_kind)
         self._batch: list[tuple] | None = None
+        self._plans: Plans | None = None  # blocking GPU calls' plans, once a GPU call ran
         _live.add(self)
 
     # ---- identity ----------------------------------------------------------------------------
@@ -153,13 +156,33 @@ class Communicator:
             if signature is not None:
                 self._engine.call(self._host_task(record, entry, signature, None),
                                   lambda: Work(record, self.rank))
-            return self._gpu_side.queue(record, [entry], enqueue, [a for _, a in arrays],
-                                      async_op, stream)
+            gpu_arrays = [a for _, a in arrays]
+            work = self._gpu_side.queue(record, [entry], enqueue, gpu_arrays, async_op, stream)
+            if not (async_op or self.debug or stream is not None):  # the next such call: a plan
+                if self._plans is None:
+                    self._plans = Plans()
+                self._plans.keep(name, args, nbytes, enqueue, gpu_arrays)
+            return work
         task = self._host_task(record, entry, signature, call)
         if async_op:
             return self._engine.submit(task, Work(record, self.rank))
         self._engine.call(task, lambda: Work(record, self.rank))
         return None
+
+    def _replay(self, plan: Plan) -> None:
+        """Queue a cached plan (plans.py) on the caller's current stream: a blocking GPU call
+        on arrays an earlier call checked, with its own record, entry and deadline."""
+        self._seq += 1
+        record = OpRecord(plan.name, self._seq, plan.args, plan.nbytes)
+        entry = self.flight_recorder.queued(record)
+        stream = torch_stream(plan.device)
+        try:
+            self._gpu_side.gpu.run(record, (stream,), record.issued_at + self.timeout_s,  # type: ignore[union-attr]
+                                   plan.enqueue, None, [entry], stream)
+        except BaseException as exc:
+            FlightRecorder.ended(entry, exc)
+            self._post_mortem(exc)
+            raise
 
     def _host_task(self, record: OpRecord, entry: dict, signature: np.ndarray | None,
                    call: Callable[[Any], Any] | None) -> Callable[[Work | None], None]:
@@ -216,8 +239,9 @@ class Communicator:
         key = (kind, peer)
         self._p2p_seq[key] = seq = self._p2p_seq.get(key, 0) + 1
         arrow = "dst" if kind == "send" else "src"
-        record = OpRecord(kind, seq, lambda: f"{arrow}={peer}, tag={tag}, {format_bytes(x.nbytes)}",
-                          x.nbytes)
+        nbytes = x.nbytes
+        record = OpRecord(kind, seq, lambda: f"{arrow}={peer}, tag={tag}, {format_bytes(nbytes)}",
+                          nbytes)
         op = kind if not async_op else "i" + kind
         if self._gpu_side.on_gpu(op, [("tensor", x)], stream):
             return self._gpu_message(op, record, x, peer, tag, async_op, stream)
@@ -359,20 +383,28 @@ class Communicator:
     def broadcast(self, tensor: Any, src: int, async_op: bool = False, *,
                   stream: Any = None) -> Work | None:
         """Every rank's `tensor` becomes a copy of rank `src`'s `tensor`."""
+        if self._plans is not None and not async_op and stream is None:
+            plan = self._plans.find(("broadcast", src), (tensor,))
+            if plan is not None:
+                return self._replay(plan)
         self._check_open("broadcast")
         x = self._check.array("broadcast", tensor, "tensor", writable=True)
         src = self._check.peer("broadcast", src, "src")
-        return self._collective("broadcast", lambda: f"{_shape(x)}, src={src}", x.nbytes,
+        return self._collective("broadcast", _about(x, f", src={src}"), x.nbytes,
                                 lambda b: b.broadcast(x, src), async_op, like=x, root=src,
                                 arrays=[("tensor", x)], stream=stream)
 
     def all_reduce(self, tensor: Any, op: ReduceOp | str = ReduceOp.SUM,
                    async_op: bool = False, *, stream: Any = None) -> Work | None:
         """Every rank's `tensor` becomes the element-wise reduction of all ranks' `tensor`."""
+        if self._plans is not None and not async_op and stream is None:
+            plan = self._plans.find(("all_reduce", op), (tensor,))
+            if plan is not None:
+                return self._replay(plan)
         self._check_open("all_reduce")
         x = self._check.array("all_reduce", tensor, "tensor", writable=True)
         rop = self._check.reduce_op("all_reduce", op, x.dtype)
-        return self._collective("all_reduce", lambda: f"{_shape(x)}, op={rop.name}", x.nbytes,
+        return self._collective("all_reduce", _about(x, f", op={rop.name}"), x.nbytes,
                                 lambda b: b.all_reduce(x, rop), async_op, like=x, op=rop,
                                 arrays=[("tensor", x)], stream=stream)
 
@@ -380,11 +412,15 @@ class Communicator:
                async_op: bool = False, *, stream: Any = None) -> Work | None:
         """Rank `dst`'s `tensor` becomes the reduction of all ranks' `tensor`; the other ranks'
         arrays are left as they were."""
+        if self._plans is not None and not async_op and stream is None:
+            plan = self._plans.find(("reduce", dst, op), (tensor,))
+            if plan is not None:
+                return self._replay(plan)
         self._check_open("reduce")
         x = self._check.array("reduce", tensor, "tensor", writable=True)
         dst = self._check.peer("reduce", dst, "dst")
         rop = self._check.reduce_op("reduce", op, x.dtype)
-        return self._collective("reduce", lambda: f"{_shape(x)}, dst={dst}, op={rop.name}",
+        return self._collective("reduce", _about(x, f", dst={dst}, op={rop.name}"),
                                 x.nbytes, lambda b: b.reduce(x, dst, rop), async_op, like=x,
                                 root=dst,
                                 op=rop, arrays=[("tensor", x)], stream=stream)
@@ -393,11 +429,15 @@ class Communicator:
                    stream: Any = None) -> Work | None:
         """`out` receives every rank's `tensor` in rank order: a list of `size` arrays, or one
         array of size * tensor.size elements."""
+        if self._plans is not None and not async_op and stream is None:
+            plan = self._plans.find(("all_gather",), (out, tensor))
+            if plan is not None:
+                return self._replay(plan)
         self._check_open("all_gather")
         x = self._check.array("all_gather", tensor, "tensor", writable=False)
         outs = self._check.pieces("all_gather", out, "out", x, writable=True)
         self._check.others_disjoint("all_gather", outs, "out", x, "tensor")
-        return self._collective("all_gather", lambda: _shape(x), x.nbytes * self.size,
+        return self._collective("all_gather", _about(x), x.nbytes * self.size,
                                 lambda b: b.all_gather(outs, x), async_op, like=x,
                                 arrays=[("tensor", x), *_named("out", outs)], stream=stream)
 
@@ -409,7 +449,7 @@ class Communicator:
         x = self._check.array("gather", tensor, "tensor", writable=False)
         dst = self._check.peer("gather", dst, "dst")
         outs = self._check.root_pieces("gather", out_list, "out_list", x, dst, "dst", writable=True)
-        return self._collective("gather", lambda: f"{_shape(x)}, dst={dst}", x.nbytes * self.size,
+        return self._collective("gather", _about(x, f", dst={dst}"), x.nbytes * self.size,
                                 lambda b: b.gather(x, outs, dst), async_op, like=x, root=dst,
                                 arrays=[("tensor", x), *_named("out_list", outs or [])],
                                 stream=stream)
@@ -423,7 +463,7 @@ class Communicator:
         src = self._check.peer("scatter", src, "src")
         pieces = self._check.root_pieces("scatter", chunks, "chunks", x, src, "src", writable=False)
         self._check.others_disjoint("scatter", pieces or [], "chunks", x, "out")
-        return self._collective("scatter", lambda: f"{_shape(x)}, src={src}", x.nbytes * self.size,
+        return self._collective("scatter", _about(x, f", src={src}"), x.nbytes * self.size,
                                 lambda b: b.scatter(x, pieces, src), async_op, like=x, root=src,
                                 arrays=[("out", x), *_named("chunks", pieces or [])],
                                 stream=stream)
@@ -432,12 +472,16 @@ class Communicator:
                        async_op: bool = False, *, stream: Any = None) -> Work | None:
         """Rank i's `out` becomes the reduction of every rank's piece i of `inp` (a list of
         `size` arrays like `out`, or one array of size * out.size elements)."""
+        if self._plans is not None and not async_op and stream is None:
+            plan = self._plans.find(("reduce_scatter", op), (out, inp))
+            if plan is not None:
+                return self._replay(plan)
         self._check_open("reduce_scatter")
         x = self._check.array("reduce_scatter", out, "out", writable=True)
         inputs = self._check.pieces("reduce_scatter", inp, "inp", x, writable=False)
         self._check.others_disjoint("reduce_scatter", inputs, "inp", x, "out")
         rop = self._check.reduce_op("reduce_scatter", op, x.dtype)
-        return self._collective("reduce_scatter", lambda: f"{_shape(x)}, op={rop.name}",
+        return self._collective("reduce_scatter", _about(x, f", op={rop.name}"),
                                 x.nbytes * self.size, lambda b: b.reduce_scatter(x, inputs, rop),
                                 async_op, like=x, op=rop,
                                 arrays=[("out", x), *_named("inp", inputs)], stream=stream)
@@ -446,6 +490,10 @@ class Communicator:
                    stream: Any = None) -> Work | None:
         """Rank i's out[j] receives rank j's inp[i]. Both are lists of `size` arrays of one
         size, or single arrays split evenly into `size` pieces. out may be inp (in place)."""
+        if self._plans is not None and not async_op and stream is None:
+            plan = self._plans.find(("all_to_all",), (out, inp))
+            if plan is not None:
+                return self._replay(plan)
         self._check_open("all_to_all")
         if isinstance(inp, (list, tuple)):
             if not inp:
@@ -463,7 +511,7 @@ class Communicator:
             for j, piece in enumerate(inputs):
                 if i != j:
                     self._check.disjoint("all_to_all", o, f"out[{i}]", piece, f"inp[{j}]")
-        return self._collective("all_to_all", lambda: _shape(first), first.nbytes * self.size,
+        return self._collective("all_to_all", _about(first), first.nbytes * self.size,
                                 lambda b: b.all_to_all(outs, inputs), async_op, like=first,
                                 arrays=[*_named("inp", inputs), *_named("out", outs)],
                                 stream=stream)
@@ -559,6 +607,7 @@ class Communicator:
         if self._closed:
             return
         self._closed = True
+        self._plans = None
         _live.discard(self)
         try:
             if self._gpu_side.gpu is not None:
@@ -580,8 +629,12 @@ class Communicator:
 _DTYPE_NAMES = {d: d.name for d in SUPPORTED_DTYPES}
 
 
-def _shape(x: Array) -> str:
-    return f"{_DTYPE_NAMES.get(x.dtype) or x.dtype.name} x {x.size}"
+def _about(x: Array, more: str = "") -> Callable[[], str]:
+    """An op record's argument text, made when read: `x` as "float32 x 4", then `more`. Records
+    are kept (flight recorder, plans), so the text captures `x`'s dtype and size, never `x`:
+    a record keeps no array alive."""
+    dtype, size = x.dtype, x.size
+    return lambda: f"{_DTYPE_NAMES.get(dtype) or dtype.name} x {size}{more}"
 
 
 def _named(name: str, pieces: Sequence[Array]) -> list[tuple[str, Array]]:

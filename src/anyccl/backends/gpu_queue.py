@@ -20,7 +20,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, Callable
 
 from .. import gpu
@@ -43,13 +42,16 @@ _WATCH_POLL_S = 0.01        # how often the watchdog looks at queued events (nev
 _HEALTH_POLL_S = 0.1        # how often it runs the health checks
 
 
-@dataclass
 class _Queued:
-    record: OpRecord
-    event: int
-    deadline: float
-    keep: Any              # the user's arrays, alive until the operation finished
-    entries: list[dict]    # the flight recorder's lines for it
+    """One queued operation the watchdog follows: its record, the event that marks its end,
+    its deadline, the arrays kept alive until then and its flight-recorder lines."""
+
+    __slots__ = ("record", "event", "deadline", "keep", "entries")
+
+    def __init__(self, record: OpRecord, event: int, deadline: float, keep: Any,
+                 entries: list[dict]) -> None:
+        self.record, self.event, self.deadline = record, event, deadline
+        self.keep, self.entries = keep, entries
 
 
 class GpuQueue:
@@ -105,21 +107,29 @@ class GpuQueue:
         (async operations, which may overlap the caller's later work). on=stream: right on the
         caller's stream (blocking calls: already ordered both ways, no extra sync). Either way
         it also follows the previous operation of this queue, wherever that was queued."""
-        self.raise_if_failed()
-        if on is not None and gpu.is_capturing(on):
-            return self._captured(on, enqueue, record, entries)
-        if on is None and any(gpu.is_capturing(s) for s in after):
-            raise UnsupportedError(f"rank {self.rank}: {record}: async_op=True while the stream "
-                                   f"is captured into a CUDA graph; capture blocking calls")
+        if self.failure is not None:
+            self.raise_if_failed()
+        if on is not None:  # a blocking call: right on the caller's stream
+            if gpu.is_capturing(on):
+                return self._captured(on, enqueue, record, entries)
+            stream = on
+            null = on in gpu.NULL_STREAMS
+        else:
+            for user_stream in after:
+                if gpu.is_capturing(user_stream):
+                    raise UnsupportedError(f"rank {self.rank}: {record}: async_op=True while "
+                                           f"the stream is captured into a CUDA graph; capture "
+                                           f"blocking calls")
+            stream = self.stream
+            null = any(s in gpu.NULL_STREAMS for s in after)
         with self.lock:
-            stream = self.stream if on is None else on
-            if stream in gpu.NULL_STREAMS or any(s in gpu.NULL_STREAMS for s in after):
+            if null:
                 gpu.use_device(self.device)  # a null stream is the current device's
             if on is None:
                 for user_stream in after:
                     gpu.record(self._start, user_stream)
                     gpu.stream_wait(stream, self._start)
-            if self._last_stream is not None and self._last_stream != stream:
+            if self._last_stream != stream and self._last_stream is not None:
                 gpu.stream_wait(stream, self._last_event)
             self._enqueue(enqueue, stream, record)
             event = self._events[self._next_event]

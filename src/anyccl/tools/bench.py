@@ -191,6 +191,16 @@ class CudaPlacement:
 
         self.torch, self.index = torch, device
         self.device = f"cuda:{device}"
+        self.symmetric = False  # allocate in torch's symmetric memory (--compare symm)
+
+    def _on_device(self, host: Any) -> Any:
+        if not self.symmetric:
+            return host.to(self.device)
+        import torch.distributed._symmetric_memory as symm_mem
+
+        placed = symm_mem.empty(host.numel(), dtype=host.dtype, device=self.device)
+        placed.copy_(host)
+        return placed
 
     def describe(self) -> str:
         props = self.torch.cuda.get_device_properties(self.index)
@@ -210,7 +220,7 @@ class CudaPlacement:
             root = self._root(a)
             if id(root) not in roots:
                 host = torch.from_numpy(np.ascontiguousarray(root).view(np.uint8))
-                roots[id(root)] = (root, host.to(self.device))
+                roots[id(root)] = (root, self._on_device(host))
             offset = a.ctypes.data - root.ctypes.data
             raw = roots[id(root)][1][offset:offset + a.nbytes]
             return raw.view(_torch_dtype(torch, a.dtype))
@@ -311,8 +321,8 @@ def measure(comm: Communicator, peers: list[Any], op: str, nbytes: int, s: Setti
                   _TYPE_NAMES.get(s.dtype.name, s.dtype.name), redop, root, None, None, None,
                   None)
         run = peer.runner(op, placed, s.redop, max(root, 0))
-        if s.graph and op == "sendrecv":  # batched messages are async: not capturable
-            run = None
+        if s.graph and (op == "sendrecv" or not getattr(peer, "captures", True)):
+            run = None  # batched messages are async: not capturable
         timed.append(_Timed(peer, row, run))
     for t in timed:
         if t.run is None:
@@ -514,8 +524,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "each row reports the median round (default 3)")
     p.add_argument("--backend", default=None, help="anyccl backend (default shm)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    p.add_argument("--compare", default="", help="peers to run in the same job: torch, mpi, "
-                   "shm, nccl, ipc, auto (anyccl on that backend)")
+    p.add_argument("--compare", default="", help="peers to run in the same job: torch, symm "
+                   "(torch's symmetric-memory all_reduce; GPUs), mpi, shm, nccl, ipc, auto "
+                   "(anyccl on that backend)")
     p.add_argument("--graph", action="store_true",
                    help="--device cuda: capture the calls in a CUDA graph and time its replays "
                         "(the GPU's time per call, without the host's)")
@@ -569,6 +580,9 @@ def main(argv: list[str] | None = None) -> int:
         if c not in peers():
             raise SystemExit(f"anyccl bench: --compare {c}: expected some of "
                              f"{', '.join(peers())}")
+    if "symm" in compare and ns.device != "cuda":
+        raise SystemExit("anyccl bench: --compare symm is torch's symmetric-memory all_reduce "
+                         "on GPUs: add --device cuda")
     if ns.nprocs and not _in_a_job():
         return _launch(ns, argv if argv is not None else sys.argv[1:], compare)
     return _bench(ns, settings, compare)
@@ -626,6 +640,8 @@ def _bench(ns: argparse.Namespace, s: Settings, compare: list[str]) -> int:
     out = sys.stdout
     known = peers()
     libraries: list[Any] = [AnycclPeer(comm)] + [known[c](comm, where.device) for c in compare]
+    if any(getattr(peer, "symmetric", False) for peer in libraries):
+        where.symmetric = True  # every library's buffers where the symmetric-memory peer works
     sizes = sweep_sizes(s)
     lead = comm.rank == 0
     membw = memory_bandwidth_gbs() if lead else 0.0
@@ -693,7 +709,7 @@ def _versions(compare: list[str], device: str = "cpu") -> list[str]:
         from .info import _nccl_version
 
         found.append(str(_nccl_version()))
-    if "torch" in compare:
+    if "torch" in compare or "symm" in compare:
         import torch
 
         nccl = ".".join(map(str, torch.cuda.nccl.version())) if device != "cpu" else ""

@@ -1,6 +1,7 @@
-"""The libraries `anyccl bench` measures side by side: anyccl itself, torch.distributed and
-mpi4py. Each adapter runs one op on NumPy buffers it is handed (torch views them without a
-copy), so every library moves the same bytes; an op a library lacks returns None."""
+"""The libraries `anyccl bench` measures side by side: anyccl itself, torch.distributed,
+torch's symmetric-memory all_reduce and mpi4py. Each adapter runs one op on the buffers it is
+handed (torch views NumPy ones without a copy), so every library moves the same bytes; an op a
+library lacks returns None."""
 
 from __future__ import annotations
 
@@ -63,27 +64,9 @@ class TorchPeer:
     name = "torch"
 
     def __init__(self, comm: Communicator, device: str = "cpu") -> None:
-        import warnings
-
         import torch
-        import torch.distributed as dist
 
-        warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
-        self.torch, self.dist = torch, dist
-        address = None
-        if comm.rank == 0:
-            import socket
-
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
-        address = comm.broadcast_object(address, 0)
-        if device == "cpu":
-            dist.init_process_group("gloo", init_method=address, rank=comm.rank,
-                                    world_size=comm.size)
-        else:
-            dist.init_process_group("nccl", init_method=address, rank=comm.rank,
-                                    world_size=comm.size, device_id=torch.device(device))
+        self.torch, self.dist = torch, _torch_group(comm, device)
         self.rank, self.size = comm.rank, comm.size
 
     def barrier(self) -> None:
@@ -125,7 +108,71 @@ class TorchPeer:
         return table[op]
 
     def close(self) -> None:
-        self.dist.destroy_process_group()
+        if self.dist.is_initialized():  # torch and symm share one process group
+            self.dist.destroy_process_group()
+
+
+def _torch_group(comm: Communicator, device: str) -> Any:
+    """torch.distributed with its default process group over `comm`'s ranks (gloo on the
+    host, NCCL on GPUs), made once for the torch peers of one run; the module."""
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
+    if dist.is_initialized():
+        return dist
+    address = None
+    if comm.rank == 0:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    address = comm.broadcast_object(address, 0)
+    if device == "cpu":
+        dist.init_process_group("gloo", init_method=address, rank=comm.rank,
+                                world_size=comm.size)
+    else:
+        dist.init_process_group("nccl", init_method=address, rank=comm.rank,
+                                world_size=comm.size, device_id=torch.device(device))
+    return dist
+
+
+class SymmPeer(TorchPeer):
+    """torch's symmetric-memory all_reduce, the fastest small all_reduce inside torch:
+    `torch.ops.symm_mem.two_shot_all_reduce_` in place, on buffers that `anyccl bench`
+    allocates with `torch.distributed._symmetric_memory.empty` for every library of the run
+    when this peer takes part (`symmetric`), each registered by `rendezvous` on first use.
+    SUM on float32 and bfloat16 only; never captured into CUDA graphs; NVLink multicast is
+    not used (TORCH_SYMM_MEM_DISABLE_MULTICAST=1 is set before torch creates any)."""
+
+    name = "torch-symm"
+    symmetric = True
+    captures = False
+
+    def __init__(self, comm: Communicator, device: str = "cpu") -> None:
+        if device == "cpu":
+            raise RuntimeError("--compare symm measures GPU buffers: add --device cuda")
+        import os
+
+        os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+        super().__init__(comm, device)
+        import torch.distributed._symmetric_memory as symm_mem
+
+        self.symm_mem = symm_mem
+        self.group = self.dist.group.WORLD.group_name
+
+    def runner(self, op: str, b: dict[str, Any], redop: ReduceOp, root: int) -> Runner | None:
+        torch = self.torch
+        t = b.get("buf")
+        if op != "all_reduce" or redop is not ReduceOp.SUM or t is None or \
+                t.dtype not in (torch.float32, torch.bfloat16):
+            return None
+        self.symm_mem.rendezvous(t, self.group)
+        two_shot, group = torch.ops.symm_mem.two_shot_all_reduce_, self.group
+        return lambda: two_shot(t, "sum", group)
 
 
 class MPIPeer:
@@ -216,5 +263,5 @@ def peers() -> dict[str, type]:
     from ..backends import registry
 
     names = [*registry.host_backends(), *registry.selectable_gpu_backends()]
-    return {"torch": TorchPeer, "mpi": MPIPeer,
+    return {"torch": TorchPeer, "symm": SymmPeer, "mpi": MPIPeer,
             **{b: _on(b) for b in names if b != "mpi"}}

@@ -1,0 +1,92 @@
+"""Cached plans of blocking GPU collectives: the second call on the same arrays skips the work
+the first one did.
+
+A blocking GPU collective on torch CUDA tensors, without stream=, is a pure function of what
+identifies its arrays (device pointer, element count, dtype) and its other arguments (op, root):
+every argument check, the routing to the ipc kernels or NCCL, and the function that queues the
+operation come out the same. The first call takes the full path and leaves its `Plan` here, under
+a key built from those values; a later call with an equal key only reads the key (a few cheap
+tensor attribute reads) and queues the plan's function on the caller's current stream, with its
+own sequence number, op record, flight-recorder entry, deadline and watchdog like any other
+operation. Anything else (host arrays, lists of arrays, CuPy or JAX arrays, async calls,
+stream=, debug mode) always takes the full path.
+
+What a plan may not do: keep the user's arrays alive. Its function captures the first call's
+`GpuArray`s; their owner is released when the plan is made (torch's caching allocator orders a
+freed block after the work already queued on the caller's stream, which is where a blocking
+call runs, so a blocking call needs no reference of its own).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from .backends.gpu_queue import Enqueue
+from .buffers import GpuArray, cuda_tensor_key
+from .ops import ReduceOp
+from .trace import ArgsText
+
+_LIMIT = 512          # plans kept per communicator; all are dropped when it is reached
+_TAG_TYPES = (int, str, ReduceOp)   # the plain values an argument may be to take part in a key
+
+
+class Plan:
+    """What the first blocking call of a key built: the operation's name, argument text and
+    size for its op record, the function that queues it on a stream, and its device."""
+
+    __slots__ = ("name", "args", "nbytes", "enqueue", "device")
+
+    def __init__(self, name: str, args: ArgsText, nbytes: int, enqueue: Enqueue,
+                 device: int) -> None:
+        self.name, self.args, self.nbytes = name, args, nbytes
+        self.enqueue, self.device = enqueue, device
+
+
+class Plans:
+    """One communicator's plans, by key. `find` looks a call up; on a miss it remembers the
+    call's key as pending, and the full path that follows stores its plan there (`keep`)."""
+
+    def __init__(self) -> None:
+        self._plans: dict[tuple, Plan] = {}
+        self._pending: tuple | None = None
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+    def find(self, tag: tuple, tensors: Sequence[Any]) -> Plan | None:
+        """The plan of the call `tag` (the operation's name, then its non-array arguments as
+        given) on `tensors`, or None (then the call must take the full path)."""
+        self._pending = None
+        for value in tag[1:]:
+            if type(value) not in _TAG_TYPES:  # bool, NumPy ints, other spellings: no plan
+                return None
+        key = tag
+        for t in tensors:
+            found = cuda_tensor_key(t)
+            if found is None:
+                return None
+            key += found
+        plan = self._plans.get(key)
+        if plan is None:
+            self._pending = key
+        return plan
+
+    def keep(self, name: str, args: ArgsText, nbytes: int, enqueue: Enqueue,
+             arrays: Sequence[GpuArray]) -> None:
+        """Store the plan of the call whose full path is running now, if `find` saw that call
+        miss (the pending key names the same operation), and release its arrays' owners."""
+        key, self._pending = self._pending, None
+        if key is None or key[0] != name:
+            return
+        if len(self._plans) >= _LIMIT:
+            self._plans.clear()
+        self._plans[key] = Plan(name, args, nbytes, enqueue, arrays[0].device)
+        for a in arrays:
+            if isinstance(a.owner, list):   # torch's: one holder shared by an array's pieces
+                a.owner.clear()
+
+    def forget(self) -> None:
+        """Drop every plan (the communicator closes)."""
+        self._plans.clear()
+        self._pending = None
