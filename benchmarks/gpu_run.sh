@@ -15,7 +15,8 @@
 # vs torch: lab/host_probe.py), calls (host time of the driver calls each operation makes:
 # lab/cuda_call_cost.py), eager (8 B - 1 MiB eager calls: all_reduce on ipc beside nccl, torch
 # and torch's symmetric memory; the other ipc ops beside nccl and torch; every op on nccl beside
-# torch), graph (the four ipc ops as CUDA graph replays), pack (everything in $RESULTS_DIR into one gpu-out.tgz: last).
+# torch), graph (the four ipc ops as CUDA graph replays), replay (each step of a repeated call's
+# host time: lab/replay_cost.py), pack (everything in $RESULTS_DIR into one gpu-out.tgz: last).
 # MIN/MAX change small's, large's and scale's sizes, ROUNDS the bench rounds (3); CE_ARGS are
 # ce_allreduce.py's arguments (e.g. "--sync events memops").
 # N=k runs the multi-rank steps on k ranks (default: one per visible GPU); K=expr selects ipc tests.
@@ -101,6 +102,11 @@ for what in "$@"; do
   ipcp2p) step ipcp2p
     timeout 150 python3 -m anyccl run -n 2 benchmarks/ipc_p2p.py 2>&1 \
         | tee "$RESULTS_DIR/ipc-p2p.txt" | tail -12 ;;
+  replay) step replay
+    for b in ${REPLAY_BACKENDS:-ipc nccl}; do
+      timeout 120 python3 -m anyccl run -n 2 benchmarks/lab/replay_cost.py "$b" 2>&1 \
+          | grep -v Warning | tee "$RESULTS_DIR/replay-cost-$b.txt" | head -60
+    done ;;
   calls) step calls
     timeout 60 python3 benchmarks/lab/cuda_call_cost.py 2>&1 | tee "$RESULTS_DIR/cuda-call-cost.txt" | tail -8 ;;
   probe) step probe

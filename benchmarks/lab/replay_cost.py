@@ -1,0 +1,87 @@
+"""Where the host time of a repeated eager GPU call goes (2 ranks, one GPU each): each step of a
+plan's replay timed alone on a loop (the tensor key, the plan lookup, torch's stream lookup, the
+op record and flight-recorder entry, the capture query, an event record, the queue's run with an
+empty operation, the kernel's launch), then whole calls, then a profile of the whole calls.
+
+    anyccl run -n 2 benchmarks/lab/replay_cost.py [ipc|nccl]
+"""
+
+import cProfile
+import io
+import pstats
+import sys
+import time
+
+import torch
+
+import anyccl
+from anyccl import gpu
+from anyccl.buffers import cuda_tensor_key, gpu_array, torch_stream
+from anyccl.ops import ReduceOp
+from anyccl.trace import OpRecord
+
+backend = sys.argv[1] if len(sys.argv) > 1 else "ipc"
+comm = anyccl.init(backend=backend)
+dev = torch.device(f"cuda:{comm.device}")
+torch.cuda.set_device(dev)
+tiny = torch.ones(2, device=dev)
+for _ in range(3):
+    comm.all_reduce(tiny)
+torch.cuda.synchronize()
+b = comm.gpu_backend
+queue = b.queue
+stream = torch_stream(comm.device)
+event = gpu.new_event(comm.device)
+raw = b.all_reduce(gpu_array(tiny, "x"), ReduceOp.SUM)
+plans = comm._plans
+tag = ("all_reduce", ReduceOp.SUM)
+
+
+def per_call(fn, n=20000) -> float:
+    for _ in range(200):
+        fn()
+    best = []
+    for _ in range(3):
+        t = time.perf_counter()
+        for _ in range(n):
+            fn()
+        best.append((time.perf_counter() - t) / n * 1e6)
+    return sorted(best)[1]
+
+
+def nothing(s: int) -> None:
+    pass
+
+
+local = {
+    "cuda_tensor_key": lambda: cuda_tensor_key(tiny),
+    "plans.find (hit)": lambda: plans.find(tag, (tiny,)),
+    "torch_stream": lambda: torch_stream(comm.device),
+    "OpRecord + flight entry": lambda: comm.flight_recorder.queued(OpRecord("x", 1, "", 8)),
+    "gpu.is_capturing": lambda: gpu.is_capturing(stream),
+    "gpu.current_device": gpu.current_device,
+    "gpu.record": lambda: gpu.record(event, stream),
+    "queue.run (empty op)": lambda: queue.run(OpRecord("x", 1, "", 8), (stream,),
+                                              time.monotonic() + 60, nothing, None, [], stream),
+}
+lines = [f"{name:<28} {per_call(fn):7.2f} us" for name, fn in local.items()]
+torch.cuda.synchronize()
+comm.barrier()
+joint = {"raw enqueue (kernel launch)": lambda: raw(stream),
+         "comm.all_reduce (replay)": lambda: comm.all_reduce(tiny)}
+for name, fn in joint.items():
+    comm.barrier()
+    torch.cuda.synchronize()
+    lines.append(f"{name:<28} {per_call(fn, 5000):7.2f} us")
+    torch.cuda.synchronize()
+comm.barrier()
+profile = cProfile.Profile()
+profile.runcall(lambda: [comm.all_reduce(tiny) for _ in range(3000)])
+torch.cuda.synchronize()
+text = io.StringIO()
+pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(18)
+everything = comm.all_gather_object("\n".join(lines) + "\n" + text.getvalue())
+if comm.rank == 0:
+    for r, part in enumerate(everything):
+        print(f"## rank {r}, backend {backend}\n{part}", flush=True)
+comm.close()
