@@ -3,10 +3,15 @@ plan's replay timed alone on a loop (the tensor key, the plan lookup, torch's st
 op record and flight-recorder entry, the capture query, an event record, the queue's run with an
 empty operation, the kernel's launch), then whole calls, then a profile of the whole calls.
 
+Also the same operation queued two other ways: as one launch of a CUDA graph that captured it
+(cuGraphLaunch through ctypes), and with the kernel launched through ctypes.PyDLL (the call keeps
+the GIL, so no other thread can take it in between).
+
     anyccl run -n 2 benchmarks/lab/replay_cost.py [ipc|nccl]
 """
 
 import cProfile
+import ctypes
 import io
 import pstats
 import sys
@@ -69,6 +74,32 @@ torch.cuda.synchronize()
 comm.barrier()
 joint = {"raw enqueue (kernel launch)": lambda: raw(stream),
          "comm.all_reduce (replay)": lambda: comm.all_reduce(tiny)}
+drv = gpu._drv()
+side = torch.cuda.Stream(dev)
+capture_stream = side.cuda_stream
+torch.cuda.synchronize()
+gpu._check_driver(drv.cuStreamBeginCapture(
+    capture_stream, drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED)[0], "capture")
+raw(capture_stream)
+status, graph = drv.cuStreamEndCapture(capture_stream)
+gpu._check_driver(status, "cuStreamEndCapture")
+status, graph_exec = drv.cuGraphInstantiate(graph, 0)
+gpu._check_driver(status, "cuGraphInstantiate")
+libcuda = ctypes.CDLL("libcuda.so.1")
+graph_launch = libcuda.cuGraphLaunch
+graph_launch.argtypes, graph_launch.restype = [ctypes.c_void_p, ctypes.c_void_p], ctypes.c_int
+exec_handle = int(graph_exec)
+joint["CUDA graph launch (ctypes)"] = lambda: graph_launch(exec_handle, stream or None)
+if backend == "ipc":
+    kept = ctypes.PyDLL("libcuda.so.1").cuLaunchKernel
+    kept.argtypes, kept.restype = gpu._libcuda_launch().argtypes, ctypes.c_int
+    function = b._kernels["all_reduce_low_latency_float32_sum"]
+    a = b._args
+
+    def launch_keeping_gil() -> None:
+        a.scale, a.inp, a.out, a.count = 1.0, tiny.data_ptr(), tiny.data_ptr(), 2
+        kept(function, 1, 1, 1, 512, 1, 1, 0, stream or None, b._params_address, None)
+    joint["launch, GIL kept (PyDLL)"] = launch_keeping_gil
 for name, fn in joint.items():
     comm.barrier()
     torch.cuda.synchronize()
