@@ -100,10 +100,32 @@ if backend == "ipc":
         a.scale, a.inp, a.out, a.count = 1.0, tiny.data_ptr(), tiny.data_ptr(), 2
         kept(function, 1, 1, 1, 512, 1, 1, 0, stream or None, b._params_address, None)
     joint["launch, GIL kept (PyDLL)"] = launch_keeping_gil
+joint["queue.run (kernel)"] = lambda: queue.run(OpRecord("x", 1, "", 8), (stream,),
+                                                 time.monotonic() + 60, raw, None, [], stream)
+
+
+def unwatched() -> None:
+    watch, queue._watch = queue._watch, lambda item: None
+    try:
+        comm.all_reduce(tiny)
+    finally:
+        queue._watch = watch
+
+
+joint["comm.all_reduce, no watchdog"] = unwatched
+
+
+def on_side_stream() -> None:
+    with torch.cuda.stream(side):
+        for _ in range(100):
+            comm.all_reduce(tiny)
+
+
+joint["x100 on a side stream"] = on_side_stream
 for name, fn in joint.items():
     comm.barrier()
     torch.cuda.synchronize()
-    lines.append(f"{name:<28} {per_call(fn, 5000):7.2f} us")
+    lines.append(f"{name:<28} {per_call(fn, 50 if 'x100' in name else 5000):7.2f} us")
     torch.cuda.synchronize()
 comm.barrier()
 profile = cProfile.Profile()
