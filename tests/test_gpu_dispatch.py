@@ -282,7 +282,8 @@ def check_plans(comm) -> dict[str, Any]:
 def _plans(comm) -> dict[str, Any]:
     n, r = comm.size, comm.rank
     first = comm._seq + 1
-    x, whole = np.zeros(4, np.float32), np.zeros(4 * n, np.float32)
+    x, whole, mine = np.zeros(4, np.float32), np.zeros(4 * n, np.float32), np.zeros(4, np.float32)
+    gathered = [np.zeros(4, np.float32) for _ in range(n)]
     results = []
     for step in range(4):   # the first call checks and plans, the next ones replay
         x[...] = r + step
@@ -290,7 +291,10 @@ def _plans(comm) -> dict[str, Any]:
         comm.all_gather(FakeGpuArray(whole), FakeGpuArray(x))
         comm.broadcast(FakeGpuArray(x), 1)
         _landed()
-        results.append((x.copy(), whole.copy()))
+        mine[...] = x + r
+        comm.gather(FakeGpuArray(mine), [FakeGpuArray(g) for g in gathered] if r == 0 else None)
+        _landed()
+        results.append((x.copy(), whole.copy(), [g.copy() for g in gathered]))
     planned = len(comm._plans)
     refused = []
     for call in (lambda: comm.broadcast(FakeGpuArray(x), True),       # 1 as a bool: refused
@@ -311,16 +315,18 @@ def _plans(comm) -> dict[str, Any]:
 def test_repeated_blocking_gpu_calls_replay_their_plan_with_every_check_and_record_kept():
     n = 2
     for r, got in enumerate(run_ranks(check_plans, n, env=SETUP)):
-        for step, (x, whole) in enumerate(got["results"]):
+        for step, (x, whole, gathered) in enumerate(got["results"]):
             total = sum(q + step for q in range(n))
             assert (x == total).all(), (r, step, x)           # broadcast of rank 1's sum
             assert (whole == np.repeat([total] * n, 4)).all(), (r, step, whole)
-        assert got["planned"] == 3                  # one plan per (operation, arrays, args)
+            if r == 0:
+                assert [g[0] for g in gathered] == [total + q for q in range(n)], gathered
+        assert got["planned"] == 4                  # one plan per (operation, arrays, args)
         assert len(got["refused"]) == 3, got["refused"]
         assert "src=True must be an int rank" in got["refused"][0]
         assert "nonsense" in got["refused"][1]
         assert "out has 7 elements; expected 2 x 4 = 8" in got["refused"][2]
-        assert got["seqs"] == list(range(12)), got["seqs"]   # every replay numbered
+        assert got["seqs"] == list(range(16)), got["seqs"]   # every replay numbered
         assert got["states"] == {"done"}
 
 

@@ -212,14 +212,16 @@ def _from_torch(t: Any, name: str) -> GpuArray:
 
 
 def cuda_tensor_key(x: Any) -> tuple[int, int, Any] | None:
-    """(device pointer, elements, torch dtype) of a dense, contiguous, real CUDA torch tensor:
-    what identifies it to a cached plan (`plans.py`), read in a few cheap calls; None for any
+    """(data pointer, elements, torch dtype) of a dense, contiguous torch tensor: what
+    identifies a GPU array to a cached plan (`plans.py`), in the fewest tensor reads (a host
+    tensor's pointer never equals a device pointer: CUDA keeps one address space for both,
+    and plans refuse complex dtypes, whose conjugate views share the pointer); None for any
     other array, which then takes the full checks."""
     torch = _torch_module()
     if torch is None or not isinstance(x, torch.Tensor):
         return None
     try:
-        if not x.is_cuda or x.is_complex() or x.is_neg() or not x.is_contiguous():
+        if x.is_neg() or not x.is_contiguous():
             return None
         return x.data_ptr(), x.numel(), x.dtype
     except RuntimeError:  # sparse and other layouts without a data pointer

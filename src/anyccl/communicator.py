@@ -445,6 +445,10 @@ class Communicator:
                async_op: bool = False, *, stream: Any = None) -> Work | None:
         """Rank `dst`'s `out_list` receives every rank's `tensor` in rank order; the other ranks
         pass out_list=None."""
+        if self._plans is not None and not async_op and stream is None:
+            plan = self._plans.find(("gather", dst), (tensor, out_list))
+            if plan is not None:
+                return self._replay(plan)
         self._check_open("gather")
         x = self._check.array("gather", tensor, "tensor", writable=False)
         dst = self._check.peer("gather", dst, "dst")
@@ -458,6 +462,10 @@ class Communicator:
                 async_op: bool = False, *, stream: Any = None) -> Work | None:
         """Rank i's `out` receives `chunks[i]` of rank `src`; the other ranks pass
         chunks=None."""
+        if self._plans is not None and not async_op and stream is None:
+            plan = self._plans.find(("scatter", src), (out, chunks))
+            if plan is not None:
+                return self._replay(plan)
         self._check_open("scatter")
         x = self._check.array("scatter", out, "out", writable=True)
         src = self._check.peer("scatter", src, "src")

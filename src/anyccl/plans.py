@@ -56,13 +56,25 @@ class Plans:
 
     def find(self, tag: tuple, tensors: Sequence[Any]) -> Plan | None:
         """The plan of the call `tag` (the operation's name, then its non-array arguments as
-        given) on `tensors`, or None (then the call must take the full path)."""
+        given) on `tensors` (each a tensor, a list of them or None), or None (then the call
+        must take the full path)."""
         self._pending = None
         for value in tag[1:]:
             if type(value) not in _TAG_TYPES:  # bool, NumPy ints, other spellings: no plan
                 return None
         key = tag
         for t in tensors:
+            if t is None:               # a root-only argument on another rank
+                key += (None,)
+                continue
+            if type(t) is list or type(t) is tuple:   # one array per rank
+                key += (len(t),)
+                for piece in t:
+                    found = cuda_tensor_key(piece)
+                    if found is None:
+                        return None
+                    key += found
+                continue
             found = cuda_tensor_key(t)
             if found is None:
                 return None
@@ -77,8 +89,8 @@ class Plans:
         """Store the plan of the call whose full path is running now, if `find` saw that call
         miss (the pending key names the same operation), and release its arrays' owners."""
         key, self._pending = self._pending, None
-        if key is None or key[0] != name:
-            return
+        if key is None or key[0] != name or arrays[0].dtype.kind == "c":
+            return  # (complex: a conjugate view has the same key as its tensor)
         if len(self._plans) >= _LIMIT:
             self._plans.clear()
         self._plans[key] = Plan(name, args, nbytes, enqueue, arrays[0].device)
