@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Callable
 
@@ -33,6 +34,7 @@ from ...ops import ReduceOp
 from ...store import Store
 from ...trace import OpRecord
 from ..gpu_base import QueuedGpuBackend
+from ..gpu_queue import Enqueue
 from ..nccl import NcclBackend
 from ..registry import GpuContext
 from . import ce, compiler
@@ -149,10 +151,11 @@ class IpcBackend(QueuedGpuBackend):
         return self.policy
 
     # ---- the queue: NCCL's -----------------------------------------------------------------------
-    def run(self, *args: Any, **kwargs: Any) -> int:
+    def run(self, record: OpRecord, after: Sequence[int], deadline: float, enqueue: Enqueue,
+            keep: Any, entries: list[dict], on: int | None = None) -> int:
         if self._status[STATUS_ERROR]:  # a kernel ended an operation early (one word: cheap)
             self.raise_if_failed()
-        return self.queue.run(*args, **kwargs)
+        return self.queue.run(record, after, deadline, enqueue, keep, entries, on)
 
     def host_wait(self, event: int, record: OpRecord, deadline: float) -> None:
         self.queue.host_wait(event, record, deadline)
@@ -181,14 +184,18 @@ class IpcBackend(QueuedGpuBackend):
     def _ipc(self, op: str, nbytes: int) -> bool:
         return routes_to_ipc(self.policy, op, nbytes, self.size)
 
-    def _blocks(self, nbytes: int) -> int:
-        """Blocks for a kernel whose blocks share `nbytes`, and the tile (bytes between two
-        flags) set for it: small enough that every block has one, at most the layout's."""
+    def _tiling(self, nbytes: int) -> tuple[int, int]:
+        """(blocks, tile) for a kernel whose blocks share `nbytes`: the tile (bytes between
+        two flags) small enough that every block has one, at most the layout's."""
         least = 64 << 10
         tile = min(self.layout.tile_bytes, max(least, -(-nbytes // self.max_blocks // least)
                                                * least))
-        self._args.tile_bytes = tile
-        return max(1, min(self.max_blocks, -(-nbytes // tile)))
+        return max(1, min(self.max_blocks, -(-nbytes // tile))), tile
+
+    def _blocks(self, nbytes: int) -> int:
+        """`_tiling`'s blocks, with its tile set in the kernels' arguments."""
+        blocks, self._args.tile_bytes = self._tiling(nbytes)
+        return blocks
 
     def _launch(self, kernel: str, blocks: int, stream: int) -> None:
         gpu.launch(self._kernels[kernel], blocks, THREADS, stream, self._params_address)
@@ -246,49 +253,51 @@ class IpcBackend(QueuedGpuBackend):
         dtype, kind = _TYPES.get(out.dtype), _OPS.get(op)
         if dtype is None or kind is None or not self._ipc("reduce_scatter", out.nbytes):
             return self.nccl.reduce_scatter(out, inputs, op)
-        size, a = out.dtype.itemsize, self._args
+        size = out.dtype.itemsize
         scale = 1.0 / self.size if op is ReduceOp.AVG else 1.0
-        slot, total, kernel = self.layout.slot_bytes // size, out.size, \
-            f"reduce_scatter_{dtype}_{kind}"
-        ins = [piece.ptr for piece in inputs]
-
-        def enqueue(stream: int) -> None:
-            a.scale = scale
-            for start in range(0, total, slot):
-                count = min(slot, total - start)
-                for q, ptr in enumerate(ins):
-                    a.ins[q] = ptr + start * size
-                a.out, a.count = out.ptr + start * size, count
-                self._launch(kernel, self._blocks(count * size), stream)
-        return enqueue
+        slot = self.layout.slot_bytes // size
+        launches = [(0, out.ptr + start * size, [piece.ptr + start * size for piece in inputs],
+                     count, *self._tiling(count * size))
+                    for start in range(0, out.size, slot)
+                    for count in [min(slot, out.size - start)]]
+        return self._launches(f"reduce_scatter_{dtype}_{kind}", launches, scale=scale)
 
     def all_gather(self, outs: list[GpuArray], x: GpuArray) -> Callable[[int], None]:
         if not self._ipc("all_gather", x.nbytes):
             return self.nccl.all_gather(outs, x)
-        a, total, slot = self._args, x.nbytes, self.layout.slot_bytes
-        targets = [o.ptr for o in outs]
-
-        def enqueue(stream: int) -> None:
-            for start in range(0, total, slot):
-                count = min(slot, total - start)
-                a.inp, a.count = x.ptr + start, count
-                for q, ptr in enumerate(targets):
-                    a.outs[q] = ptr + start
-                self._launch("all_gather", self._blocks(count), stream)
-        return enqueue
+        slot = self.layout.slot_bytes
+        launches = [(x.ptr + start, 0, [o.ptr + start for o in outs], count, *self._tiling(count))
+                    for start in range(0, x.nbytes, slot)
+                    for count in [min(slot, x.nbytes - start)]]
+        return self._launches("all_gather", launches, gathers=True)
 
     def broadcast(self, x: GpuArray, root: int) -> Callable[[int], None]:
         if not self._ipc("broadcast", x.nbytes):
             return self.nccl.broadcast(x, root)
-        a, total, slot = self._args, x.nbytes, self.layout.slot_bytes
+        slot = self.layout.slot_bytes
+        launches = [(x.ptr + start, x.ptr + start, [], count, *self._tiling(count))
+                    for start in range(0, x.nbytes, slot)
+                    for count in [min(slot, x.nbytes - start)]]
+        return self._launches("broadcast", launches, root=root)
+
+    def _launches(self, kernel: str, launches: list[tuple[int, int, list[int], int, int, int]],
+                  *, scale: float = 1.0, root: int = 0,
+                  gathers: bool = False) -> Callable[[int], None]:
+        """The enqueue function of `kernel` launched once per (inp, out, pointers, count,
+        blocks, tile) of `launches`, worked out here so that queuing an operation again (a
+        cached plan) only writes the kernels' arguments and launches. `pointers` go to
+        outs (gathers) or ins."""
+        a, function, params = self._args, self._kernels[kernel], self._params_address
+        launch = gpu.launch
 
         def enqueue(stream: int) -> None:
-            a.root = root
-            for start in range(0, total, slot):
-                count = min(slot, total - start)
-                a.inp = a.out = x.ptr + start
-                a.count = count
-                self._launch("broadcast", self._blocks(count), stream)
+            a.scale, a.root = scale, root
+            pointers = a.outs if gathers else a.ins
+            for inp, out, targets, count, blocks, tile in launches:
+                a.inp, a.out, a.count, a.tile_bytes = inp, out, count, tile
+                for q, ptr in enumerate(targets):
+                    pointers[q] = ptr
+                launch(function, blocks, THREADS, stream, params)
         return enqueue
 
     def barrier(self) -> Callable[[int], None]:
