@@ -163,11 +163,29 @@ class Communicator:
                     self._plans = Plans()
                 self._plans.keep(name, args, nbytes, enqueue, gpu_arrays)
             return work
+        if not async_op and signature is None and self._engine.run_now(self._run_host, record,
+                                                                       entry, call):
+            return None  # the common blocking case: run right here, nothing outstanding
         task = self._host_task(record, entry, signature, call)
         if async_op:
             return self._engine.submit(task, Work(record, self.rank))
         self._engine.call(task, lambda: Work(record, self.rank))
         return None
+
+    def _run_host(self, record: OpRecord, entry: list, call: Callable[[Any], Any]) -> None:
+        """One host operation on the caller's thread (the engine's fast path): what `_host_task`
+        runs, without building it."""
+        backend = self._backend
+        FlightRecorder.started(entry)
+        backend.begin(record, record.issued_at + self.timeout_s)
+        try:
+            call(backend)
+        except BaseException as exc:
+            FlightRecorder.ended(entry, exc)
+            self._post_mortem(exc)
+            raise
+        FlightRecorder.ended(entry)
+        backend.end(record)
 
     def _replay(self, plan: Plan) -> None:
         """Queue a cached plan (plans.py) on the caller's current stream: a blocking GPU call
@@ -390,7 +408,7 @@ class Communicator:
         self._check_open("broadcast")
         x = self._check.array("broadcast", tensor, "tensor", writable=True)
         src = self._check.peer("broadcast", src, "src")
-        return self._collective("broadcast", _about(x, f", src={src}"), x.nbytes,
+        return self._collective("broadcast", _about(x, ", src={}", src), x.nbytes,
                                 lambda b: b.broadcast(x, src), async_op, like=x, root=src,
                                 arrays=[("tensor", x)], stream=stream)
 
@@ -404,7 +422,7 @@ class Communicator:
         self._check_open("all_reduce")
         x = self._check.array("all_reduce", tensor, "tensor", writable=True)
         rop = self._check.reduce_op("all_reduce", op, x.dtype)
-        return self._collective("all_reduce", _about(x, f", op={rop.name}"), x.nbytes,
+        return self._collective("all_reduce", _about(x, ", op={0.name}", rop), x.nbytes,
                                 lambda b: b.all_reduce(x, rop), async_op, like=x, op=rop,
                                 arrays=[("tensor", x)], stream=stream)
 
@@ -420,7 +438,7 @@ class Communicator:
         x = self._check.array("reduce", tensor, "tensor", writable=True)
         dst = self._check.peer("reduce", dst, "dst")
         rop = self._check.reduce_op("reduce", op, x.dtype)
-        return self._collective("reduce", _about(x, f", dst={dst}, op={rop.name}"),
+        return self._collective("reduce", _about(x, ", dst={}, op={.name}", dst, rop),
                                 x.nbytes, lambda b: b.reduce(x, dst, rop), async_op, like=x,
                                 root=dst,
                                 op=rop, arrays=[("tensor", x)], stream=stream)
@@ -453,7 +471,7 @@ class Communicator:
         x = self._check.array("gather", tensor, "tensor", writable=False)
         dst = self._check.peer("gather", dst, "dst")
         outs = self._check.root_pieces("gather", out_list, "out_list", x, dst, "dst", writable=True)
-        return self._collective("gather", _about(x, f", dst={dst}"), x.nbytes * self.size,
+        return self._collective("gather", _about(x, ", dst={}", dst), x.nbytes * self.size,
                                 lambda b: b.gather(x, outs, dst), async_op, like=x, root=dst,
                                 arrays=[("tensor", x), *_named("out_list", outs or [])],
                                 stream=stream)
@@ -471,7 +489,7 @@ class Communicator:
         src = self._check.peer("scatter", src, "src")
         pieces = self._check.root_pieces("scatter", chunks, "chunks", x, src, "src", writable=False)
         self._check.others_disjoint("scatter", pieces or [], "chunks", x, "out")
-        return self._collective("scatter", _about(x, f", src={src}"), x.nbytes * self.size,
+        return self._collective("scatter", _about(x, ", src={}", src), x.nbytes * self.size,
                                 lambda b: b.scatter(x, pieces, src), async_op, like=x, root=src,
                                 arrays=[("out", x), *_named("chunks", pieces or [])],
                                 stream=stream)
@@ -489,7 +507,7 @@ class Communicator:
         inputs = self._check.pieces("reduce_scatter", inp, "inp", x, writable=False)
         self._check.others_disjoint("reduce_scatter", inputs, "inp", x, "out")
         rop = self._check.reduce_op("reduce_scatter", op, x.dtype)
-        return self._collective("reduce_scatter", _about(x, f", op={rop.name}"),
+        return self._collective("reduce_scatter", _about(x, ", op={0.name}", rop),
                                 x.nbytes * self.size, lambda b: b.reduce_scatter(x, inputs, rop),
                                 async_op, like=x, op=rop,
                                 arrays=[("out", x), *_named("inp", inputs)], stream=stream)
@@ -637,12 +655,12 @@ class Communicator:
 _DTYPE_NAMES = {d: d.name for d in SUPPORTED_DTYPES}
 
 
-def _about(x: Array, more: str = "") -> Callable[[], str]:
-    """An op record's argument text, made when read: `x` as "float32 x 4", then `more`. Records
-    are kept (flight recorder, plans), so the text captures `x`'s dtype and size, never `x`:
-    a record keeps no array alive."""
+def _about(x: Array, more: str = "", *values: Any) -> Callable[[], str]:
+    """An op record's argument text, made when read: `x` as "float32 x 4", then `more` formatted
+    with `values` (str.format). Records are kept (flight recorder, plans), so the text captures
+    `x`'s dtype and size, never `x`: a record keeps no array alive."""
     dtype, size = x.dtype, x.size
-    return lambda: f"{_DTYPE_NAMES.get(dtype) or dtype.name} x {size}{more}"
+    return lambda: f"{_DTYPE_NAMES.get(dtype) or dtype.name} x {size}{more.format(*values)}"
 
 
 def _named(name: str, pieces: Sequence[Array]) -> list[tuple[str, Array]]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from typing import Callable
+from typing import Any, Callable
 
 from .backends.base import Backend
 from .errors import CommunicatorClosedError
@@ -72,6 +72,24 @@ class Engine:
             with self._state:
                 self._inline = False
                 self._state.notify_all()
+
+    def run_now(self, fn: Callable[..., None], *args: Any) -> bool:
+        """Run `fn(*args)` on the calling thread if nothing asynchronous is outstanding and no
+        other thread drives the backend (True; its error is raised and fails the engine as
+        `call`'s would); else do nothing and return False (then `call` queues it)."""
+        if self._outstanding or not self._drive.acquire(False):
+            return False
+        try:
+            if self._outstanding or self.failure is not None or self._closing:
+                return False
+            try:
+                fn(*args)
+            except BaseException as exc:
+                self._note_failure(exc)
+                raise
+            return True
+        finally:
+            self._drive.release()
 
     def submit(self, task: Callable[[Work], None], work: Work, *,
                finishes_itself: bool = False) -> Work:

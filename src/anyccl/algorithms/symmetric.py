@@ -42,8 +42,9 @@ class SymmetricStaging(Protocol):
     def peer(self, rank: int, half: int) -> np.ndarray:
         """Rank `rank`'s half as a uint8 array (read only by convention)."""
 
-    def typed(self, half: int, dtype: np.dtype) -> list[np.ndarray]:
-        """Every rank's whole `half` viewed as `dtype`, in rank order (write only this rank's)."""
+    def typed(self, half: int, dtype: np.dtype, count: int | None = None) -> list[np.ndarray]:
+        """Every rank's whole `half` viewed as `dtype` (its first `count` elements if given), in
+        rank order (write only this rank's); the same views on every call (cached)."""
 
     def barrier(self) -> None:
         """Return once every rank has reached the same barrier."""
@@ -88,14 +89,14 @@ def _one_shot(stg: SymmetricStaging, x: np.ndarray, op: ReduceOp, root: int | No
     for start in range(0, count, chunk):
         c = min(chunk, count - start)
         out = x if c == count else x[start:start + c]
-        staged = stg.typed(stg.next_half(), dtype)
-        staged[stg.rank][:c] = out
+        staged = stg.typed(stg.next_half(), dtype, c)
+        staged[stg.rank][...] = out
         stg.barrier()
         if root is not None and stg.rank != root:
             continue
-        combine(out, staged[0][:c], staged[1][:c], op)
+        combine(out, staged[0], staged[1], op)
         for j in range(2, n):
-            accumulate(out, staged[j][:c], op)
+            accumulate(out, staged[j], op)
         finish(out, op, n)
 
 

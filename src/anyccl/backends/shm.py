@@ -294,7 +294,7 @@ class SharedMemoryBackend(Backend):
                        for seg in self._segments]
         self._peer_bells = [bell for j, bell in enumerate(self._bells) if j != rank]
         self._peer_ctl = [ctl for j, ctl in enumerate(self._ctl) if j != rank]
-        self._typed: dict[tuple[int, np.dtype], list[np.ndarray]] = {}
+        self._typed: dict[tuple[int, np.dtype, int | None], list[np.ndarray]] = {}
         self._staging = [[seg.u8[layout.staging + h * layout.staging_bytes:
                                  layout.staging + (h + 1) * layout.staging_bytes]
                           for h in (0, 1)] for seg in self._segments]
@@ -525,14 +525,21 @@ class SharedMemoryBackend(Backend):
     def peer(self, rank: int, half: int) -> np.ndarray:
         return self._staging[rank][half]
 
-    def typed(self, half: int, dtype: np.dtype) -> list[np.ndarray]:
+    def typed(self, half: int, dtype: np.dtype, count: int | None = None) -> list[np.ndarray]:
+        key = (half, dtype, count)
         try:
-            return self._typed[(half, dtype)]
+            return self._typed[key]
         except KeyError:
+            pass
+        if count is None:
             whole = self.half_bytes - self.half_bytes % dtype.itemsize
-            views = self._typed[(half, dtype)] = [self._staging[r][half][:whole].view(dtype)
-                                                  for r in range(self.size)]
-            return views
+            views = [self._staging[r][half][:whole].view(dtype) for r in range(self.size)]
+        else:
+            views = [v[:count] for v in self.typed(half, dtype)]
+            if len(self._typed) >= 256:  # the views of many sizes: start over
+                self._typed.clear()
+        self._typed[key] = views
+        return views
 
     def barrier(self) -> None:
         self._epoch = epoch = self._epoch + 1
