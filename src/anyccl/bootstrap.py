@@ -15,6 +15,7 @@ import secrets
 import socket
 import warnings
 from datetime import timedelta
+from typing import Any
 from urllib.parse import urlparse
 
 from . import settings
@@ -109,33 +110,34 @@ def _tcp_store(host: str, port: int, rank: int, timeout_s: float) -> Store:
 
 def _torch_agent_store(timeout_s: float) -> Store:
     """torchrun's agent already serves a store at MASTER_PORT; talk to it with torch."""
-    from datetime import timedelta as _td
-
     import torch.distributed as tdist
 
-    from .store import Store as _Store
+    return C10dStore(tdist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                    is_master=False, timeout=timedelta(seconds=timeout_s)))
 
-    inner = tdist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                           is_master=False, timeout=_td(seconds=timeout_s))
 
-    class TorchAgentStore(_Store):
-        def set(self, key: str, value: bytes) -> None:
-            inner.set("anyccl/" + key, value)
+class C10dStore(Store):
+    """A torch.distributed (c10d) store seen as anyccl's: torchrun's agent store, or the store
+    torch hands a process group. anyccl's keys live under "anyccl/"."""
 
-        def get(self, key: str, timeout_s: float) -> bytes:
-            inner.wait(["anyccl/" + key], _td(seconds=timeout_s))
-            return inner.get("anyccl/" + key)
+    def __init__(self, inner: object) -> None:
+        self._inner: Any = inner
 
-        def add(self, key: str, amount: int) -> int:
-            return inner.add("anyccl/" + key, amount)
+    def set(self, key: str, value: bytes) -> None:
+        self._inner.set("anyccl/" + key, value)
 
-        def check(self, key: str) -> bool:
-            return inner.check(["anyccl/" + key])
+    def get(self, key: str, timeout_s: float) -> bytes:
+        self._inner.wait(["anyccl/" + key], timedelta(seconds=timeout_s))
+        return self._inner.get("anyccl/" + key)
 
-        def delete(self, key: str) -> None:
-            inner.delete_key("anyccl/" + key)
+    def add(self, key: str, amount: int) -> int:
+        return self._inner.add("anyccl/" + key, amount)
 
-    return TorchAgentStore()
+    def check(self, key: str) -> bool:
+        return self._inner.check(["anyccl/" + key])
+
+    def delete(self, key: str) -> None:
+        self._inner.delete_key("anyccl/" + key)
 
 
 def _mpi_store(rank: int, timeout_s: float) -> Store:
@@ -263,7 +265,7 @@ def init(backend: str | None = None, *, rank: int | None = None,
     """
     if debug is None:
         debug = settings.DEBUG.get()
-    env_rank, env_size, env_local = _launcher_identity()
+    env_rank, env_size, _ = _launcher_identity()
     rank = env_rank if rank is None else rank
     world_size = env_size if world_size is None else world_size
     if rank is None and world_size is None:
@@ -278,11 +280,25 @@ def init(backend: str | None = None, *, rank: int | None = None,
         raise InvalidArgumentError(f"rank={rank} must be in 0..world_size-1 and world_size="
                                    f"{world_size} at least 1")
     timeout_s = seconds(timeout, settings.TIMEOUT.get())
+    parse_backend(backend)  # refused by name before any store starts
+    if device_id is not None:
+        _device_index(device_id)
+    connection = _make_store(init_method, rank, world_size, timeout_s)
+    return join(connection, rank, world_size, backend=backend, timeout_s=timeout_s,
+                local_rank=local_rank, debug=debug, device_id=device_id, owns_store=True)
+
+
+def join(connection: Store, rank: int, world_size: int, *, backend: str | None,
+         timeout_s: float, local_rank: int | None, debug: bool, device_id: object = None,
+         owns_store: bool = False) -> Communicator:
+    """The communicator of `world_size` ranks that meet through `connection` (an open store:
+    init()'s own, or one torch.distributed hands a process group); `owns_store`: close it with
+    the communicator. Ranks already checked."""
     name, gpu_name = parse_backend(backend)
     device = None if device_id is None else _device_index(device_id)
+    env_local = _launcher_identity()[2]
     global _generation
     _generation += 1
-    connection = _make_store(init_method, rank, world_size, timeout_s)
     # a fresh key space per init(), so a job may close its communicator and init again
     store = PrefixStore(f"init{_generation}", connection)
     try:
@@ -297,11 +313,12 @@ def init(backend: str | None = None, *, rank: int | None = None,
         backend_impl = registry.host_entry(name).create(
             registry.HostContext(store, rank, world_size, job_id, timeout_s))
     except BaseException:
-        connection.close()
+        if owns_store:
+            connection.close()
         raise
     _dump_flight_records_on_sigterm()
     comm = Communicator(backend_impl, store, rank=rank, size=world_size, local_rank=local_rank,
-                        timeout_s=timeout_s, job_id=job_id, debug=debug, owns_store=True,
+                        timeout_s=timeout_s, job_id=job_id, debug=debug, owns_store=owns_store,
                         device=device, gpu_kind=gpu_name)
     if gpu_name is not None or device is not None:
         try:

@@ -45,17 +45,27 @@ def _check_torch_layout(t: Any, name: str) -> None:
             f"pass tensor.contiguous() and copy the result back if you need it in place")
 
 
+class _TorchMemory:
+    """A CPU tensor's memory as NumPy sees it (`__array_interface__` over its data pointer),
+    keeping the tensor alive. Not `Tensor.numpy()`: that marks the tensor's storage
+    non-resizable for good, which breaks FSDP's storage freeing (pytorch#119233)."""
+
+    __slots__ = ("__array_interface__", "tensor")
+
+    def __init__(self, t: Any, typestr: str) -> None:
+        self.tensor = t
+        self.__array_interface__ = {"data": (t.data_ptr(), False), "shape": tuple(t.shape),
+                                    "typestr": typestr, "version": 3}
+
+
 def _torch_to_numpy(t: Any, name: str) -> np.ndarray:
-    torch = _torch_module()
     _check_torch_layout(t, name)
-    t = t.detach()
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(BFLOAT16)
-    try:
-        return t.numpy()
-    except TypeError as exc:
-        raise UnsupportedError(f"{name} has dtype {t.dtype}, which anyccl does not support") \
-            from exc
+    dtype = _torch_dtype(t, name)
+    if t.numel() == 0:
+        return np.empty(tuple(t.shape), dtype)
+    if dtype == BFLOAT16:
+        return np.asarray(_TorchMemory(t, "<u2")).view(BFLOAT16)
+    return np.asarray(_TorchMemory(t, dtype.str))
 
 
 def as_numpy(x: Any, name: str, *, writable: bool) -> np.ndarray:

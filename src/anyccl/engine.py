@@ -168,6 +168,7 @@ class Engine:
                     item = self._take()
                     if item is not None:
                         self._run_queued(*item)
+                        item = None  # the operation's arrays are the caller's again
                 continue
             if closing:
                 self._fail_all(CommunicatorClosedError(

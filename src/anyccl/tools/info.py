@@ -6,6 +6,7 @@ imports, GPUs only if the CUDA runtime sees them, links only if NVML reports the
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import platform
 import sys
@@ -150,4 +151,22 @@ def main(argv: list[str] | None = None) -> int:
     print("\nrouting: host arrays (NumPy, torch CPU) -> shm (mpi when started by mpiexec); GPU "
           "arrays (torch, CuPy, JAX, DLPack) -> "
           + ("nccl" if _try(_nccl_version) else "nccl once installed"))
+    print(f"\ntorch.distributed backend: {torch_backend()}")
     return 0
+
+
+def torch_backend() -> str:
+    """Whether init_process_group("anyccl") works here, as `anyccl info` says it."""
+    from importlib.metadata import entry_points
+
+    if importlib.util.find_spec("torch") is None:
+        return "not available: torch is not installed"
+    hooked = any(e.value.startswith("anyccl.") for e in entry_points(group="torch.backends"))
+    autoload = os.environ.get("TORCH_DEVICE_BACKEND_AUTOLOAD", "1") == "1"
+    if hooked and autoload:
+        return ('"anyccl" is registered when torch is imported '
+                '(init_process_group("anyccl"))')
+    why = ("TORCH_DEVICE_BACKEND_AUTOLOAD=0" if hooked else
+           "this installation has no torch.backends entry point")
+    return f'"anyccl" is registered by `import anyccl.torch` ({why})'
+

@@ -1,0 +1,256 @@
+"""anyccl as a torch.distributed backend: ``init_process_group("anyccl")``.
+
+Importing this module registers the backend "anyccl" with torch.distributed for CPU and CUDA
+tensors (installing anyccl also registers it when torch is imported, through the
+``torch.backends`` entry point; ``TORCH_DEVICE_BACKEND_AUTOLOAD=0`` turns that off). Then
+torch's own machinery runs on anyccl unchanged: DistributedDataParallel, the functional
+collectives, object collectives, ``new_group(..., backend="anyccl")``::
+
+    import torch.distributed as dist
+    dist.init_process_group("anyccl")          # or "cpu:anyccl,cuda:anyccl"
+    model = torch.nn.parallel.DistributedDataParallel(model)
+
+Which anyccl transport serves the group follows anyccl's usual rules: shm (or mpi under
+mpiexec) for CPU tensors, and for CUDA tensors the GPU backend ANYCCL_BACKEND names (nccl by
+default; ipc, auto). Every rank of a group meets through the store torch hands the group.
+
+Each operation runs as anyccl's blocking call and returns a torch Work whose future is already
+complete: on CPU the result is in place when the call returns; on CUDA the operation is queued on
+the caller's current stream (no host synchronisation), and the future's CUDA event orders its
+consumers after it. CPU tensors are read through views built from their data pointers, never
+``Tensor.numpy()`` (which would mark the caller's storage non-resizable for good).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import _create_work_from_future
+
+from . import settings
+from .bootstrap import C10dStore, join
+from .communicator import Communicator
+from .errors import UnsupportedError
+from .ops import ReduceOp
+
+NAME = "anyccl"
+
+_OPS = {"SUM": ReduceOp.SUM, "AVG": ReduceOp.AVG, "PRODUCT": ReduceOp.PROD,
+        "MIN": ReduceOp.MIN, "MAX": ReduceOp.MAX, "BAND": ReduceOp.BAND, "BOR": ReduceOp.BOR,
+        "BXOR": ReduceOp.BXOR}
+
+
+def _reduce_op(opts: Any) -> ReduceOp:
+    """anyccl's op for the c10d ReduceOp in `opts` (its `.op` enum has the name)."""
+    raw = getattr(opts, "reduceOp", None)
+    name = getattr(getattr(raw, "op", raw), "name", "SUM") if raw is not None else "SUM"
+    found = _OPS.get(name)
+    if found is None:
+        raise UnsupportedError(f"the anyccl process group has no {name} reduction (torch's "
+                               f"{name} is refused by name; use SUM, AVG, PRODUCT, MIN, MAX or "
+                               f"a bitwise op)")
+    return found
+
+
+def _done(result: Any, tensors: list[torch.Tensor]) -> Any:
+    """A Work whose future holds `result`; on CUDA its event records the current stream, where
+    the operation was queued, so that consumers wait on the GPU, not on the host."""
+    devices = sorted({t.device for t in tensors if t.is_cuda}, key=str)
+    future: torch.futures.Future = torch.futures.Future(devices=devices) if devices else \
+        torch.futures.Future()
+    future.set_result(result)
+    return _create_work_from_future(future)
+
+
+def _flat(tensors: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+    return [t for inner in tensors for t in inner]
+
+
+class ProcessGroup(dist.ProcessGroup):
+    """A torch process group whose operations run on an anyccl Communicator."""
+
+    def __init__(self, comm: Communicator) -> None:
+        super().__init__(comm.rank, comm.size)
+        self.comm = comm
+        self._group_name = ""
+        self._group_desc = ""
+
+    # ---- identity: what DDP, FSDP2 and DeviceMesh ask ------------------------------------------
+    def getBackendName(self) -> str:  # noqa: N802 - torch's names
+        return NAME
+
+    def name(self) -> str:
+        return NAME
+
+    def _set_group_name(self, name: str) -> None:
+        self._group_name = name
+
+    @property
+    def group_name(self) -> str:
+        return self._group_name
+
+    def _set_group_desc(self, desc: str) -> None:
+        self._group_desc = desc
+
+    @property
+    def group_desc(self) -> str:
+        return self._group_desc
+
+    # ---- collectives ---------------------------------------------------------------------------
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        op = _reduce_op(opts)
+        for t in tensors:
+            self.comm.all_reduce(t, op)
+        return _done(tensors, tensors)
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        return self.allreduce(tensors, opts)
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        root = getattr(opts, "rootRank", 0)
+        for t in tensors:
+            self.comm.broadcast(t, root)
+        return _done(tensors, tensors)
+
+    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        op, root = _reduce_op(opts), getattr(opts, "rootRank", 0)
+        for t in tensors:
+            self.comm.reduce(t, root, op)
+        return _done(tensors, tensors)
+
+    def allgather(self, output_tensors: list[list[torch.Tensor]],
+                  input_tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        for outs, t in zip(output_tensors, input_tensors):
+            self.comm.all_gather(outs, t)
+        return _done(output_tensors, _flat(output_tensors))
+
+    def allgather_coalesced(self, output_lists: list[list[torch.Tensor]],
+                            input_list: list[torch.Tensor], opts: Any = None) -> Any:
+        return self.allgather(output_lists, input_list, opts)
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002
+                          opts: Any = None) -> Any:
+        self.comm.all_gather(output, input)
+        return _done(output, [output])
+
+    _allgather_base = all_gather_single
+
+    def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor],
+                                        inputs: list[torch.Tensor], opts: Any = None) -> Any:
+        for out, t in zip(outputs, inputs):
+            self.comm.all_gather(out, t)
+        return _done(outputs, outputs)
+
+    all_gather_single_coalesced = allgather_into_tensor_coalesced
+
+    def reduce_scatter(self, output_tensors: list[torch.Tensor],
+                       input_tensors: list[list[torch.Tensor]], opts: Any = None) -> Any:
+        op = _reduce_op(opts)
+        for out, pieces in zip(output_tensors, input_tensors):
+            self.comm.reduce_scatter(out, pieces, op)
+        return _done(output_tensors, output_tensors)
+
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002
+                              opts: Any = None) -> Any:
+        self.comm.reduce_scatter(output, input, _reduce_op(opts))
+        return _done(output, [output])
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter_tensor_coalesced(self, outputs: list[torch.Tensor],
+                                        inputs: list[torch.Tensor], opts: Any = None) -> Any:
+        op = _reduce_op(opts)
+        for out, t in zip(outputs, inputs):
+            self.comm.reduce_scatter(out, t, op)
+        return _done(outputs, outputs)
+
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
+
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002
+                          output_split_sizes: list[int], input_split_sizes: list[int],
+                          opts: Any = None) -> Any:
+        if output_split_sizes or input_split_sizes:
+            even_out = [output.shape[0] // self.comm.size] * self.comm.size if output.dim() else []
+            even_in = [input.shape[0] // self.comm.size] * self.comm.size if input.dim() else []
+            if (output_split_sizes and list(output_split_sizes) != even_out) or \
+                    (input_split_sizes and list(input_split_sizes) != even_in):
+                raise UnsupportedError(
+                    f"rank {self.comm.rank}: all_to_all_single with uneven split sizes "
+                    f"(output {list(output_split_sizes)}, input {list(input_split_sizes)}) is "
+                    f"not supported by the anyccl process group yet; pass even splits")
+        self.comm.all_to_all(output, input)
+        return _done(output, [output])
+
+    alltoall_base = all_to_all_single
+
+    def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],
+                 opts: Any = None) -> Any:
+        self.comm.all_to_all(output_tensors, input_tensors)
+        return _done(output_tensors, output_tensors)
+
+    def gather(self, output_tensors: list[list[torch.Tensor]],
+               input_tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        root = getattr(opts, "rootRank", 0)
+        outs = output_tensors[0] if self.comm.rank == root else None
+        self.comm.gather(input_tensors[0], outs, root)
+        return _done(output_tensors, _flat(output_tensors))
+
+    def scatter(self, output_tensors: list[torch.Tensor],
+                input_tensors: list[list[torch.Tensor]], opts: Any = None) -> Any:
+        root = getattr(opts, "rootRank", 0)
+        chunks = input_tensors[0] if self.comm.rank == root else None
+        self.comm.scatter(output_tensors[0], chunks, root)
+        return _done(output_tensors, output_tensors)
+
+    def barrier(self, opts: Any = None) -> Any:
+        self.comm.barrier()
+        return _done(None, [])
+
+    # ---- messages ------------------------------------------------------------------------------
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> Any:
+        for t in tensors:
+            self.comm.send(t, dst, tag)
+        return _done(tensors, tensors)
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> Any:
+        for t in tensors:
+            self.comm.recv(t, src, tag)
+        return _done(tensors, tensors)
+
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> Any:
+        raise UnsupportedError(f"rank {self.comm.rank}: recv from any source is not supported "
+                               f"by the anyccl process group yet; name the source rank")
+
+    # ---- coalescing: operations run as they are issued, so a coalesced block is done at its end
+    def _start_coalescing(self, device: torch.device) -> None:
+        pass
+
+    def _end_coalescing(self, device: torch.device) -> Any:
+        return _done(None, [])
+
+    def shutdown(self) -> None:
+        self.comm.close()
+
+    def abort(self) -> None:
+        self.comm.close()
+
+
+def create(store: Any, rank: int, size: int, timeout: timedelta) -> ProcessGroup:
+    """torch.distributed's creator of an "anyccl" process group: an anyccl communicator of the
+    group's ranks, meeting through the store torch passes (`new_group` calls it again)."""
+    comm = join(C10dStore(store), rank, size, backend=None, timeout_s=timeout.total_seconds(),
+                local_rank=None, debug=settings.DEBUG.get())
+    return ProcessGroup(comm)
+
+
+def register() -> None:
+    """Register the "anyccl" backend with torch.distributed (once; idempotent)."""
+    if NAME.upper() in dist.Backend._plugins:  # type: ignore[attr-defined]
+        return
+    dist.Backend.register_backend(NAME, create, devices=["cpu", "cuda"])
+
+
+register()

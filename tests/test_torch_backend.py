@@ -1,0 +1,99 @@
+"""anyccl as a torch.distributed backend: `init_process_group("anyccl")` runs torch's own
+DistributedDataParallel (plain, find_unused_parameters, no_sync, the fp16 compression hook,
+static_graph) and torch's functional and object collectives to exactly the weights and values
+gloo gives, and a CPU tensor passed to anyccl stays resizable (FSDP frees storage so)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.shm_only  # torch starts its own processes; the suite's backend is moot
+
+SCRIPT = Path(__file__).parent / "scripts" / "ddp_train.py"
+VARIANTS = "plain,unused,no_sync,fp16_hook,static_graph,functional"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _train(backend: str, world_size: int, variants: str, out_dir: Path) -> list[dict]:
+    out_dir.mkdir()
+    proc = subprocess.run([sys.executable, str(SCRIPT), backend, str(world_size),
+                           str(_free_port()), str(out_dir), variants],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
+
+
+@pytest.mark.parametrize("world_size, variants", [(2, VARIANTS), (4, "plain,unused")])
+def test_ddp_on_the_anyccl_backend_trains_to_the_weights_gloo_gives(tmp_path, world_size,
+                                                                     variants):
+    """Two ranks: bit for bit (a sum of two is the same in any order). Four: gloo adds in
+    another order, so the weights agree to float32 rounding, and every rank holds exactly the
+    same weights as the others."""
+    gloo = _train("gloo", world_size, variants, tmp_path / "gloo")
+    ours = _train("anyccl", world_size, variants, tmp_path / "anyccl")
+    for rank in range(world_size):
+        assert gloo[rank].keys() == ours[rank].keys()
+        for key, expected in gloo[rank].items():
+            got = ours[rank][key]
+            if not isinstance(expected, torch.Tensor):
+                assert got == expected, (rank, key)
+            elif world_size == 2:
+                assert got.dtype == expected.dtype and torch.equal(got, expected), (rank, key)
+            else:
+                assert torch.equal(got, ours[0][key]), (rank, key)
+                torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_importing_torch_registers_the_backend_through_the_entry_point():
+    check = "import torch.distributed as d; print('ANYCCL' in d.Backend._plugins)"
+    for autoload, expected in (("1", "True"), ("0", "False")):
+        proc = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True,
+                              timeout=120, env={**os.environ,
+                                                "TORCH_DEVICE_BACKEND_AUTOLOAD": autoload})
+        assert proc.stdout.strip() == expected, (autoload, proc.stderr[-2000:])
+    info = subprocess.run([sys.executable, "-m", "anyccl", "info"], capture_output=True,
+                          text=True, timeout=120)
+    assert 'torch.distributed backend: "anyccl" is registered when torch is imported' \
+        in info.stdout, info.stdout[-2000:]
+
+
+def test_a_cpu_tensor_anyccl_reads_stays_resizable():
+    import numpy as np
+
+    from anyccl.buffers import as_numpy
+
+    t = torch.arange(6.0)
+    view = as_numpy(t, "t", writable=True)
+    view[0] = 7.0
+    assert t[0].item() == 7.0 and isinstance(view, np.ndarray)
+    t.resize_(12)  # raises "Trying to resize storage that is not resizable" after .numpy()
+    assert t.numel() == 12
+
+
+def test_the_backend_is_registered_on_import_and_refuses_what_it_lacks_by_name():
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    import anyccl.torch as backend
+
+    assert "ANYCCL" in dist.Backend._plugins
+    backend.register()  # again: nothing happens
+    premul = SimpleNamespace(reduceOp=SimpleNamespace(op=SimpleNamespace(name="PREMUL_SUM")))
+    with pytest.raises(backend.UnsupportedError, match="no PREMUL_SUM reduction"):
+        backend._reduce_op(premul)
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.MAX
+    assert backend._reduce_op(opts).name == "MAX"
