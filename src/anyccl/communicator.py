@@ -187,9 +187,21 @@ class Communicator:
         FlightRecorder.ended(entry)
         backend.end(record)
 
+    def _replayed(self, tag: tuple, tensors: tuple, async_op: bool, stream: Any) -> bool:
+        """Whether this call was a blocking GPU call on arrays an earlier call checked, now
+        replayed from its cached plan (plans.py); False: it takes the full path."""
+        plans = self._plans
+        if plans is None or async_op or stream is not None:
+            return False
+        plan = plans.find(tag, tensors)
+        if plan is None:
+            return False
+        self._replay(plan)
+        return True
+
     def _replay(self, plan: Plan) -> None:
-        """Queue a cached plan (plans.py) on the caller's current stream: a blocking GPU call
-        on arrays an earlier call checked, with its own record, entry and deadline."""
+        """Queue a cached plan on the caller's current stream, with its own record, entry and
+        deadline."""
         self._seq += 1
         record = OpRecord(plan.name, self._seq, plan.args, plan.nbytes)
         entry = self.flight_recorder.queued(record)
@@ -401,10 +413,8 @@ class Communicator:
     def broadcast(self, tensor: Any, src: int, async_op: bool = False, *,
                   stream: Any = None) -> Work | None:
         """Every rank's `tensor` becomes a copy of rank `src`'s `tensor`."""
-        if self._plans is not None and not async_op and stream is None:
-            plan = self._plans.find(("broadcast", src), (tensor,))
-            if plan is not None:
-                return self._replay(plan)
+        if self._replayed(("broadcast", src), (tensor,), async_op, stream):
+            return None
         self._check_open("broadcast")
         x = self._check.array("broadcast", tensor, "tensor", writable=True)
         src = self._check.peer("broadcast", src, "src")
@@ -415,10 +425,8 @@ class Communicator:
     def all_reduce(self, tensor: Any, op: ReduceOp | str = ReduceOp.SUM,
                    async_op: bool = False, *, stream: Any = None) -> Work | None:
         """Every rank's `tensor` becomes the element-wise reduction of all ranks' `tensor`."""
-        if self._plans is not None and not async_op and stream is None:
-            plan = self._plans.find(("all_reduce", op), (tensor,))
-            if plan is not None:
-                return self._replay(plan)
+        if self._replayed(("all_reduce", op), (tensor,), async_op, stream):
+            return None
         self._check_open("all_reduce")
         x = self._check.array("all_reduce", tensor, "tensor", writable=True)
         rop = self._check.reduce_op("all_reduce", op, x.dtype)
@@ -430,10 +438,8 @@ class Communicator:
                async_op: bool = False, *, stream: Any = None) -> Work | None:
         """Rank `dst`'s `tensor` becomes the reduction of all ranks' `tensor`; the other ranks'
         arrays are left as they were."""
-        if self._plans is not None and not async_op and stream is None:
-            plan = self._plans.find(("reduce", dst, op), (tensor,))
-            if plan is not None:
-                return self._replay(plan)
+        if self._replayed(("reduce", dst, op), (tensor,), async_op, stream):
+            return None
         self._check_open("reduce")
         x = self._check.array("reduce", tensor, "tensor", writable=True)
         dst = self._check.peer("reduce", dst, "dst")
@@ -447,10 +453,8 @@ class Communicator:
                    stream: Any = None) -> Work | None:
         """`out` receives every rank's `tensor` in rank order: a list of `size` arrays, or one
         array of size * tensor.size elements."""
-        if self._plans is not None and not async_op and stream is None:
-            plan = self._plans.find(("all_gather",), (out, tensor))
-            if plan is not None:
-                return self._replay(plan)
+        if self._replayed(("all_gather",), (out, tensor), async_op, stream):
+            return None
         self._check_open("all_gather")
         x = self._check.array("all_gather", tensor, "tensor", writable=False)
         outs = self._check.pieces("all_gather", out, "out", x, writable=True)
@@ -463,10 +467,8 @@ class Communicator:
                async_op: bool = False, *, stream: Any = None) -> Work | None:
         """Rank `dst`'s `out_list` receives every rank's `tensor` in rank order; the other ranks
         pass out_list=None."""
-        if self._plans is not None and not async_op and stream is None:
-            plan = self._plans.find(("gather", dst), (tensor, out_list))
-            if plan is not None:
-                return self._replay(plan)
+        if self._replayed(("gather", dst), (tensor, out_list), async_op, stream):
+            return None
         self._check_open("gather")
         x = self._check.array("gather", tensor, "tensor", writable=False)
         dst = self._check.peer("gather", dst, "dst")
@@ -480,10 +482,8 @@ class Communicator:
                 async_op: bool = False, *, stream: Any = None) -> Work | None:
         """Rank i's `out` receives `chunks[i]` of rank `src`; the other ranks pass
         chunks=None."""
-        if self._plans is not None and not async_op and stream is None:
-            plan = self._plans.find(("scatter", src), (out, chunks))
-            if plan is not None:
-                return self._replay(plan)
+        if self._replayed(("scatter", src), (out, chunks), async_op, stream):
+            return None
         self._check_open("scatter")
         x = self._check.array("scatter", out, "out", writable=True)
         src = self._check.peer("scatter", src, "src")
@@ -498,10 +498,8 @@ class Communicator:
                        async_op: bool = False, *, stream: Any = None) -> Work | None:
         """Rank i's `out` becomes the reduction of every rank's piece i of `inp` (a list of
         `size` arrays like `out`, or one array of size * out.size elements)."""
-        if self._plans is not None and not async_op and stream is None:
-            plan = self._plans.find(("reduce_scatter", op), (out, inp))
-            if plan is not None:
-                return self._replay(plan)
+        if self._replayed(("reduce_scatter", op), (out, inp), async_op, stream):
+            return None
         self._check_open("reduce_scatter")
         x = self._check.array("reduce_scatter", out, "out", writable=True)
         inputs = self._check.pieces("reduce_scatter", inp, "inp", x, writable=False)
@@ -516,10 +514,8 @@ class Communicator:
                    stream: Any = None) -> Work | None:
         """Rank i's out[j] receives rank j's inp[i]. Both are lists of `size` arrays of one
         size, or single arrays split evenly into `size` pieces. out may be inp (in place)."""
-        if self._plans is not None and not async_op and stream is None:
-            plan = self._plans.find(("all_to_all",), (out, inp))
-            if plan is not None:
-                return self._replay(plan)
+        if self._replayed(("all_to_all",), (out, inp), async_op, stream):
+            return None
         self._check_open("all_to_all")
         if isinstance(inp, (list, tuple)):
             if not inp:
