@@ -1,7 +1,8 @@
 """anyccl as a torch.distributed backend: `init_process_group("anyccl")` runs torch's own
 DistributedDataParallel (plain, find_unused_parameters, no_sync, the fp16 compression hook,
-static_graph) and torch's functional and object collectives to exactly the weights and values
-gloo gives, and a CPU tensor passed to anyccl stays resizable (FSDP frees storage so)."""
+static_graph), FSDP2 (`fully_shard`), PyTorch Lightning's DDPStrategy and torch's functional and
+object collectives to exactly the weights and values gloo gives, and a CPU tensor passed to
+anyccl stays resizable (FSDP frees storage so)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.shm_only  # torch starts its own processes; the suite's backend is moot
 
 SCRIPT = Path(__file__).parent / "scripts" / "ddp_train.py"
-VARIANTS = "plain,unused,no_sync,fp16_hook,static_graph,functional"
+VARIANTS = "plain,unused,no_sync,fp16_hook,static_graph,functional,fsdp2"
 
 
 def _free_port() -> int:
@@ -35,7 +36,7 @@ def _train(backend: str, world_size: int, variants: str, out_dir: Path) -> list[
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
 
 
-@pytest.mark.parametrize("world_size, variants", [(2, VARIANTS), (4, "plain,unused")])
+@pytest.mark.parametrize("world_size, variants", [(2, VARIANTS), (4, "plain,unused,fsdp2")])
 def test_ddp_on_the_anyccl_backend_trains_to_the_weights_gloo_gives(tmp_path, world_size,
                                                                      variants):
     """Two ranks: bit for bit (a sum of two is the same in any order). Four: gloo adds in
@@ -54,6 +55,22 @@ def test_ddp_on_the_anyccl_backend_trains_to_the_weights_gloo_gives(tmp_path, wo
             else:
                 assert torch.equal(got, ours[0][key]), (rank, key)
                 torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_lightning_ddp_on_the_anyccl_backend_trains_to_the_weights_gloo_gives(tmp_path):
+    pytest.importorskip("lightning")
+    script = Path(__file__).parent / "scripts" / "lightning_train.py"
+    weights = {}
+    for backend in ("gloo", "anyccl"):
+        out = tmp_path / f"{backend}.pt"
+        proc = subprocess.run([sys.executable, str(script), backend, str(out)],
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        weights[backend] = torch.load(out, weights_only=False)
+    gloo, ours = weights["gloo"], weights["anyccl"]
+    for key, expected in gloo["trained"].items():
+        assert torch.equal(ours["trained"][key], expected), key
+        assert not torch.equal(ours["trained"][key], ours["initial"][key]), key  # it trained
 
 
 def test_importing_torch_registers_the_backend_through_the_entry_point():

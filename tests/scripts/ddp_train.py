@@ -7,7 +7,8 @@ torch-backend tests run it on both and compare.
 VARIANTs, each a fresh model trained in the same process group, results saved under
 "VARIANT/...": plain, unused (find_unused_parameters, a layer left out on odd steps), no_sync
 (gradient accumulation over two micro-batches), fp16_hook (the fp16 compression comm hook),
-static_graph, functional (torch's functional and object collectives after plain training).
+static_graph, functional (torch's functional and object collectives after plain training),
+fsdp2 (the model sharded with FSDP2's fully_shard instead of DDP; full weights saved).
 """
 
 import os
@@ -49,7 +50,28 @@ def main(rank: int, backend: str, world_size: int, port: int, out_dir: str,
     dist.destroy_process_group()
 
 
+def train_fsdp2(rank: int) -> dict:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = Model()
+    for layer in (model.first, model.spare, model.last):
+        fully_shard(layer)
+    fully_shard(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    data = torch.Generator().manual_seed(100 + rank)
+    for _ in range(STEPS):
+        x, y = torch.randn(8, 16, generator=data), torch.randn(8, 4, generator=data)
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+    return {name: value.full_tensor().detach().clone()
+            for name, value in model.state_dict().items()}
+
+
 def train(rank: int, world_size: int, variant: str) -> dict:
+    if variant == "fsdp2":
+        return train_fsdp2(rank)
     torch.manual_seed(0)
     model = Model()
     ddp = DDP(model, find_unused_parameters=variant == "unused",
