@@ -9,6 +9,7 @@ nothing on that rank, as in torch.
 
 from __future__ import annotations
 
+import pickle
 import warnings
 from collections.abc import Sequence
 from datetime import timedelta
@@ -26,7 +27,8 @@ __all__ = [
     "irecv", "broadcast", "scatter", "gather", "reduce", "all_reduce", "all_gather",
     "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor", "all_to_all",
     "all_to_all_single", "broadcast_object_list", "all_gather_object", "ReduceOp", "GroupMember",
-    "Work",
+    "Work", "all_gather_single", "reduce_scatter_single", "gather_object", "scatter_object_list",
+    "send_object_list", "recv_object_list", "P2POp", "batch_isend_irecv", "monitored_barrier",
 ]
 
 
@@ -168,6 +170,12 @@ def scatter(tensor: Any, scatter_list: list | None = None, src: int = 0, group: 
     return None if g is None else g.scatter(tensor, scatter_list, src, async_op=async_op)
 
 
+def all_gather_single(output_tensor: Any, input_tensor: Any, group: Any = None,
+                      async_op: bool = False) -> Work | None:
+    """torch 2.13's name for all_gather_into_tensor."""
+    return all_gather(output_tensor, input_tensor, group, async_op)
+
+
 def reduce_scatter(output: Any, input_list: list, op: ReduceOp = ReduceOp.SUM,
                    group: Any = None, async_op: bool = False) -> Work | None:
     g = _group(group)
@@ -176,6 +184,12 @@ def reduce_scatter(output: Any, input_list: list, op: ReduceOp = ReduceOp.SUM,
 
 def reduce_scatter_tensor(output: Any, input: Any, op: ReduceOp = ReduceOp.SUM,  # noqa: A002
                           group: Any = None, async_op: bool = False) -> Work | None:
+    return reduce_scatter(output, input, op, group, async_op)
+
+
+def reduce_scatter_single(output: Any, input: Any, op: ReduceOp = ReduceOp.SUM,  # noqa: A002
+                          group: Any = None, async_op: bool = False) -> Work | None:
+    """torch 2.13's name for reduce_scatter_tensor."""
     return reduce_scatter(output, input, op, group, async_op)
 
 
@@ -208,3 +222,112 @@ def all_gather_object(object_list: list, obj: Any, group: Any = None) -> None:
     g = _group(group)
     if g is not None:
         object_list[:] = g.all_gather_object(obj)
+
+
+def gather_object(obj: Any, object_gather_list: list | None = None, dst: int = 0,
+                  group: Any = None) -> None:
+    """Rank `dst`'s `object_gather_list` (of the group's size) receives every rank's `obj` in
+    rank order; other ranks pass None (pickle: trusted peers only)."""
+    g = _group(group)
+    if g is None:
+        return
+    if g.rank == dst and (object_gather_list is None or len(object_gather_list) != g.size):
+        raise ValueError(f"rank {g.rank}: gather_object: object_gather_list must be a list of "
+                         f"{g.size} entries on dst={dst}")
+    everything = g.all_gather_object(obj)
+    if g.rank == dst:
+        object_gather_list[:] = everything  # type: ignore[index]
+
+
+def scatter_object_list(scatter_object_output_list: list,
+                        scatter_object_input_list: list | None = None, src: int = 0,
+                        group: Any = None) -> None:
+    """Rank i's `scatter_object_output_list[0]` becomes rank `src`'s
+    `scatter_object_input_list[i]` (pickle: trusted peers only)."""
+    g = _group(group)
+    if g is None:
+        return
+    if not isinstance(scatter_object_output_list, list) or not scatter_object_output_list:
+        raise ValueError(f"rank {g.rank}: scatter_object_list: scatter_object_output_list must "
+                         f"be a non-empty list (its first entry receives the object)")
+    if g.rank == src and (scatter_object_input_list is None
+                          or len(scatter_object_input_list) != g.size):
+        raise ValueError(f"rank {g.rank}: scatter_object_list: scatter_object_input_list must "
+                         f"be a list of {g.size} objects on src={src}")
+    everything = g.broadcast_object(scatter_object_input_list if g.rank == src else None, src)
+    scatter_object_output_list[0] = everything[g.rank]
+
+
+def send_object_list(object_list: list, dst: int, group: Any = None, device: Any = None) -> None:
+    """Send the objects of `object_list` to rank `dst` (pickle: trusted peers only)."""
+    import numpy as np
+
+    g = _group(group)
+    if g is None:
+        return
+    payload = np.frombuffer(pickle.dumps(list(object_list)), np.uint8)
+    g.send(np.array([payload.size], np.int64), dst)
+    g.send(payload.copy(), dst)
+
+
+def recv_object_list(object_list: list, src: int | None = None, group: Any = None,
+                     device: Any = None) -> int:
+    """Fill `object_list` with the objects rank `src` sent with send_object_list (as many as
+    it has entries) and return `src`."""
+    import numpy as np
+
+    g = _group(group)
+    if g is None:
+        return -1
+    if src is None:
+        raise NotImplementedError(f"rank {g.rank}: recv_object_list from any source is not "
+                                  f"supported yet; name src")
+    length = np.zeros(1, np.int64)
+    g.recv(length, src)
+    payload = np.empty(int(length[0]), np.uint8)
+    g.recv(payload, src)
+    got = pickle.loads(payload.tobytes())
+    object_list[:len(got)] = got[:len(object_list)]
+    return src
+
+
+class P2POp:
+    """One message of `batch_isend_irecv`: `op` is `isend` or `irecv` (these functions)."""
+
+    def __init__(self, op: Any, tensor: Any, peer: int, group: Any = None, tag: int = 0) -> None:
+        if op not in (isend, irecv):
+            raise ValueError(f"P2POp: op must be anyccl.distributed.isend or irecv, not {op!r}")
+        self.op, self.tensor, self.peer, self.group, self.tag = op, tensor, peer, group, tag
+
+
+def batch_isend_irecv(p2p_op_list: list[P2POp]) -> list[Work]:
+    """Issue the messages together (as one NCCL group on GPUs, so rings cannot deadlock) and
+    return their Works."""
+    if not p2p_op_list:
+        raise ValueError("batch_isend_irecv: p2p_op_list is empty")
+    groups = {id(p.group) for p in p2p_op_list}
+    if len(groups) > 1:
+        raise ValueError("batch_isend_irecv: every P2POp must name the same group")
+    g = _group(p2p_op_list[0].group)
+    if g is None:
+        return []
+    works: list[Work] = []
+    with g.batch():
+        for p in p2p_op_list:
+            issue = g.isend if p.op is isend else g.irecv
+            works.append(issue(p.tensor, p.peer, p.tag))
+    return works
+
+
+def monitored_barrier(group: Any = None, timeout: timedelta | float | None = None,
+                      wait_all_ranks: bool = False) -> None:
+    """A barrier that raises anyccl.TimeoutError on this rank if the others have not all
+    arrived within `timeout` (default: the communicator's own deadline, whose error names the
+    ranks that did not arrive)."""
+    g = _group(group)
+    if g is None:
+        return
+    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
+    work = g.barrier(async_op=True)
+    assert work is not None
+    work.wait(seconds)

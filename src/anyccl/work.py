@@ -44,14 +44,14 @@ class Work:
     def _wait_finished(self, timeout: float | None) -> bool:
         if self._finished:
             return True
-        if self.helper is not None:  # drive the engine for a moment rather than sleep at once
-            until = time.monotonic() + (_HELP_S if timeout is None else min(timeout, _HELP_S))
+        # drive the engine for a moment rather than sleep at once; not under a timeout: a
+        # queued collective run here would block past it (the worker thread runs it instead)
+        if self.helper is not None and timeout is None:
+            until = time.monotonic() + _HELP_S
             while not self._finished and self.helper() and time.monotonic() < until:
                 pass
             if self._finished:
                 return True
-            if timeout is not None:
-                timeout = max(0.0, timeout - _HELP_S)
         with _EVENTS:
             if self._finished:
                 return True
