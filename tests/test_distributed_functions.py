@@ -95,3 +95,54 @@ def check_monitored_barrier_timeout(comm):
 def test_a_monitored_barrier_raises_when_a_rank_does_not_come():
     message, _ = run_ranks(check_monitored_barrier_timeout, 2, env={"ANYCCL_TIMEOUT": "3"})
     assert "barrier" in message and "not complete after wait(timeout=0.5)" in message
+
+
+# ---- all_to_all with split sizes ------------------------------------------------------------
+def _splits(n: int, r: int) -> list[int]:
+    """What rank r sends to each rank: (r + 2 * j) % 4 elements to rank j (zeros included)."""
+    return [(r + 2 * j) % 4 for j in range(n)]
+
+
+def check_uneven_all_to_all(comm):
+    n, r = comm.size, comm.rank
+    sends = _splits(n, r)
+    receives = [_splits(n, j)[r] for j in range(n)]
+    inp = np.concatenate([np.full(c, 100.0 * r + j) for j, c in enumerate(sends)]) \
+        if sum(sends) else np.zeros(0)
+    out = np.full(sum(receives), -1.0)
+    comm.all_to_all(out, inp, out_splits=receives, in_splits=sends)
+    with _default_group(comm):
+        rows = np.full((sum(receives), 2), -1.0)
+        dist.all_to_all_single(rows, np.repeat(inp[:, None], 2, axis=1), receives, sends)
+    refused = []
+    for call in (lambda: comm.all_to_all(out, inp, out_splits=receives[:-1], in_splits=sends),
+                 lambda: comm.all_to_all(out, inp, out_splits=[c + 1 for c in receives],
+                                         in_splits=sends)):
+        try:
+            call()
+        except anyccl.InvalidArgumentError as exc:
+            refused.append(str(exc))
+    # every rank passes counts that fit its arrays, but rank 0 expects one element from
+    # itself and none from rank 1, which sends it one: all ranks raise together, none hangs
+    bad = list(receives)
+    if r == 0:
+        bad[0], bad[1] = bad[0] + 1, bad[1] - 1     # receives[0] is 0, receives[1] is 1
+    try:
+        comm.all_to_all(out, inp, out_splits=bad, in_splits=sends)
+    except anyccl.InvalidArgumentError as exc:
+        refused.append(str(exc))
+    return out, rows, refused
+
+
+@pytest.mark.parametrize("world_size", (2, 3, 4))
+def test_uneven_all_to_all_moves_every_piece_and_refuses_disagreeing_splits(world_size):
+    n = world_size
+    for r, (out, rows, refused) in enumerate(run_ranks(check_uneven_all_to_all, n)):
+        expected = np.concatenate([np.full(_splits(n, j)[r], 100.0 * j + r) for j in range(n)])
+        assert (out == expected).all(), (r, out, expected)
+        assert (rows == expected[:, None]).all(), (r, rows)
+        assert "out_splits=" in refused[0] and "must hold" in refused[0]
+        assert "out_splits add up to" in refused[1]
+        assert "split sizes of the ranks do not match" in refused[2], refused[2]
+        if r == 0:
+            assert "rank 0 sends 0 where out_splits[0]=1" in refused[2], refused[2]

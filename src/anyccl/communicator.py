@@ -29,6 +29,7 @@ from .buffers import (
     GpuArray,
     Pieces,
     current_stream,
+    overlaps,
     torch_stream,
 )
 from .engine import Engine
@@ -37,6 +38,7 @@ from .errors import (
     CollectiveMismatchError,
     PeerLostError,
     TimeoutError,
+    UnsupportedError,
 )
 from .gpu_dispatch import GpuDispatch
 from .ops import COLLECTIVES, ReduceOp
@@ -511,9 +513,16 @@ class Communicator:
                                 arrays=[("out", x), *_named("inp", inputs)], stream=stream)
 
     def all_to_all(self, out: Any, inp: Any, async_op: bool = False, *,
-                   stream: Any = None) -> Work | None:
+                   stream: Any = None, out_splits: Sequence[int] | None = None,
+                   in_splits: Sequence[int] | None = None) -> Work | None:
         """Rank i's out[j] receives rank j's inp[i]. Both are lists of `size` arrays of one
-        size, or single arrays split evenly into `size` pieces. out may be inp (in place)."""
+        size, or single arrays split evenly into `size` pieces. out may be inp (in place).
+
+        Uneven: with `in_splits` (elements this rank sends to each rank) and `out_splits`
+        (elements it receives from each), `out` and `inp` are single host arrays cut at those
+        counts, which every pair of ranks must agree on (all ranks raise if not)."""
+        if out_splits is not None or in_splits is not None:
+            return self._all_to_all_uneven(out, inp, out_splits, in_splits, async_op, stream)
         if self._replayed(("all_to_all",), (out, inp), async_op, stream):
             return None
         self._check_open("all_to_all")
@@ -537,6 +546,35 @@ class Communicator:
                                 lambda b: b.all_to_all(outs, inputs), async_op, like=first,
                                 arrays=[*_named("inp", inputs), *_named("out", outs)],
                                 stream=stream)
+
+    def _all_to_all_uneven(self, out: Any, inp: Any, out_splits: Any, in_splits: Any,
+                           async_op: bool, stream: Any) -> Work | None:
+        from .algorithms import uneven
+
+        self._check_open("all_to_all")
+        x = self._check.array("all_to_all", inp, "inp", writable=False)
+        y = self._check.array("all_to_all", out, "out", writable=True)
+        if isinstance(x, GpuArray) or isinstance(y, GpuArray) or stream is not None:
+            raise self._check.fail("all_to_all", "split sizes are supported on host arrays "
+                                   "only so far; GPU arrays take even pieces",
+                                   UnsupportedError)
+        if x.dtype != y.dtype:
+            raise self._check.fail("all_to_all", f"out has dtype {y.dtype.name} but inp has "
+                                   f"{x.dtype.name}")
+        if overlaps(x, y):
+            raise self._check.fail("all_to_all", "out and inp share memory; with split sizes "
+                                   "pass separate arrays")
+        n = self.size
+        sends = uneven.check_splits(self.rank, n, [x.size // n] * n if in_splits is None else
+                                    in_splits, "in_splits", x.size, "inp")
+        receives = uneven.check_splits(self.rank, n, [y.size // n] * n if out_splits is None
+                                       else out_splits, "out_splits", y.size, "out")
+        uneven.all_to_all_v(self, y, x, receives, sends)
+        if not async_op:
+            return None
+        work = Work(OpRecord("all_to_all", self._seq, "split sizes", x.nbytes), self.rank)
+        work.complete()  # run to the end above: Works of earlier calls completed before it
+        return work
 
     def barrier(self, async_op: bool = False) -> Work | None:
         """Return once every rank of the communicator has called barrier (host arrays' work

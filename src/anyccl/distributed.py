@@ -203,10 +203,26 @@ def all_to_all(output_tensor_list: list, input_tensor_list: list, group: Any = N
 def all_to_all_single(output: Any, input: Any, output_split_sizes: Any = None,  # noqa: A002
                       input_split_sizes: Any = None, group: Any = None,
                       async_op: bool = False) -> Work | None:
-    if output_split_sizes is not None or input_split_sizes is not None:
-        raise NotImplementedError("all_to_all_single with split sizes is not supported yet; "
-                                  "pass equal pieces")
-    return all_to_all(output, input, group, async_op)
+    if not output_split_sizes and not input_split_sizes:
+        return all_to_all(output, input, group, async_op)
+    g = _group(group)
+    if g is None:
+        return None
+    return g.all_to_all(output, input, async_op,
+                        out_splits=_elements(output, output_split_sizes, g.size),
+                        in_splits=_elements(input, input_split_sizes, g.size))
+
+
+def _elements(array: Any, split_sizes: Any, size: int) -> list[int] | None:
+    """torch's split sizes (rows along dim 0) as element counts; None: even pieces."""
+    if not split_sizes:
+        return None
+    shape = tuple(array.shape)
+    per_row = 1
+    for extent in shape[1:]:
+        per_row *= int(extent)
+    return [int(rows) * per_row if isinstance(rows, int) and not isinstance(rows, bool)
+            else rows for rows in split_sizes]
 
 
 def broadcast_object_list(object_list: list, src: int = 0, group: Any = None,

@@ -65,6 +65,14 @@ def _done(result: Any, tensors: list[torch.Tensor]) -> Any:
     return _create_work_from_future(future)
 
 
+def _elements(t: torch.Tensor, split_sizes: list[int]) -> list[int] | None:
+    """torch's split sizes (rows along dim 0) as element counts; None: even pieces."""
+    if not split_sizes:
+        return None
+    per_row = int(torch.Size(t.shape[1:]).numel()) if t.dim() else 1
+    return [int(rows) * per_row for rows in split_sizes]
+
+
 def _flat(tensors: list[list[torch.Tensor]]) -> list[torch.Tensor]:
     return [t for inner in tensors for t in inner]
 
@@ -172,16 +180,12 @@ class ProcessGroup(dist.ProcessGroup):
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002
                           output_split_sizes: list[int], input_split_sizes: list[int],
                           opts: Any = None) -> Any:
-        if output_split_sizes or input_split_sizes:
-            even_out = [output.shape[0] // self.comm.size] * self.comm.size if output.dim() else []
-            even_in = [input.shape[0] // self.comm.size] * self.comm.size if input.dim() else []
-            if (output_split_sizes and list(output_split_sizes) != even_out) or \
-                    (input_split_sizes and list(input_split_sizes) != even_in):
-                raise UnsupportedError(
-                    f"rank {self.comm.rank}: all_to_all_single with uneven split sizes "
-                    f"(output {list(output_split_sizes)}, input {list(input_split_sizes)}) is "
-                    f"not supported by the anyccl process group yet; pass even splits")
-        self.comm.all_to_all(output, input)
+        if not output_split_sizes and not input_split_sizes:
+            self.comm.all_to_all(output, input)
+        else:  # uneven: split sizes are rows along dim 0
+            self.comm.all_to_all(output, input,
+                                 out_splits=_elements(output, output_split_sizes),
+                                 in_splits=_elements(input, input_split_sizes))
         return _done(output, [output])
 
     alltoall_base = all_to_all_single

@@ -113,6 +113,12 @@ def train(rank: int, world_size: int, variant: str) -> dict:
         a2a = torch.empty(world_size)
         dist.all_to_all_single(a2a, torch.arange(float(world_size)) + 10 * rank)
         results["all_to_all_single"] = a2a
+        sends = [(rank + j) % 3 + 1 for j in range(world_size)]          # rows to rank j
+        receives = [(j + rank) % 3 + 1 for j in range(world_size)]       # rows from rank j
+        rows = torch.cat([torch.full((c, 2), 10.0 * rank + j) for j, c in enumerate(sends)])
+        got = torch.empty(sum(receives), 2)
+        dist.all_to_all_single(got, rows, receives, sends)
+        results["all_to_all_single_uneven"] = got
         dist.barrier()
     return results
 
