@@ -146,3 +146,38 @@ def test_uneven_all_to_all_moves_every_piece_and_refuses_disagreeing_splits(worl
         assert "split sizes of the ranks do not match" in refused[2], refused[2]
         if r == 0:
             assert "rank 0 sends 0 where out_splits[0]=1" in refused[2], refused[2]
+
+
+# ---- all_gather, gather and scatter with a size per rank -------------------------------------
+def check_v_forms(comm):
+    n, r = comm.size, comm.rank
+    size = lambda j: 2 * j + 1  # noqa: E731 - rank j's size
+    mine = np.arange(size(r), dtype=np.float32) + 100 * r
+    gathered = [np.full(size(j), -1, np.float32) for j in range(n)]
+    comm.all_gather(gathered, mine)
+    at_root = [np.full(size(j), -1, np.float32) for j in range(n)] if r == n - 1 else None
+    comm.gather(mine, at_root, n - 1, uneven=True)
+    out = np.full(size(r), -1, np.float32)
+    chunks = [np.full(size(j), 10.0 * j, np.float32) for j in range(n)] if r == 0 else None
+    comm.scatter(out, chunks, 0, uneven=True)
+    refused = []
+    wrong = [np.zeros(size(j) + (1 if j == 0 and r == 1 else 0), np.float32) for j in range(n)]
+    try:   # rank 1 expects one element too many from rank 0: every rank raises
+        comm.all_gather(wrong, mine)
+    except anyccl.InvalidArgumentError as exc:
+        refused.append(str(exc))
+    return gathered, at_root, out, refused
+
+
+@pytest.mark.parametrize("world_size", (2, 3))
+def test_all_gather_gather_and_scatter_with_a_size_per_rank(world_size):
+    n = world_size
+    for r, (gathered, at_root, out, refused) in enumerate(run_ranks(check_v_forms, n)):
+        expected = [np.arange(2 * j + 1, dtype=np.float32) + 100 * j for j in range(n)]
+        assert all((g == e).all() for g, e in zip(gathered, expected)), (r, gathered)
+        if r == n - 1:
+            assert all((g == e).all() for g, e in zip(at_root, expected)), at_root
+        assert (out == 10.0 * r).all() and out.size == 2 * r + 1
+        assert len(refused) == 1 and "the sizes do not match" in refused[0], refused
+        if r == 1:
+            assert "rank 0 has 1 elements where this rank's list holds 2" in refused[0]

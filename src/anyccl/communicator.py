@@ -454,11 +454,18 @@ class Communicator:
     def all_gather(self, out: Any, tensor: Any, async_op: bool = False, *,
                    stream: Any = None) -> Work | None:
         """`out` receives every rank's `tensor` in rank order: a list of `size` arrays, or one
-        array of size * tensor.size elements."""
+        array of size * tensor.size elements. Host arrays may differ in size from rank to rank
+        ("allgatherv"): then `out` is a list whose entry j has rank j's size, on every rank."""
         if self._replayed(("all_gather",), (out, tensor), async_op, stream):
             return None
         self._check_open("all_gather")
         x = self._check.array("all_gather", tensor, "tensor", writable=False)
+        uneven = self._uneven_list("all_gather", out, "out", x, writable=True)
+        if uneven is not None:
+            from .algorithms.uneven import all_gather_v
+
+            return self._run_uneven("all_gather", lambda: all_gather_v(self, uneven, x), x,
+                                    async_op, stream)
         outs = self._check.pieces("all_gather", out, "out", x, writable=True)
         self._check.others_disjoint("all_gather", outs, "out", x, "tensor")
         return self._collective("all_gather", _about(x), x.nbytes * self.size,
@@ -466,14 +473,22 @@ class Communicator:
                                 arrays=[("tensor", x), *_named("out", outs)], stream=stream)
 
     def gather(self, tensor: Any, out_list: Any = None, dst: int = 0,
-               async_op: bool = False, *, stream: Any = None) -> Work | None:
+               async_op: bool = False, *, stream: Any = None,
+               uneven: bool = False) -> Work | None:
         """Rank `dst`'s `out_list` receives every rank's `tensor` in rank order; the other ranks
-        pass out_list=None."""
+        pass out_list=None. uneven=True (on every rank, host arrays): each rank's `tensor` may
+        have its own size, and out_list[j] has rank j's ("gatherv")."""
         if self._replayed(("gather", dst), (tensor, out_list), async_op, stream):
             return None
         self._check_open("gather")
         x = self._check.array("gather", tensor, "tensor", writable=False)
         dst = self._check.peer("gather", dst, "dst")
+        if uneven:
+            from .algorithms.uneven import gather_v
+
+            outs_v = self._root_list("gather", out_list, "out_list", x, dst, "dst", True)
+            return self._run_uneven("gather", lambda: gather_v(self, x, outs_v, dst), x,
+                                    async_op, stream)
         outs = self._check.root_pieces("gather", out_list, "out_list", x, dst, "dst", writable=True)
         return self._collective("gather", _about(x, ", dst={}", dst), x.nbytes * self.size,
                                 lambda b: b.gather(x, outs, dst), async_op, like=x, root=dst,
@@ -481,14 +496,22 @@ class Communicator:
                                 stream=stream)
 
     def scatter(self, out: Any, chunks: Any = None, src: int = 0,
-                async_op: bool = False, *, stream: Any = None) -> Work | None:
+                async_op: bool = False, *, stream: Any = None,
+                uneven: bool = False) -> Work | None:
         """Rank i's `out` receives `chunks[i]` of rank `src`; the other ranks pass
-        chunks=None."""
+        chunks=None. uneven=True (on every rank, host arrays): chunk i has rank i's `out` size,
+        which may differ from rank to rank ("scatterv")."""
         if self._replayed(("scatter", src), (out, chunks), async_op, stream):
             return None
         self._check_open("scatter")
         x = self._check.array("scatter", out, "out", writable=True)
         src = self._check.peer("scatter", src, "src")
+        if uneven:
+            from .algorithms.uneven import scatter_v
+
+            chunks_v = self._root_list("scatter", chunks, "chunks", x, src, "src", False)
+            return self._run_uneven("scatter", lambda: scatter_v(self, x, chunks_v, src), x,
+                                    async_op, stream)
         pieces = self._check.root_pieces("scatter", chunks, "chunks", x, src, "src", writable=False)
         self._check.others_disjoint("scatter", pieces or [], "chunks", x, "out")
         return self._collective("scatter", _about(x, ", src={}", src), x.nbytes * self.size,
@@ -569,11 +592,63 @@ class Communicator:
                                     in_splits, "in_splits", x.size, "inp")
         receives = uneven.check_splits(self.rank, n, [y.size // n] * n if out_splits is None
                                        else out_splits, "out_splits", y.size, "out")
-        uneven.all_to_all_v(self, y, x, receives, sends)
+        return self._run_uneven("all_to_all", lambda: uneven.all_to_all_v(self, y, x, receives,
+                                                                            sends),
+                                 x, async_op, stream)
+
+    # ---- the uneven ("v") forms: host arrays, built from even collectives -------------------
+    def _uneven_list(self, op: str, arg: Any, name: str, like: Array, *,
+                     writable: bool) -> list[np.ndarray] | None:
+        """`arg` as arrays if it is a list of `size` arrays whose sizes differ (an uneven
+        call), else None (the even checks follow)."""
+        if not isinstance(arg, (list, tuple)) or len(arg) != self.size or self.size < 2:
+            return None
+        arrays = [self._check.array(op, a, f"{name}[{i}]", writable=writable)
+                  for i, a in enumerate(arg)]
+        if len({a.size for a in arrays}) == 1:
+            return None
+        self._host_only(op, like, *arrays)
+        return arrays  # type: ignore[return-value]
+
+    def _root_list(self, op: str, arg: Any, name: str, like: Array, root: int, root_name: str,
+                   writable: bool) -> list[np.ndarray] | None:
+        """The root's list of an uneven gather/scatter (one array per rank, any sizes); None,
+        as required, elsewhere."""
+        if self.rank != root:
+            if arg is not None:
+                raise self._check.fail(op, f"{name} must be None on ranks other than "
+                                           f"{root_name}={root}")
+            self._host_only(op, like)
+            return None
+        if not isinstance(arg, (list, tuple)) or len(arg) != self.size:
+            raise self._check.fail(op, f"{name} must be a list of {self.size} arrays on the "
+                                       f"{root_name} rank {root} (uneven=True)")
+        arrays = [self._check.array(op, a, f"{name}[{i}]", writable=writable)
+                  for i, a in enumerate(arg)]
+        self._host_only(op, like, *arrays)
+        return arrays  # type: ignore[return-value]
+
+    def _host_only(self, op: str, like: Array, *arrays: Array) -> None:
+        for a in (like, *arrays):
+            if isinstance(a, GpuArray):
+                raise self._check.fail(op, "arrays of different sizes per rank are supported "
+                                           "on host arrays only so far", UnsupportedError)
+            if a.dtype != like.dtype:
+                raise self._check.fail(op, f"the arrays have dtypes {like.dtype.name} and "
+                                           f"{a.dtype.name}; pass one dtype")
+
+    def _run_uneven(self, op: str, run: Callable[[], None], x: Array, async_op: bool,
+                    stream: Any) -> Work | None:
+        """Run an uneven collective (its even collectives in issue order); async_op=True gets a
+        Work that is already complete."""
+        if stream is not None:
+            raise self._check.fail(op, "stream= applies to GPU arrays only; uneven sizes are "
+                                       "supported on host arrays")
+        run()
         if not async_op:
             return None
-        work = Work(OpRecord("all_to_all", self._seq, "split sizes", x.nbytes), self.rank)
-        work.complete()  # run to the end above: Works of earlier calls completed before it
+        work = Work(OpRecord(op, self._seq, "uneven sizes", x.nbytes), self.rank)
+        work.complete()
         return work
 
     def barrier(self, async_op: bool = False) -> Work | None:

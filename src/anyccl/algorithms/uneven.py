@@ -1,6 +1,8 @@
-"""all_to_all with a different number of elements for every pair of ranks (torch's
-all_to_all_single with split sizes, MPI's Alltoallv), built from a communicator's even
-collectives, so it runs on every host backend alike.
+"""The uneven ("v") collectives, built from a communicator's even ones so that they run on
+every host backend alike: all_to_all with a different number of elements for every pair of ranks
+(torch's all_to_all_single with split sizes, MPI's Alltoallv), and all_gather, gather and scatter
+with a different size per rank (MPI's Allgatherv, Gatherv, Scatterv). The last three learn every
+rank's size with one small all_gather, check it against the lists, and move padded pieces.
 
 Each rank says how many elements it sends to every rank (`in_splits`) and expects from every
 rank (`out_splits`). First the ranks exchange their send counts (an even all_to_all of one int64
@@ -70,3 +72,70 @@ def all_to_all_v(comm: Any, out: np.ndarray, inp: np.ndarray, out_splits: list[i
     for j, count in enumerate(out_splits):
         out[start:start + count] = packed_out[j * piece:j * piece + count]
         start += count
+
+
+# ---- all_gather, gather and scatter with a different size per rank ("v" forms) ---------------
+def _sizes(comm: Any, mine: int, expected: list[int] | None, op: str) -> tuple[list[int], int]:
+    """Every rank's true size (each rank gives its own), checked against the sizes this rank
+    expects (None: it expects none); every rank raises together if any rank's expectation is
+    wrong. Returns the sizes and the largest."""
+    n = comm.size
+    true = np.zeros(n, np.int64)
+    comm.all_gather(true, np.array([mine], np.int64))
+    wrong = [] if expected is None else [j for j in range(n) if true[j] != expected[j]]
+    agreed = np.array([int(true.max()), 1 if wrong else 0], np.int64)
+    comm.all_reduce(agreed, ReduceOp.MAX)
+    if agreed[1]:
+        detail = (", ".join(f"rank {j} has {int(true[j])} elements where this rank's list holds "
+                            f"{expected[j]}" for j in wrong)  # type: ignore[index]
+                  if wrong else "another rank's list disagrees with the sizes the ranks have")
+        raise InvalidArgumentError(f"rank {comm.rank}: {op}: the sizes do not match: {detail}; "
+                                   f"nothing was sent")
+    return [int(s) for s in true], int(agreed[0])
+
+
+def all_gather_v(comm: Any, outs: list[np.ndarray], x: np.ndarray) -> None:
+    """outs[j] receives rank j's `x`, whatever its size (outs[j].size on every rank)."""
+    n = comm.size
+    sizes, piece = _sizes(comm, x.size, [o.size for o in outs], "all_gather")
+    if piece == 0:
+        return
+    padded = np.zeros(piece, x.dtype)
+    padded[:x.size] = x
+    whole = np.empty(n * piece, x.dtype)
+    comm.all_gather(whole, padded)
+    for j, o in enumerate(outs):
+        o[...] = whole[j * piece:j * piece + sizes[j]]
+
+
+def gather_v(comm: Any, x: np.ndarray, outs: list[np.ndarray] | None, root: int) -> None:
+    """Rank `root`'s outs[j] receives rank j's `x`, whatever its size."""
+    n = comm.size
+    sizes, piece = _sizes(comm, x.size, [o.size for o in outs] if outs is not None else None,
+                          "gather")
+    if piece == 0:
+        return
+    padded = np.zeros(piece, x.dtype)
+    padded[:x.size] = x
+    whole = np.empty(n * piece, x.dtype) if comm.rank == root else None
+    comm.gather(padded, whole, root)
+    if whole is not None and outs is not None:
+        for j, o in enumerate(outs):
+            o[...] = whole[j * piece:j * piece + sizes[j]]
+
+
+def scatter_v(comm: Any, out: np.ndarray, chunks: list[np.ndarray] | None, root: int) -> None:
+    """Rank j's `out` receives rank `root`'s chunks[j], whatever its size."""
+    n = comm.size
+    sizes, piece = _sizes(comm, out.size, [c.size for c in chunks] if chunks is not None
+                          else None, "scatter")
+    if piece == 0:
+        return
+    whole = None
+    if chunks is not None:
+        whole = np.zeros(n * piece, out.dtype)
+        for j, c in enumerate(chunks):
+            whole[j * piece:j * piece + sizes[j]] = c
+    padded = np.empty(piece, out.dtype)
+    comm.scatter(padded, whole, root)
+    out[...] = padded[:out.size]
