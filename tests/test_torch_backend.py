@@ -114,3 +114,12 @@ def test_the_backend_is_registered_on_import_and_refuses_what_it_lacks_by_name()
     opts = dist.AllreduceOptions()
     opts.reduceOp = dist.ReduceOp.MAX
     assert backend._reduce_op(opts).name == "MAX"
+
+
+def test_the_ddp_backend_benchmark_runs_and_checks_the_weights():
+    script = Path(__file__).parent.parent / "benchmarks" / "torch_ddp_backends.py"
+    proc = subprocess.run([sys.executable, str(script), "--width", "16", "--layers", "2",
+                           "--steps", "3", "--rounds", "1"], capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "| anyccl |" in proc.stdout and "weights identical: True" in proc.stdout, proc.stdout
