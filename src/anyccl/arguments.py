@@ -68,9 +68,10 @@ class Arguments:
         return reduce_op
 
     def pieces(self, op: str, arg: Any, name: str, like: Array, *,
-               writable: bool) -> list[Array]:
+               writable: bool, sizes_may_differ: bool = False) -> list[Array]:
         """`arg` as `size` flat arrays shaped like `like`: a list of them, or one array of
-        size * like.size elements split evenly."""
+        size * like.size elements split evenly. `sizes_may_differ`: a list's arrays need only
+        share `like`'s dtype (the uneven collectives)."""
         if isinstance(arg, (list, tuple)):
             if len(arg) != self.size:
                 raise self.fail(op, f"{name} has {len(arg)} entries; expected one per rank "
@@ -86,11 +87,12 @@ class Arguments:
                 self.same(op, whole, like, name)
             return Pieces(whole, like.size, self.size)
         for i, piece in enumerate(pieces):
-            self.same(op, piece, like, f"{name}[{i}]")
+            self.same(op, piece, like, f"{name}[{i}]", sizes_may_differ)
         return pieces
 
     def root_pieces(self, op: str, arg: Any, name: str, like: Array, root: int,
-                    root_name: str, *, writable: bool) -> list[Array] | None:
+                    root_name: str, *, writable: bool,
+                    sizes_may_differ: bool = False) -> list[Array] | None:
         """The root's list argument of gather/scatter as pieces; None, as required, elsewhere."""
         if self.rank != root:
             if arg is not None:
@@ -100,13 +102,15 @@ class Arguments:
         if arg is None:
             raise self.fail(op, f"{name} is None on the {root_name} rank {root}; pass "
                                 f"{self.size} arrays like {'tensor' if op == 'gather' else 'out'}")
-        return self.pieces(op, arg, name, like, writable=writable)
+        return self.pieces(op, arg, name, like, writable=writable,
+                           sizes_may_differ=sizes_may_differ)
 
-    def same(self, op: str, x: Array, like: Array, name: str) -> None:
+    def same(self, op: str, x: Array, like: Array, name: str,
+             sizes_may_differ: bool = False) -> None:
         if x.dtype != like.dtype:
             raise self.fail(op, f"{name} has dtype {x.dtype.name}; expected {like.dtype.name} "
                                 f"like the other arrays of this call")
-        if x.size != like.size:
+        if x.size != like.size and not sizes_may_differ:
             raise self.fail(op, f"{name} has {x.size} elements; expected {like.size}")
 
     def others_disjoint(self, op: str, pieces: list[Array], name: str, x: Array,

@@ -174,19 +174,24 @@ class Communicator:
         self._engine.call(task, lambda: Work(record, self.rank))
         return None
 
-    def _run_host(self, record: OpRecord, entry: list, call: Callable[[Any], Any]) -> None:
-        """One host operation on the caller's thread (the engine's fast path): what `_host_task`
-        runs, without building it."""
+    def _run_host(self, record: OpRecord, entry: list, call: Callable[[Any], Any] | None,
+                  signature: np.ndarray | None = None) -> None:
+        """One operation on the host backend: debug mode's agreement check (if `signature`),
+        then `call(backend)` (None: the operation itself is queued on a GPU)."""
         backend = self._backend
         FlightRecorder.started(entry)
-        backend.begin(record, record.issued_at + self.timeout_s)
+        backend.begin(record, time.monotonic() + self.timeout_s)
         try:
-            call(backend)
+            if signature is not None:
+                self._check_agreement(record, signature)
+            if call is not None:
+                call(backend)
         except BaseException as exc:
             FlightRecorder.ended(entry, exc)
             self._post_mortem(exc)
             raise
-        FlightRecorder.ended(entry)
+        if call is not None:
+            FlightRecorder.ended(entry)
         backend.end(record)
 
     def _replayed(self, tag: tuple, tensors: tuple, async_op: bool, stream: Any) -> bool:
@@ -216,28 +221,10 @@ class Communicator:
             self._post_mortem(exc)
             raise
 
-    def _host_task(self, record: OpRecord, entry: dict, signature: np.ndarray | None,
+    def _host_task(self, record: OpRecord, entry: list, signature: np.ndarray | None,
                    call: Callable[[Any], Any] | None) -> Callable[[Work | None], None]:
-        """What the host engine runs for one operation: debug mode's agreement check (if
-        `signature`), then `call(backend)` (None: the operation itself is queued on a GPU)."""
-        backend, timeout_s = self._backend, self.timeout_s
-
-        def task(_: Work | None = None) -> None:
-            FlightRecorder.started(entry)
-            backend.begin(record, time.monotonic() + timeout_s)
-            try:
-                if signature is not None:
-                    self._check_agreement(record, signature)
-                if call is not None:
-                    call(backend)
-            except BaseException as exc:
-                FlightRecorder.ended(entry, exc)
-                self._post_mortem(exc)
-                raise
-            if call is not None:
-                FlightRecorder.ended(entry)
-            backend.end(record)
-        return task
+        """`_run_host` as the task the host engine queues."""
+        return lambda _=None: self._run_host(record, entry, call, signature)
 
     def _check_agreement(self, record: OpRecord, signature: np.ndarray) -> None:
         """Debug mode: every rank learns what every rank called; all raise on a difference."""
@@ -460,13 +447,14 @@ class Communicator:
             return None
         self._check_open("all_gather")
         x = self._check.array("all_gather", tensor, "tensor", writable=False)
-        uneven = self._uneven_list("all_gather", out, "out", x, writable=True)
-        if uneven is not None:
+        outs = self._check.pieces("all_gather", out, "out", x, writable=True,
+                                  sizes_may_differ=self.size > 1)
+        if any(o.size != x.size for o in outs):
             from .algorithms.uneven import all_gather_v
 
-            return self._run_uneven("all_gather", lambda: all_gather_v(self, uneven, x), x,
+            self._host_only("all_gather", x, *outs)
+            return self._run_uneven("all_gather", lambda: all_gather_v(self, outs, x), x,
                                     async_op, stream)
-        outs = self._check.pieces("all_gather", out, "out", x, writable=True)
         self._check.others_disjoint("all_gather", outs, "out", x, "tensor")
         return self._collective("all_gather", _about(x), x.nbytes * self.size,
                                 lambda b: b.all_gather(outs, x), async_op, like=x,
@@ -486,7 +474,9 @@ class Communicator:
         if uneven:
             from .algorithms.uneven import gather_v
 
-            outs_v = self._root_list("gather", out_list, "out_list", x, dst, "dst", True)
+            outs_v = self._check.root_pieces("gather", out_list, "out_list", x, dst, "dst",
+                                             writable=True, sizes_may_differ=True)
+            self._host_only("gather", x, *(outs_v or []))
             return self._run_uneven("gather", lambda: gather_v(self, x, outs_v, dst), x,
                                     async_op, stream)
         outs = self._check.root_pieces("gather", out_list, "out_list", x, dst, "dst", writable=True)
@@ -509,7 +499,9 @@ class Communicator:
         if uneven:
             from .algorithms.uneven import scatter_v
 
-            chunks_v = self._root_list("scatter", chunks, "chunks", x, src, "src", False)
+            chunks_v = self._check.root_pieces("scatter", chunks, "chunks", x, src, "src",
+                                               writable=False, sizes_may_differ=True)
+            self._host_only("scatter", x, *(chunks_v or []))
             return self._run_uneven("scatter", lambda: scatter_v(self, x, chunks_v, src), x,
                                     async_op, stream)
         pieces = self._check.root_pieces("scatter", chunks, "chunks", x, src, "src", writable=False)
@@ -597,45 +589,10 @@ class Communicator:
                                  x, async_op, stream)
 
     # ---- the uneven ("v") forms: host arrays, built from even collectives -------------------
-    def _uneven_list(self, op: str, arg: Any, name: str, like: Array, *,
-                     writable: bool) -> list[np.ndarray] | None:
-        """`arg` as arrays if it is a list of `size` arrays whose sizes differ (an uneven
-        call), else None (the even checks follow)."""
-        if not isinstance(arg, (list, tuple)) or len(arg) != self.size or self.size < 2:
-            return None
-        arrays = [self._check.array(op, a, f"{name}[{i}]", writable=writable)
-                  for i, a in enumerate(arg)]
-        if len({a.size for a in arrays}) == 1:
-            return None
-        self._host_only(op, like, *arrays)
-        return arrays  # type: ignore[return-value]
-
-    def _root_list(self, op: str, arg: Any, name: str, like: Array, root: int, root_name: str,
-                   writable: bool) -> list[np.ndarray] | None:
-        """The root's list of an uneven gather/scatter (one array per rank, any sizes); None,
-        as required, elsewhere."""
-        if self.rank != root:
-            if arg is not None:
-                raise self._check.fail(op, f"{name} must be None on ranks other than "
-                                           f"{root_name}={root}")
-            self._host_only(op, like)
-            return None
-        if not isinstance(arg, (list, tuple)) or len(arg) != self.size:
-            raise self._check.fail(op, f"{name} must be a list of {self.size} arrays on the "
-                                       f"{root_name} rank {root} (uneven=True)")
-        arrays = [self._check.array(op, a, f"{name}[{i}]", writable=writable)
-                  for i, a in enumerate(arg)]
-        self._host_only(op, like, *arrays)
-        return arrays  # type: ignore[return-value]
-
-    def _host_only(self, op: str, like: Array, *arrays: Array) -> None:
-        for a in (like, *arrays):
-            if isinstance(a, GpuArray):
-                raise self._check.fail(op, "arrays of different sizes per rank are supported "
-                                           "on host arrays only so far", UnsupportedError)
-            if a.dtype != like.dtype:
-                raise self._check.fail(op, f"the arrays have dtypes {like.dtype.name} and "
-                                           f"{a.dtype.name}; pass one dtype")
+    def _host_only(self, op: str, *arrays: Array) -> None:
+        if any(isinstance(a, GpuArray) for a in arrays):
+            raise self._check.fail(op, "arrays of different sizes per rank are supported on "
+                                       "host arrays only so far", UnsupportedError)
 
     def _run_uneven(self, op: str, run: Callable[[], None], x: Array, async_op: bool,
                     stream: Any) -> Work | None:

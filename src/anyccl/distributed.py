@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
+from .algorithms.uneven import split_elements
 from .bootstrap import init
 from .communicator import Communicator
 from .errors import CommunicatorClosedError
@@ -209,20 +210,8 @@ def all_to_all_single(output: Any, input: Any, output_split_sizes: Any = None,  
     if g is None:
         return None
     return g.all_to_all(output, input, async_op,
-                        out_splits=_elements(output, output_split_sizes, g.size),
-                        in_splits=_elements(input, input_split_sizes, g.size))
-
-
-def _elements(array: Any, split_sizes: Any, size: int) -> list[int] | None:
-    """torch's split sizes (rows along dim 0) as element counts; None: even pieces."""
-    if not split_sizes:
-        return None
-    shape = tuple(array.shape)
-    per_row = 1
-    for extent in shape[1:]:
-        per_row *= int(extent)
-    return [int(rows) * per_row if isinstance(rows, int) and not isinstance(rows, bool)
-            else rows for rows in split_sizes]
+                        out_splits=split_elements(output.shape, output_split_sizes),
+                        in_splits=split_elements(input.shape, input_split_sizes))
 
 
 def broadcast_object_list(object_list: list, src: int = 0, group: Any = None,

@@ -38,20 +38,8 @@ class Engine:
     def call(self, task: Callable[[], None], work: Callable[[], Work]) -> None:
         """Run `task` to completion after everything issued before it; raise its error.
         `work()` makes the Work that tracks it, needed only if it must queue."""
-        # The common case, nothing asynchronous outstanding and no other thread driving: run
-        # inline without touching the queue's condition. A submit that races in after the
-        # check queues behind this call (its worker needs `_drive`), as if issued after it.
-        if self._outstanding == 0 and self._drive.acquire(False):
-            try:
-                if self._outstanding == 0 and self.failure is None and not self._closing:
-                    try:
-                        task()
-                    except BaseException as exc:
-                        self._note_failure(exc)
-                        raise
-                    return
-            finally:
-                self._drive.release()
+        if self.run_now(task):
+            return
         with self._state:
             self._raise_if_unusable()
             inline = self._outstanding == 0 and not self._inline
@@ -76,7 +64,9 @@ class Engine:
     def run_now(self, fn: Callable[..., None], *args: Any) -> bool:
         """Run `fn(*args)` on the calling thread if nothing asynchronous is outstanding and no
         other thread drives the backend (True; its error is raised and fails the engine as
-        `call`'s would); else do nothing and return False (then `call` queues it)."""
+        `call`'s would); else do nothing and return False (then `call` queues it). The common
+        case, without touching the queue's condition: a submit that races in after the check
+        queues behind this call (its worker needs `_drive`), as if issued after it."""
         if self._outstanding or not self._drive.acquire(False):
             return False
         try:

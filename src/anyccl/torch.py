@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import _create_work_from_future
 
 from . import settings
+from .algorithms.uneven import split_elements
 from .bootstrap import C10dStore, join
 from .communicator import Communicator
 from .errors import UnsupportedError
@@ -63,14 +64,6 @@ def _done(result: Any, tensors: list[torch.Tensor]) -> Any:
         torch.futures.Future()
     future.set_result(result)
     return _create_work_from_future(future)
-
-
-def _elements(t: torch.Tensor, split_sizes: list[int]) -> list[int] | None:
-    """torch's split sizes (rows along dim 0) as element counts; None: even pieces."""
-    if not split_sizes:
-        return None
-    per_row = int(torch.Size(t.shape[1:]).numel()) if t.dim() else 1
-    return [int(rows) * per_row for rows in split_sizes]
 
 
 def _flat(tensors: list[list[torch.Tensor]]) -> list[torch.Tensor]:
@@ -184,8 +177,8 @@ class ProcessGroup(dist.ProcessGroup):
             self.comm.all_to_all(output, input)
         else:  # uneven: split sizes are rows along dim 0
             self.comm.all_to_all(output, input,
-                                 out_splits=_elements(output, output_split_sizes),
-                                 in_splits=_elements(input, input_split_sizes))
+                                 out_splits=split_elements(output.shape, output_split_sizes),
+                                 in_splits=split_elements(input.shape, input_split_sizes))
         return _done(output, [output])
 
     alltoall_base = all_to_all_single

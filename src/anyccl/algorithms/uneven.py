@@ -23,6 +23,19 @@ from ..errors import InvalidArgumentError
 from ..ops import ReduceOp
 
 
+def split_elements(shape: Sequence[int], split_sizes: Any) -> list[int] | None:
+    """torch's split sizes (rows along dim 0 of an array of `shape`) as element counts; None
+    (even pieces) when none are given. Entries that are not ints pass through, for
+    `check_splits` to refuse by name."""
+    if not split_sizes:
+        return None
+    per_row = 1
+    for extent in tuple(shape)[1:]:
+        per_row *= int(extent)
+    return [int(rows) * per_row if isinstance(rows, (int, np.integer))
+            and not isinstance(rows, bool) else rows for rows in split_sizes]
+
+
 def check_splits(rank: int, size: int, splits: Any, name: str, total: int,
                  array_name: str) -> list[int]:
     """`splits` as `size` non-negative ints summing to `total` (the elements of
