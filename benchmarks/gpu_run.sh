@@ -16,7 +16,9 @@
 # lab/cuda_call_cost.py), eager (8 B - 1 MiB eager calls: all_reduce on ipc beside nccl, torch
 # and torch's symmetric memory; the other ipc ops beside nccl and torch; every op on nccl beside
 # torch), graph (the four ipc ops as CUDA graph replays), replay (each step of a repeated call's
-# host time: lab/replay_cost.py), pack (everything in $RESULTS_DIR into one gpu-out.tgz: last).
+# host time: lab/replay_cost.py), torchtests (the torch backend's GPU tests), torchddp (torch DDP,
+# FSDP2 and the GradientAverager on anyccl groups vs DDP on NCCL: float32 and bfloat16, 201M
+# parameters; PROFILE=1 adds rank 0's torch.profiler tables), pack (everything in $RESULTS_DIR into one gpu-out.tgz: last).
 # MIN/MAX change small's, large's and scale's sizes, ROUNDS the bench rounds (3); CE_ARGS are
 # ce_allreduce.py's arguments (e.g. "--sync events memops").
 # N=k runs the multi-rank steps on k ranks (default: one per visible GPU); K=expr selects ipc tests.
@@ -52,6 +54,16 @@ for what in "$@"; do
   tests) step tests
     timeout "${TESTS_TIMEOUT:-240}" python3 -m pytest -q -rfE --tb=short -m gpu tests/test_gpu.py \
         -p no:cacheprovider 2>&1 | tee "$RESULTS_DIR/gpu-tests.txt" | tail -15 ;;
+  torchtests) step torchtests
+    timeout "${TESTS_TIMEOUT:-240}" python3 -m pytest -q -rfE --tb=short -m gpu tests/test_gpu_torch_backend.py \
+        -p no:cacheprovider 2>&1 | tee "$RESULTS_DIR/gpu-torch-backend-tests.txt" | tail -15 ;;
+  torchddp) step torchddp  # torch DDP / FSDP2 / GradientAverager on anyccl vs on NCCL, the 201M model
+    for dtype in ${DTYPES:-float32 bfloat16}; do
+      timeout "${DDP_TIMEOUT:-200}" python3 benchmarks/torch_ddp_backends.py --device cuda --ranks "$n" \
+          --width 4096 --layers 12 --batch 64 --dtype "$dtype" --steps "${STEPS:-20}" --rounds "${ROUNDS:-3}" \
+          ${VARIANTS:+--variants "$VARIANTS"} ${PROFILE:+--profile "$RESULTS_DIR/profile-$dtype"} 2>&1 \
+          | grep -v "^USDT\|profiler_st" | tee "$RESULTS_DIR/torch-ddp-$dtype.txt" | head -14
+    done ;;
   staging) step staging
     timeout "${STAGING_TIMEOUT:-120}" python3 -m pytest -q -rfE --tb=short -m gpu tests/test_gpu_staging.py \
         -p no:cacheprovider 2>&1 | tee "$RESULTS_DIR/gpu-staging-tests.txt" | tail -15 ;;

@@ -1,25 +1,40 @@
-"""torch DistributedDataParallel on CPU: step time on the "anyccl" process-group backend against
-"gloo", same model, same data, same machine, in one run (the two backends alternate in rounds;
-medians). Also checks that both train to the same weights.
+"""Data-parallel training step time on the "anyccl" process-group backend against torch's own
+(gloo on CPU, NCCL on CUDA): torch DDP, FSDP2 (`fully_shard`) and anyccl's GradientAverager,
+the same model and data for each, in the same processes, in rotating order (medians of rounds).
+Also checks what each trained to against torch DDP on torch's backend.
 
-    python benchmarks/torch_ddp_backends.py [--ranks 2] [--width 1024] [--layers 4]
-                                            [--steps 30] [--rounds 3]
+    python benchmarks/torch_ddp_backends.py [--device cpu|cuda] [--ranks 2] [--width 1024]
+        [--layers 4] [--batch 32] [--dtype float32|bfloat16] [--steps 30] [--rounds 3]
+        [--variants ddp:gloo,ddp:anyccl] [--profile DIR]
+
+A variant is `<how>:<group>`: how is ddp, fsdp2 or averager (anyccl's GradientAverager, on the
+group's communicator); group is torch's backend (gloo, nccl: the default group) or `anyccl`,
+`anyccl-<transport>` (an anyccl group whose transport ANYCCL_BACKEND names: auto, ipc, nccl,
+shm, mpi). The issue's GPU setting: --device cuda --width 4096 --layers 12 --batch 64.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import socket
 import statistics
 import sys
 import tempfile
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.nn.parallel import DistributedDataParallel as DDP
+
+DEFAULT_VARIANTS = {
+    "cpu": "ddp:gloo,ddp:anyccl",
+    "cuda": "ddp:nccl,ddp:anyccl-auto,ddp:anyccl-ipc,ddp:anyccl-nccl,fsdp2:nccl,"
+            "fsdp2:anyccl-auto,averager:anyccl-auto,averager:anyccl-ipc",
+}
+WARMUP = 3   # steps per variant and round left out of the times (buckets, plans, first calls)
 
 
 def _free_port() -> int:
@@ -28,33 +43,117 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def model(width: int, layers: int) -> torch.nn.Module:
+def _nothing() -> None:
+    pass
+
+
+def model(args: argparse.Namespace, device: torch.device) -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+    net = torch.nn.Sequential(*[torch.nn.Linear(args.width, args.width)
+                                for _ in range(args.layers)])
+    return net.to(device=device, dtype=getattr(torch, args.dtype))
 
 
-def rank_main(rank: int, backend: str, args: argparse.Namespace, port: int, out: str) -> None:
+class Trainer:
+    """One variant's model, optimizer and step: DDP, FSDP2 or the GradientAverager on a group."""
+
+    def __init__(self, variant: str, group: Any, args: argparse.Namespace,
+                 device: torch.device) -> None:
+        how = variant.split(":")[0]
+        net = model(args, device)
+        self.averager = None
+        if how == "ddp":
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            net = DDP(net, process_group=group, bucket_cap_mb=25,
+                      device_ids=[device.index] if device.type == "cuda" else None)
+        elif how == "fsdp2":
+            from torch.distributed.device_mesh import DeviceMesh
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = DeviceMesh.from_group(group, device.type)
+            for layer in net:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(net, mesh=mesh)
+        elif how == "averager":
+            from anyccl.ddp import GradientAverager
+
+            self.averager = GradientAverager.for_module(group.comm, net, bucket_mb=25)
+        else:
+            raise SystemExit(f"--variants: {variant!r}: expected ddp:, fsdp2: or averager:")
+        self.net = net
+        self.opt = torch.optim.SGD(net.parameters(), lr=1e-3)
+
+    def step(self, x: torch.Tensor) -> None:
+        self.opt.zero_grad()
+        self.net(x).float().square().mean().backward()
+        if self.averager is not None:
+            self.averager.wait()
+        self.opt.step()
+
+    def weights(self) -> list[torch.Tensor]:
+        out = []
+        for p in self.net.parameters():
+            full = p.full_tensor() if hasattr(p, "full_tensor") else p  # FSDP2's DTensors
+            out.append(full.detach().float().cpu())
+        return out
+
+
+def groups_for(variants: list[str], default: str) -> dict[str, Any]:
+    """Every group the variants name, created in the same order on every rank."""
+    groups: dict[str, Any] = {default: dist.group.WORLD}
+    for name in dict.fromkeys(v.split(":", 1)[1] for v in variants):
+        if name in groups:
+            continue
+        if not name.startswith("anyccl"):
+            raise SystemExit(f"--variants: group {name!r}: expected {default} or "
+                             f"anyccl[-transport]")
+        transport = name.partition("-")[2]
+        if transport:
+            os.environ["ANYCCL_BACKEND"] = transport
+        groups[name] = dist.new_group(backend="anyccl")
+        os.environ.pop("ANYCCL_BACKEND", None)
+    return groups
+
+
+def rank_main(rank: int, args: argparse.Namespace, port: int, out: str) -> None:
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    torch.set_num_threads(1)
-    dist.init_process_group(backend, rank=rank, world_size=args.ranks)
-    net = DDP(model(args.width, args.layers), bucket_cap_mb=25)
-    opt = torch.optim.SGD(net.parameters(), lr=0.01)
-    data = torch.Generator().manual_seed(rank)
-    x = torch.randn(args.batch, args.width, generator=data)
-    times = []
-    for step in range(args.steps + 3):
-        dist.barrier()
-        start = time.perf_counter()
-        opt.zero_grad()
-        net(x).square().mean().backward()
-        opt.step()
-        if step >= 3:   # the first steps build buckets
-            times.append(time.perf_counter() - start)
-    step_s = torch.tensor([statistics.median(times)])
-    dist.all_reduce(step_s, op=dist.ReduceOp.MAX)
+    if args.device == "cuda":
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+        peer = "nccl"
+        dist.init_process_group(peer, rank=rank, world_size=args.ranks, device_id=device)
+        sync = torch.cuda.synchronize
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) // args.ranks))
+        device, peer = torch.device("cpu"), "gloo"
+        dist.init_process_group(peer, rank=rank, world_size=args.ranks)
+        sync = _nothing
+    variants = args.variants.split(",")
+    groups = groups_for(variants, peer)
+    trainers = {v: Trainer(v, groups[v.split(":", 1)[1]], args, device) for v in variants}
+    data = torch.Generator(device=device).manual_seed(rank)
+    x = torch.randn(args.batch, args.width, generator=data, device=device,
+                    dtype=getattr(torch, args.dtype))
+    times: dict[str, list[float]] = {v: [] for v in variants}
+    for k in range(args.rounds):
+        for v in variants[k % len(variants):] + variants[:k % len(variants)]:
+            trainer, steps = trainers[v], []
+            dist.barrier()
+            for step in range(WARMUP + args.steps):
+                start = time.perf_counter()
+                trainer.step(x)
+                sync()
+                if step >= WARMUP:
+                    steps.append(time.perf_counter() - start)
+            median = torch.tensor([statistics.median(steps)])
+            dist.all_reduce(median, op=dist.ReduceOp.MAX, group=groups[peer])  # the slowest
+            times[v].append(float(median))
+    profiles = profile(trainers, x, sync, args.profile, rank) if args.profile else {}
+    weights = {v: t.weights() for v, t in trainers.items()}
     if rank == 0:
-        torch.save({"step_s": float(step_s), "weights": [p.detach().clone()
-                                                         for p in net.parameters()]}, out)
+        torch.save({"times": times, "weights": weights, "profiles": profiles}, out)
+    dist.barrier()
     dist.destroy_process_group()
     # torch's CPU build sometimes aborts in its exit-time destructors after DDP ("terminate called
     # without an active exception", about 1 exit in 10 with gloo alone, no anyccl loaded): the
@@ -62,47 +161,84 @@ def rank_main(rank: int, backend: str, args: argparse.Namespace, port: int, out:
     os._exit(0)
 
 
-def run(backend: str, args: argparse.Namespace) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "result.pt")
-        mp.spawn(rank_main, args=(backend, args, _free_port(), out), nprocs=args.ranks)
-        return torch.load(out)
+def profile(trainers: dict[str, Trainer], x: torch.Tensor, sync: Any, directory: str,
+            rank: int) -> dict[str, str]:
+    """Three more steps of each variant on every rank, rank 0's under torch.profiler: its
+    tables (by variant, also written under `directory`)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA]
+                                           if torch.cuda.is_available() else [])
+    key = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    tables = {}
+    for v, trainer in trainers.items():
+        dist.barrier()
+        with torch_profile(activities=activities) if rank == 0 else \
+                contextlib.nullcontext() as prof:
+            for _ in range(3):
+                trainer.step(x)
+            sync()
+        if prof is not None:
+            tables[v] = prof.key_averages().table(sort_by=key, row_limit=15)
+            os.makedirs(directory, exist_ok=True)
+            with open(os.path.join(directory, v.replace(":", "-") + ".txt"), "w") as f:
+                f.write(tables[v])
+    return tables
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--width", type=int, default=1024)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--variants", default=None)
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="also write rank 0's torch.profiler table of 3 steps of each variant")
     args = p.parse_args()
-    params = args.layers * (args.width * args.width + args.width)
-    results: dict[str, list[float]] = {"gloo": [], "anyccl": []}
-    weights = {}
-    for k in range(args.rounds):
-        for backend in (("gloo", "anyccl") if k % 2 == 0 else ("anyccl", "gloo")):
-            got = run(backend, args)
-            results[backend].append(got["step_s"])
-            weights[backend] = got["weights"]
-    same = all(torch.equal(a, b) for a, b in zip(weights["gloo"], weights["anyccl"]))
+    args.variants = args.variants or DEFAULT_VARIANTS[args.device]
+    variants = args.variants.split(",")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.pt")
+        mp.spawn(rank_main, args=(args, _free_port(), out), nprocs=args.ranks)
+        got = torch.load(out)
     import anyccl
 
-    print(f"# torch {torch.__version__}, anyccl {anyccl.__version__}, Python "
-          f"{sys.version.split()[0]}, {os.cpu_count()} CPUs; {args.ranks} ranks, "
-          f"{args.layers} x Linear({args.width}, {args.width}) = {params / 1e6:.2f} M float32 "
-          f"parameters ({params * 4 / 2**20:.1f} MiB of gradients per step), batch "
-          f"{args.batch}, {args.steps} steps x {args.rounds} alternating rounds")
-    print("| backend | step time (ms, median of rounds) | rounds (ms) |")
-    print("|---|---:|---|")
-    for backend, values in results.items():
-        print(f"| {backend} | {statistics.median(values) * 1e3:.2f} | "
-              f"{', '.join(f'{v * 1e3:.2f}' for v in values)} |")
-    ratio = statistics.median(results["gloo"]) / statistics.median(results["anyccl"])
-    print(f"anyccl speed / gloo's: {ratio:.2f}x; weights identical: {same}")
-    return 0 if same or args.ranks > 2 else 1
-
+    params = args.layers * (args.width * args.width + args.width)
+    itemsize = torch.tensor([], dtype=getattr(torch, args.dtype)).element_size()
+    versions = f"torch {torch.__version__}, anyccl {anyccl.__version__}, Python " \
+               f"{sys.version.split()[0]}, {os.cpu_count()} CPUs"
+    if args.device == "cuda":
+        versions += f", {torch.cuda.get_device_name(0)}, NCCL " \
+                    f"{'.'.join(map(str, torch.cuda.nccl.version()))}"
+    print(f"# {versions}; {args.ranks} ranks on {args.device}, {args.layers} x Linear("
+          f"{args.width}, {args.width}) = {params / 1e6:.1f} M {args.dtype} parameters ("
+          f"{params * itemsize / 2**20:.0f} MiB of gradients per step), batch {args.batch}, "
+          f"{args.steps} timed steps (+{WARMUP}) x {args.rounds} rotating rounds, SGD")
+    base = variants[0]
+    base_ms = statistics.median(got["times"][base]) * 1e3
+    print(f"| variant | step time (ms, median of rounds) | rounds (ms) | step time / {base}'s "
+          f"| weights vs {base} |")
+    print("|---|---:|---|---:|---|")
+    for v in variants:
+        ms = statistics.median(got["times"][v]) * 1e3
+        diff = max(float((a - b).abs().max()) for a, b in zip(got["weights"][v],
+                                                              got["weights"][base]))
+        same = "identical" if diff == 0 else f"max diff {diff:.2e}"
+        print(f"| {v} | {ms:.2f} | {', '.join(f'{t * 1e3:.2f}' for t in got['times'][v])} | "
+              f"{ms / base_ms:.2f} | {same} |")
+    for v, table in got["profiles"].items():
+        print(f"\n## profile of rank 0, 3 steps of {v}\n```\n{table}\n```")
+    # DDP divides before it sums, so 2 ranks give the same bits in any order of addition
+    ddp = [v for v in variants if v.startswith("ddp:anyccl")]
+    identical = all(torch.equal(a, b) for v in ddp
+                    for a, b in zip(got["weights"][v], got["weights"][base]))
+    return 0 if identical or args.ranks > 2 else 1
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -123,3 +123,27 @@ def test_the_ddp_backend_benchmark_runs_and_checks_the_weights():
                           timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "| anyccl |" in proc.stdout and "weights identical: True" in proc.stdout, proc.stdout
+
+
+def test_torch_helpers_that_ask_for_the_group_backend_get_one_without_extras():
+    """init_process_group(device_id=...) (Lightning passes it on CUDA), new_group's split and
+    FSDP2's allocator ask `group._get_backend(device)`; a Python group has no C++ backend to
+    give, so the anyccl group answers with one that offers no splitting, coalescing or
+    allocation, and torch takes its ordinary path."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _get_split_source
+
+    dist.init_process_group("anyccl", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        group = dist.group.WORLD
+        for device in (torch.device("cpu"), torch.device("cuda", 0)):
+            backend = group._get_backend(device)
+            assert not backend.supports_splitting and not backend.supports_coalescing
+            assert not backend.supports_tensor_alloc(device)
+        assert _get_split_source(group) is None
+        t = torch.ones(3)
+        dist.all_reduce(t)
+        assert t.tolist() == [1.0, 1.0, 1.0]
+        assert isinstance(dist.new_group([0], backend="anyccl"), dist.ProcessGroup)
+    finally:
+        dist.destroy_process_group()

@@ -15,14 +15,17 @@ mpiexec) for CPU tensors, and for CUDA tensors the GPU backend ANYCCL_BACKEND na
 default; ipc, auto). Every rank of a group meets through the store torch hands the group.
 
 Each operation runs as anyccl's blocking call and returns a torch Work whose future is already
-complete: on CPU the result is in place when the call returns; on CUDA the operation is queued on
-the caller's current stream (no host synchronisation), and the future's CUDA event orders its
-consumers after it. CPU tensors are read through views built from their data pointers, never
+complete: on CPU the result is in place when the call returns. On CUDA, as with NCCL's process
+group, the operation is queued on the group's own stream for the device, after the work already
+on the caller's current stream, with no host synchronisation: the caller's later kernels (the rest
+of backward, under DDP) overlap it, and the future's CUDA event orders whoever waits on the Work
+after the result. CPU tensors are read through views built from their data pointers, never
 ``Tensor.numpy()`` (which would mark the caller's storage non-resizable for good).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -57,8 +60,8 @@ def _reduce_op(opts: Any) -> ReduceOp:
 
 
 def _done(result: Any, tensors: list[torch.Tensor]) -> Any:
-    """A Work whose future holds `result`; on CUDA its event records the current stream, where
-    the operation was queued, so that consumers wait on the GPU, not on the host."""
+    """A Work whose future holds `result`; for CUDA tensors its event records the current
+    stream, where the operation was queued, so that consumers wait on the GPU, not the host."""
     devices = sorted({t.device for t in tensors if t.is_cuda}, key=str)
     future: torch.futures.Future = torch.futures.Future(devices=devices) if devices else \
         torch.futures.Future()
@@ -70,6 +73,20 @@ def _flat(tensors: list[list[torch.Tensor]]) -> list[torch.Tensor]:
     return [t for inner in tensors for t in inner]
 
 
+class _BackendView:
+    """What torch's own helpers get from ``group._get_backend(device)`` (``init_process_group(
+    device_id=...)``, which Lightning passes on CUDA, `new_group`'s split, FSDP2's allocator):
+    a backend that offers none of the C++ backends' extras."""
+
+    supports_splitting = False
+    supports_coalescing = False
+    supports_time_estimate = False
+    supports_shrinking = False
+
+    def supports_tensor_alloc(self, device: torch.device) -> bool:
+        return False
+
+
 class ProcessGroup(dist.ProcessGroup):
     """A torch process group whose operations run on an anyccl Communicator."""
 
@@ -78,6 +95,30 @@ class ProcessGroup(dist.ProcessGroup):
         self.comm = comm
         self._group_name = ""
         self._group_desc = ""
+        self._streams: dict[int, torch.cuda.Stream] = {}   # by CUDA device index
+
+    def _run(self, call: Callable[[], object], result: Any, tensors: list[torch.Tensor]) -> Any:
+        """Run `call` (anyccl's blocking calls on `tensors`) and return its torch Work. With a
+        CUDA tensor among them, the calls are queued on this group's stream for its device,
+        after the work on the caller's current stream; every CUDA tensor is marked as used
+        there (the caching allocator then keeps its memory until the operation is done)."""
+        device = next((t.device for t in tensors if t.is_cuda), None)
+        if device is None:
+            call()
+            return _done(result, [])
+        stream = self._streams.get(device.index)
+        if stream is None:
+            stream = self._streams[device.index] = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            call()
+            for t in tensors:
+                if t.is_cuda:
+                    t.record_stream(stream)
+            return _done(result, tensors)
+
+    def _get_backend(self, device: Any) -> _BackendView:
+        return _BackendView()
 
     # ---- identity: what DDP, FSDP2 and DeviceMesh ask ------------------------------------------
     def getBackendName(self) -> str:  # noqa: N802 - torch's names
@@ -103,30 +144,37 @@ class ProcessGroup(dist.ProcessGroup):
     # ---- collectives ---------------------------------------------------------------------------
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         op = _reduce_op(opts)
-        for t in tensors:
-            self.comm.all_reduce(t, op)
-        return _done(tensors, tensors)
+
+        def call() -> None:
+            for t in tensors:
+                self.comm.all_reduce(t, op)
+        return self._run(call, tensors, tensors)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         return self.allreduce(tensors, opts)
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         root = getattr(opts, "rootRank", 0)
-        for t in tensors:
-            self.comm.broadcast(t, root)
-        return _done(tensors, tensors)
+
+        def call() -> None:
+            for t in tensors:
+                self.comm.broadcast(t, root)
+        return self._run(call, tensors, tensors)
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         op, root = _reduce_op(opts), getattr(opts, "rootRank", 0)
-        for t in tensors:
-            self.comm.reduce(t, root, op)
-        return _done(tensors, tensors)
+
+        def call() -> None:
+            for t in tensors:
+                self.comm.reduce(t, root, op)
+        return self._run(call, tensors, tensors)
 
     def allgather(self, output_tensors: list[list[torch.Tensor]],
                   input_tensors: list[torch.Tensor], opts: Any = None) -> Any:
-        for outs, t in zip(output_tensors, input_tensors):
-            self.comm.all_gather(outs, t)
-        return _done(output_tensors, _flat(output_tensors))
+        def call() -> None:
+            for outs, t in zip(output_tensors, input_tensors):
+                self.comm.all_gather(outs, t)
+        return self._run(call, output_tensors, _flat(output_tensors) + input_tensors)
 
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]],
                             input_list: list[torch.Tensor], opts: Any = None) -> Any:
@@ -134,39 +182,44 @@ class ProcessGroup(dist.ProcessGroup):
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002
                           opts: Any = None) -> Any:
-        self.comm.all_gather(output, input)
-        return _done(output, [output])
+        return self._run(lambda: self.comm.all_gather(output, input), output, [output, input])
 
     _allgather_base = all_gather_single
 
     def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor],
                                         inputs: list[torch.Tensor], opts: Any = None) -> Any:
-        for out, t in zip(outputs, inputs):
-            self.comm.all_gather(out, t)
-        return _done(outputs, outputs)
+        def call() -> None:
+            for out, t in zip(outputs, inputs):
+                self.comm.all_gather(out, t)
+        return self._run(call, outputs, outputs + inputs)
 
     all_gather_single_coalesced = allgather_into_tensor_coalesced
 
     def reduce_scatter(self, output_tensors: list[torch.Tensor],
                        input_tensors: list[list[torch.Tensor]], opts: Any = None) -> Any:
         op = _reduce_op(opts)
-        for out, pieces in zip(output_tensors, input_tensors):
-            self.comm.reduce_scatter(out, pieces, op)
-        return _done(output_tensors, output_tensors)
+
+        def call() -> None:
+            for out, pieces in zip(output_tensors, input_tensors):
+                self.comm.reduce_scatter(out, pieces, op)
+        return self._run(call, output_tensors, output_tensors + _flat(input_tensors))
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002
                               opts: Any = None) -> Any:
-        self.comm.reduce_scatter(output, input, _reduce_op(opts))
-        return _done(output, [output])
+        op = _reduce_op(opts)
+        return self._run(lambda: self.comm.reduce_scatter(output, input, op), output,
+                         [output, input])
 
     _reduce_scatter_base = reduce_scatter_single
 
     def reduce_scatter_tensor_coalesced(self, outputs: list[torch.Tensor],
                                         inputs: list[torch.Tensor], opts: Any = None) -> Any:
         op = _reduce_op(opts)
-        for out, t in zip(outputs, inputs):
-            self.comm.reduce_scatter(out, t, op)
-        return _done(outputs, outputs)
+
+        def call() -> None:
+            for out, t in zip(outputs, inputs):
+                self.comm.reduce_scatter(out, t, op)
+        return self._run(call, outputs, outputs + inputs)
 
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
 
@@ -174,33 +227,35 @@ class ProcessGroup(dist.ProcessGroup):
                           output_split_sizes: list[int], input_split_sizes: list[int],
                           opts: Any = None) -> Any:
         if not output_split_sizes and not input_split_sizes:
-            self.comm.all_to_all(output, input)
-        else:  # uneven: split sizes are rows along dim 0
-            self.comm.all_to_all(output, input,
-                                 out_splits=split_elements(output.shape, output_split_sizes),
-                                 in_splits=split_elements(input.shape, input_split_sizes))
-        return _done(output, [output])
+            return self._run(lambda: self.comm.all_to_all(output, input), output,
+                             [output, input])
+        # uneven: split sizes are rows along dim 0
+        out_splits = split_elements(output.shape, output_split_sizes)
+        in_splits = split_elements(input.shape, input_split_sizes)
+        return self._run(lambda: self.comm.all_to_all(output, input, out_splits=out_splits,
+                                                      in_splits=in_splits),
+                         output, [output, input])
 
     alltoall_base = all_to_all_single
 
     def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],
                  opts: Any = None) -> Any:
-        self.comm.all_to_all(output_tensors, input_tensors)
-        return _done(output_tensors, output_tensors)
+        return self._run(lambda: self.comm.all_to_all(output_tensors, input_tensors),
+                         output_tensors, output_tensors + input_tensors)
 
     def gather(self, output_tensors: list[list[torch.Tensor]],
                input_tensors: list[torch.Tensor], opts: Any = None) -> Any:
         root = getattr(opts, "rootRank", 0)
         outs = output_tensors[0] if self.comm.rank == root else None
-        self.comm.gather(input_tensors[0], outs, root)
-        return _done(output_tensors, _flat(output_tensors))
+        return self._run(lambda: self.comm.gather(input_tensors[0], outs, root), output_tensors,
+                         _flat(output_tensors) + input_tensors)
 
     def scatter(self, output_tensors: list[torch.Tensor],
                 input_tensors: list[list[torch.Tensor]], opts: Any = None) -> Any:
         root = getattr(opts, "rootRank", 0)
         chunks = input_tensors[0] if self.comm.rank == root else None
-        self.comm.scatter(output_tensors[0], chunks, root)
-        return _done(output_tensors, output_tensors)
+        return self._run(lambda: self.comm.scatter(output_tensors[0], chunks, root),
+                         output_tensors, output_tensors + _flat(input_tensors))
 
     def barrier(self, opts: Any = None) -> Any:
         self.comm.barrier()
@@ -208,14 +263,16 @@ class ProcessGroup(dist.ProcessGroup):
 
     # ---- messages ------------------------------------------------------------------------------
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> Any:
-        for t in tensors:
-            self.comm.send(t, dst, tag)
-        return _done(tensors, tensors)
+        def call() -> None:
+            for t in tensors:
+                self.comm.send(t, dst, tag)
+        return self._run(call, tensors, tensors)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> Any:
-        for t in tensors:
-            self.comm.recv(t, src, tag)
-        return _done(tensors, tensors)
+        def call() -> None:
+            for t in tensors:
+                self.comm.recv(t, src, tag)
+        return self._run(call, tensors, tensors)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> Any:
         raise UnsupportedError(f"rank {self.comm.rank}: recv from any source is not supported "

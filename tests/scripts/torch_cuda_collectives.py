@@ -1,0 +1,64 @@
+"""torch.distributed on the "anyccl" backend with CUDA tensors, as Lightning starts it
+(`init_process_group(..., device_id=...)`): each collective on a non-default stream whose input
+a kernel has just written, its result read by the next kernel on that stream, blocking and
+async_op=True; every rank checks its values against what the collective must give.
+
+    python tests/scripts/torch_cuda_collectives.py WORLD_SIZE PORT
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def check(rank: int, world_size: int) -> None:
+    device = torch.device("cuda", rank)
+    n = 1 << 20   # large enough that a missing wait shows as stale values
+    stream = torch.cuda.Stream(device)
+    with torch.cuda.stream(stream):
+        for async_op in (False, True):
+            x = torch.arange(n, device=device, dtype=torch.float32) + rank  # a kernel writes it
+            work = dist.all_reduce(x, async_op=async_op)
+            if async_op:
+                work.wait()
+            total = (x * 1).sum().item()  # a kernel reads it
+            expected = world_size * (n * (n - 1) / 2) + n * sum(range(world_size))
+            assert abs(total - expected) <= 1e-6 * expected, (rank, async_op, total, expected)
+
+        out = torch.empty(world_size * 4, device=device)
+        dist.all_gather_into_tensor(out, torch.full((4,), float(rank), device=device))
+        assert out.tolist() == [float(r) for r in range(world_size) for _ in range(4)], out
+
+        part = torch.empty(4, device=device)
+        dist.reduce_scatter_tensor(part, torch.arange(world_size * 4.0, device=device) + rank)
+        base = torch.arange(rank * 4.0, rank * 4.0 + 4)
+        assert part.cpu().tolist() == (world_size * base + sum(range(world_size))).tolist()
+
+        b = torch.full((8,), float(rank), device=device)
+        dist.broadcast(b, src=world_size - 1)
+        assert b.tolist() == [float(world_size - 1)] * 8
+
+        a = torch.empty(world_size * 2, device=device)
+        dist.all_to_all_single(a, torch.arange(world_size * 2.0, device=device) + 100 * rank)
+        assert a.tolist() == [100.0 * r + 2 * rank + k for r in range(world_size)
+                              for k in range(2)], a
+    torch.cuda.synchronize(device)
+
+
+def main(rank: int, world_size: int, port: int) -> None:
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    torch.cuda.set_device(rank)
+    dist.init_process_group("anyccl", rank=rank, world_size=world_size,
+                            device_id=torch.device("cuda", rank))
+    check(rank, world_size)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    world_size, port = int(sys.argv[1]), int(sys.argv[2])
+    mp.spawn(main, args=(world_size, port), nprocs=world_size)
