@@ -182,3 +182,54 @@ def test_a_recv_with_no_matching_send_fails_with_a_timeout_that_names_it():
     if suite_backend() == "shm":  # shm shows each peer's state; MPI cannot see it
         assert "rank 0 is in nothing (idle after" in message, message
     assert 0.9 < waited < 5
+
+
+def check_receives_from_any_rank(comm):
+    """Rank 0 receives from whichever rank's message comes; each sender's messages still arrive
+    in the order it sent them, a message with another tag is left for its own receive, and an
+    irecv's Work names the sender."""
+    n, tag = comm.size, 5
+    if comm.rank != 0:
+        comm.send(np.full(7, -1.0), 0, tag=6)               # another tag: not taken below
+        for k in range(2):
+            comm.send(np.full(100_000, 100.0 * comm.rank + k), 0, tag=tag)  # beyond the ring
+        return None
+    heard = {}
+    for _ in range(2 * (n - 1)):
+        x = np.empty(100_000)
+        sender = comm.recv(x, None, tag=tag)
+        assert (x == x[0]).all() and int(x[0]) // 100 == sender, (sender, x[0])
+        heard.setdefault(sender, []).append(int(x[0]) % 100)
+    others = []
+    for _ in range(n - 1):
+        y = np.empty(7)
+        work = comm.irecv(y, None, tag=6)
+        work.wait()
+        others.append((work.source, float(y[0])))
+    return heard, sorted(others)
+
+
+@pytest.mark.parametrize("world_size", (2, 4))
+def test_a_receive_from_any_rank_takes_each_message_once_and_names_its_sender(world_size):
+    heard, others = run_ranks(check_receives_from_any_rank, world_size)[0]
+    assert heard == {r: [0, 1] for r in range(1, world_size)}
+    assert others == [(r, -1.0) for r in range(1, world_size)]
+
+
+def check_earliest_posted_receive_takes_the_message(comm):
+    if comm.rank == 1:
+        for value in (10, 11):
+            comm.send(np.array([value], np.int64), 0, tag=2)
+        return None
+    if comm.rank == 0:
+        anyone, named = np.zeros(1, np.int64), np.zeros(1, np.int64)
+        first = comm.irecv(anyone, None, tag=2)   # posted first: takes the first message
+        second = comm.irecv(named, 1, tag=2)
+        first.wait()
+        second.wait()
+        return int(anyone[0]), first.source, int(named[0]), second.source
+    return None
+
+
+def test_the_earliest_posted_receive_that_fits_takes_a_message_as_in_mpi():
+    assert run_ranks(check_earliest_posted_receive_takes_the_message, 3)[0] == (10, 1, 11, 1)

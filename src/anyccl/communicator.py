@@ -86,7 +86,7 @@ class Communicator:
         self._name = name
         self._engine = Engine(backend, f"rank {rank} ({name})")
         self._seq = 0
-        self._p2p_seq: dict[tuple[str, int], int] = {}
+        self._p2p_seq: dict[tuple[str, int | None], int] = {}
         self._splits = 0
         self._closed = False
         self._gpu_side = GpuDispatch(self._check, backend, store, rank=rank, size=size,
@@ -253,21 +253,38 @@ class Communicator:
             exc.args = (f"{exc.args[0]}\n  flight record of rank {self.rank}: {path}",
                         *exc.args[1:])
 
-    def _message(self, kind: str, x: Array, peer: int, tag: int, async_op: bool,
-                 stream: Any = None) -> Work | None:
+    def _message(self, kind: str, x: Array, peer: int | None, tag: int, async_op: bool,
+                 stream: Any = None) -> Work | int | None:
+        """Send or receive (peer=None: receive from any rank); a blocking receive returns the
+        sender, an async call its Work."""
         key = (kind, peer)
         self._p2p_seq[key] = seq = self._p2p_seq.get(key, 0) + 1
         arrow = "dst" if kind == "send" else "src"
         nbytes = x.nbytes
-        record = OpRecord(kind, seq, lambda: f"{arrow}={peer}, tag={tag}, {format_bytes(nbytes)}",
+        who = "any" if peer is None else peer
+        record = OpRecord(kind, seq, lambda: f"{arrow}={who}, tag={tag}, {format_bytes(nbytes)}",
                           nbytes)
         op = kind if not async_op else "i" + kind
         if self._gpu_side.on_gpu(op, [("tensor", x)], stream):
+            if peer is None:
+                raise self._check.fail(op, "src=None (from any rank) needs host arrays: GPU "
+                                           "messages match in issue order between two named "
+                                           "ranks (NCCL has no any-source receive); name src")
             return self._gpu_message(op, record, x, peer, tag, async_op, stream)
         if self._batch is not None and not async_op:
             raise self._check.fail(op, f"use i{kind} inside `with comm.batch():`")
         backend, engine, timeout_s = self._backend, self._engine, self.timeout_s
-        post = backend.post_send if kind == "send" else backend.post_recv
+        work = Work(record, self.rank)
+        if kind == "send":
+            post = backend.post_send
+        elif peer is None:
+            def post(x: Array, peer: None, tag: int, record: OpRecord, deadline: float,
+                     on_done: Callable[[BaseException | None], None]) -> None:
+                backend.post_recv(x, None, tag, record, deadline, on_done,
+                                  found=lambda sender: setattr(work, "source", sender))
+        else:
+            post = backend.post_recv
+            work.source = peer
         entry = self.flight_recorder.queued(record)
 
         def finished(error: BaseException | None) -> None:
@@ -281,7 +298,7 @@ class Communicator:
                 done = engine.completion(w)
                 post(x, peer, tag, record, time.monotonic() + timeout_s,
                      lambda error: (finished(error), done(error)))
-            return engine.submit(task, Work(record, self.rank), finishes_itself=True)
+            return engine.submit(task, work, finishes_itself=True)
 
         outcome: list[BaseException | None] = []
 
@@ -301,8 +318,8 @@ class Communicator:
             if outcome[0] is not None:
                 raise outcome[0]
 
-        engine.call(blocking, lambda: Work(record, self.rank))
-        return None
+        engine.call(blocking, lambda: work)
+        return work.source
 
     def _gpu_message(self, op: str, record: OpRecord, x: GpuArray, peer: int, tag: int,
                      async_op: bool, stream: Any) -> Work | None:
@@ -363,8 +380,11 @@ class Communicator:
 
     # ---- point to point ----------------------------------------------------------------------
     def _p2p_args(self, op: str, tensor: Any, peer: Any, peer_name: str, tag: Any,
-                  writable: bool) -> tuple[Array, int, int]:
+                  writable: bool) -> tuple[Array, int | None, int]:
         self._check_open(op)
+        if peer is None and peer_name == "src":  # a receive from any rank
+            return self._check.array(op, tensor, "tensor", writable=True), None, \
+                self._check.tag(op, tag)
         peer = self._check.peer(op, peer, peer_name)
         if peer == self.rank:
             raise self._check.fail(op, f"{peer_name}={peer} is this rank; a rank cannot message "
@@ -379,20 +399,22 @@ class Communicator:
         self._message("send", *self._p2p_args("send", tensor, dst, "dst", tag, False), False,
                       stream)
 
-    def recv(self, tensor: Any, src: int, tag: int = 0, *, stream: Any = None) -> int:
+    def recv(self, tensor: Any, src: int | None, tag: int = 0, *, stream: Any = None) -> int:
         """Receive the next message from `src` with `tag` into `tensor` (same dtype and size as
-        sent) and return `src`."""
-        self._message("recv", *self._p2p_args("recv", tensor, src, "src", tag, True), False,
-                      stream)
-        return src
+        sent) and return the sender. src=None (host arrays): the first message with `tag` from
+        any rank; messages from each rank still arrive in the order it sent them."""
+        sender = self._message("recv", *self._p2p_args("recv", tensor, src, "src", tag, True),
+                               False, stream)
+        return src if src is not None else sender  # type: ignore[return-value]
 
     def isend(self, tensor: Any, dst: int, tag: int = 0, *, stream: Any = None) -> Work:
         """Start sending `tensor` to `dst`; do not modify it until the Work completes."""
         return self._message("send", *self._p2p_args("isend", tensor, dst, "dst", tag, False),
                              True, stream)  # type: ignore[return-value]
 
-    def irecv(self, tensor: Any, src: int, tag: int = 0, *, stream: Any = None) -> Work:
-        """Start receiving into `tensor`; read it only after the Work completes."""
+    def irecv(self, tensor: Any, src: int | None, tag: int = 0, *, stream: Any = None) -> Work:
+        """Start receiving into `tensor`; read it only after the Work completes. src=None: from
+        any rank (host arrays); the Work's `source` then names the sender."""
         return self._message("recv", *self._p2p_args("irecv", tensor, src, "src", tag, True),
                              True, stream)
 

@@ -116,7 +116,8 @@ def send(tensor: Any, dst: int, group: Any = None, tag: int = 0) -> None:
         g.send(tensor, dst, tag)
 
 
-def recv(tensor: Any, src: int, group: Any = None, tag: int = 0) -> int:
+def recv(tensor: Any, src: int | None = None, group: Any = None, tag: int = 0) -> int:
+    """Receive into `tensor` from `src` (None: from any rank); return the sender."""
     g = _group(group)
     return -1 if g is None else g.recv(tensor, src, tag)
 
@@ -126,7 +127,9 @@ def isend(tensor: Any, dst: int, group: Any = None, tag: int = 0) -> Work | None
     return None if g is None else g.isend(tensor, dst, tag)
 
 
-def irecv(tensor: Any, src: int, group: Any = None, tag: int = 0) -> Work | None:
+def irecv(tensor: Any, src: int | None = None, group: Any = None, tag: int = 0) -> Work | None:
+    """Start receiving into `tensor` from `src` (None: any rank; the Work's `source` names the
+    sender once complete)."""
     g = _group(group)
     return None if g is None else g.irecv(tensor, src, tag)
 
@@ -277,18 +280,15 @@ def send_object_list(object_list: list, dst: int, group: Any = None, device: Any
 
 def recv_object_list(object_list: list, src: int | None = None, group: Any = None,
                      device: Any = None) -> int:
-    """Fill `object_list` with the objects rank `src` sent with send_object_list (as many as
-    it has entries) and return `src`."""
+    """Fill `object_list` with the objects rank `src` (None: any rank) sent with
+    send_object_list (as many as it has entries) and return the sender."""
     import numpy as np
 
     g = _group(group)
     if g is None:
         return -1
-    if src is None:
-        raise NotImplementedError(f"rank {g.rank}: recv_object_list from any source is not "
-                                  f"supported yet; name src")
     length = np.zeros(1, np.int64)
-    g.recv(length, src)
+    src = g.recv(length, src)   # then the payload from the same rank, which sent it next
     payload = np.empty(int(length[0]), np.uint8)
     g.recv(payload, src)
     got = pickle.loads(payload.tobytes())

@@ -73,6 +73,29 @@ def _flat(tensors: list[list[torch.Tensor]]) -> list[torch.Tensor]:
     return [t for inner in tensors for t in inner]
 
 
+class _Received(dist.Work):
+    """A finished receive from any rank: a Work that names the sender (torch's
+    ``dist.recv(tensor)`` without src returns ``work._source_rank()``)."""
+
+    def __init__(self, source: int, tensors: list[torch.Tensor]) -> None:
+        super().__init__()
+        self._source = source
+        self._future: torch.futures.Future = torch.futures.Future()
+        self._future.set_result(tensors)
+
+    def wait(self, timeout: Any = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def _source_rank(self) -> int:
+        return self._source
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future
+
+
 class _BackendView:
     """What torch's own helpers get from ``group._get_backend(device)`` (``init_process_group(
     device_id=...)``, which Lightning passes on CUDA, `new_group`'s split, FSDP2's allocator):
@@ -275,8 +298,9 @@ class ProcessGroup(dist.ProcessGroup):
         return self._run(call, tensors, tensors)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> Any:
-        raise UnsupportedError(f"rank {self.comm.rank}: recv from any source is not supported "
-                               f"by the anyccl process group yet; name the source rank")
+        """``dist.recv(t)`` without src (host tensors): torch asks the Work for the sender."""
+        sources = [self.comm.recv(t, None, tag) for t in tensors]
+        return _Received(sources[-1] if sources else -1, tensors)
 
     # ---- coalescing: operations run as they are issued, so a coalesced block is done at its end
     def _start_coalescing(self, device: torch.device) -> None:

@@ -22,10 +22,12 @@ class Work:
     without a timeout never hangs for ever.
     """
 
-    __slots__ = ("record", "rank", "helper", "_finished", "_event", "_error")
+    __slots__ = ("record", "rank", "helper", "source", "_finished", "_event", "_error")
 
     def __init__(self, record: OpRecord, rank: int) -> None:
         self.record, self.rank = record, rank
+        # irecv(src=None): the rank whose message it received, once it has completed
+        self.source: int | None = None
         # a step of the engine's work that a waiter may do itself (False: it cannot now)
         self.helper: Callable[[], bool] | None = None
         self._finished = False

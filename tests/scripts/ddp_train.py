@@ -123,6 +123,15 @@ def train(rank: int, world_size: int, variant: str) -> dict:
         got = torch.empty(sum(receives), 2)
         dist.all_to_all_single(got, rows, receives, sends)
         results["all_to_all_single_uneven"] = got
+        if rank == 0:   # from any source: every other rank's message, the sender named
+            heard = []
+            for _ in range(2 * (world_size - 1)):
+                box = torch.empty(3)
+                heard.append((dist.recv(box, tag=3), box.tolist()))
+            results["recv_anysource"] = sorted(heard)
+        else:
+            for k in range(2):
+                dist.send(torch.full((3,), 10.0 * rank + k), dst=0, tag=3)
         dist.barrier()
     return results
 

@@ -67,9 +67,13 @@ class Backend(ABC):
         """Queue `x` for `dst`; `on_done` is called once it is sent (or failed)."""
 
     @abstractmethod
-    def post_recv(self, x: np.ndarray, src: int, tag: int, record: OpRecord, deadline: float,
-                  on_done: Completion) -> None:
-        """Ask for the next message from `src` with `tag` into `x`; `on_done` once it landed."""
+    def post_recv(self, x: np.ndarray, src: int | None, tag: int, record: OpRecord,
+                  deadline: float, on_done: Completion,
+                  found: Callable[[int], None] | None = None) -> None:
+        """Ask for the next message from `src` with `tag` into `x`; `on_done` once it landed.
+        src=None: from whichever rank's message with `tag` is matched first (the earliest
+        posted receive that fits a message takes it, as in MPI); `found(sender)` is called
+        before `on_done`."""
 
     @abstractmethod
     def has_pending(self) -> bool:

@@ -457,16 +457,21 @@ class MpiBackend(Backend):
         if error is not None and self._late_error is None:
             self._late_error = error
 
-    def post_recv(self, x: np.ndarray, src: int, tag: int, record: OpRecord, deadline: float,
-                  on_done: Completion) -> None:
+    def post_recv(self, x: np.ndarray, src: int | None, tag: int, record: OpRecord,
+                  deadline: float, on_done: Completion,
+                  found: Callable[[int], None] | None = None) -> None:
         mpi_tag = self._mpi_tag(tag, x.dtype, record)
-        self._check_mismatch(x, src, tag, mpi_tag, record)
-        request = self._comm.Irecv(self._bytes(x), src, mpi_tag)
+        source = self.MPI.ANY_SOURCE if src is None else src
+        self._check_mismatch(x, source, tag, mpi_tag, record)
+        request = self._comm.Irecv(self._bytes(x), source, mpi_tag)
 
         def check(st: Any) -> BaseException | None:
+            sender = st.Get_source()
+            if found is not None:
+                found(sender)
             got = st.Get_count(self.MPI.BYTE)
             if got != x.nbytes:
-                return self._size_mismatch(x, src, tag, got, record)
+                return self._size_mismatch(x, sender, tag, got, record)
             return None
 
         self._pending.append(_Pending(request, on_done, record, deadline, check, x))
@@ -489,11 +494,11 @@ class MpiBackend(Backend):
         other = status.Get_tag()
         if other == mpi_tag or other // _CODES != tag:
             return
-        nbytes = status.Get_count(self.MPI.BYTE)
-        self._comm.Recv([np.empty(nbytes, np.uint8), self.MPI.BYTE], src, other)
+        nbytes, sender = status.Get_count(self.MPI.BYTE), status.Get_source()
+        self._comm.Recv([np.empty(nbytes, np.uint8), self.MPI.BYTE], sender, other)
         theirs = SUPPORTED_DTYPES[other % _CODES]
         raise InvalidArgumentError(
-            f"rank {self.rank}: {record}: rank {src} sent {theirs.name} x "
+            f"rank {self.rank}: {record}: rank {sender} sent {theirs.name} x "
             f"{nbytes // theirs.itemsize} ({format_bytes(nbytes)}) with tag {tag}, but the "
             f"receiving array is {x.dtype.name} x {x.size}; the message was discarded")
 

@@ -221,20 +221,23 @@ class _Send:
 
 
 class _Recv:
-    __slots__ = ("data", "tag", "dtype", "record", "deadline", "on_done")
+    __slots__ = ("data", "tag", "dtype", "record", "deadline", "on_done", "order", "found")
 
-    def __init__(self, data, tag, dtype, record, deadline, on_done):
+    def __init__(self, data, tag, dtype, record, deadline, on_done, order, found):
         self.data, self.tag, self.dtype = data, tag, dtype
         self.record, self.deadline, self.on_done = record, deadline, on_done
+        self.order = order    # when it was posted: the earliest fitting receive takes a message
+        self.found = found    # a receive from any rank: told the sender
 
 
 class _Incoming:
     """A message being read from a channel: into a posted receive, or buffered until one comes."""
 
-    __slots__ = ("tag", "nbytes", "dtype", "sink", "received", "stream_bytes", "target", "error")
+    __slots__ = ("tag", "nbytes", "dtype", "sink", "received", "stream_bytes", "target", "error",
+                 "arrival")
 
-    def __init__(self, tag: int, nbytes: int, dtype: np.dtype) -> None:
-        self.tag, self.nbytes, self.dtype = tag, nbytes, dtype
+    def __init__(self, tag: int, nbytes: int, dtype: np.dtype, arrival: int) -> None:
+        self.tag, self.nbytes, self.dtype, self.arrival = tag, nbytes, dtype, arrival
         self.stream_bytes = _round_up(nbytes, _HEADER)
         self.received = 0
         self.sink: np.ndarray | None = None
@@ -307,6 +310,8 @@ class SharedMemoryBackend(Backend):
         self._consumed = [0] * size
         self._sendq: list[deque[_Send]] = [deque() for _ in range(size)]
         self._posted: list[list[_Recv]] = [[] for _ in range(size)]
+        self._posted_any: list[_Recv] = []   # receives from any rank, in the order posted
+        self._posts = self._arrivals = 0     # receives posted and message headers read so far
         self._unexpected: list[list[_Incoming]] = [[] for _ in range(size)]
         self._incoming: list[_Incoming | None] = [None] * size
         self._pids = [int(ctl[_W_PID]) for ctl in self._ctl]
@@ -619,9 +624,23 @@ class SharedMemoryBackend(Backend):
                                       deadline, on_done))
         self._progress_send(dst)
 
-    def post_recv(self, x: np.ndarray, src: int, tag: int, record: OpRecord, deadline: float,
-                  on_done: Completion) -> None:
-        recv = _Recv(x.reshape(-1).view(np.uint8), tag, x.dtype, record, deadline, on_done)
+    def post_recv(self, x: np.ndarray, src: int | None, tag: int, record: OpRecord,
+                  deadline: float, on_done: Completion,
+                  found: Callable[[int], None] | None = None) -> None:
+        self._posts += 1
+        recv = _Recv(x.reshape(-1).view(np.uint8), tag, x.dtype, record, deadline, on_done,
+                     self._posts, found)
+        if src is None:   # the first message with the tag to have arrived, from any rank
+            arrived = [(msg.arrival, j, msg) for j in range(self.size)
+                       for msg in self._unexpected[j] if msg.tag == tag]
+            if arrived:
+                _, j, msg = min(arrived, key=lambda a: a[0])
+                self._unexpected[j].remove(msg)
+                self._claim(msg, recv, j)
+                return
+            self._posted_any.append(recv)
+            self._progress_messages()
+            return
         for msg in self._unexpected[src]:
             if msg.tag == tag:
                 self._unexpected[src].remove(msg)
@@ -631,7 +650,7 @@ class SharedMemoryBackend(Backend):
         self._progress_receive(src)
 
     def has_pending(self) -> bool:
-        return any(self._sendq) or any(self._posted) or any(
+        return any(self._sendq) or any(self._posted) or bool(self._posted_any) or any(
             m.target is not None for m in self._incoming if m is not None)
 
     def progress(self) -> None:
@@ -640,14 +659,14 @@ class SharedMemoryBackend(Backend):
         if now >= self._next_peer_check:
             self._next_peer_check = now + _PEER_CHECK_S
             self._check_peers()
-        for queue in (*self._sendq, *self._posted):
+        for queue in (*self._sendq, *self._posted, self._posted_any):
             for req in list(queue):
                 if now >= req.deadline:
                     queue.remove(req)
                     req.on_done(self._timeout_error(req.record, "its peer"))
 
     def fail_pending(self, error: BaseException) -> None:
-        for queue in (*self._sendq, *self._posted):
+        for queue in (*self._sendq, *self._posted, self._posted_any):
             while queue:
                 queue.pop().on_done(error)
         for msg in self._incoming:
@@ -714,7 +733,9 @@ class SharedMemoryBackend(Backend):
             if msg is None:
                 tag, nbytes, code, _ = _HEADER_WORDS.unpack_from(ring, pos % ring.size)
                 pos, available = pos + _HEADER, available - _HEADER
-                msg = self._incoming[src] = _Incoming(tag, nbytes, SUPPORTED_DTYPES[code])
+                self._arrivals += 1
+                msg = self._incoming[src] = _Incoming(tag, nbytes, SUPPORTED_DTYPES[code],
+                                                      self._arrivals)
                 self._match(msg, src)
             n = min(available, msg.stream_bytes - msg.received)
             a, b = msg.received, min(msg.received + n, msg.nbytes)
@@ -732,20 +753,31 @@ class SharedMemoryBackend(Backend):
         return True
 
     def _match(self, msg: _Incoming, src: int) -> None:
-        for recv in self._posted[src]:
-            if recv.tag == msg.tag:
-                self._posted[src].remove(recv)
-                msg.target = recv
-                if recv.data.size == msg.nbytes and recv.dtype == msg.dtype:
-                    msg.sink = recv.data
-                else:
-                    msg.error = self._mismatch(msg, recv, src)
-                return
-        msg.sink = np.empty(msg.nbytes, dtype=np.uint8)
-        self._unexpected[src].append(msg)
+        """Give the message whose header just arrived to the earliest posted receive it fits
+        (from its sender, or from any rank), else keep it until one is posted."""
+        mine = next((r for r in self._posted[src] if r.tag == msg.tag), None)
+        anyone = next((r for r in self._posted_any if r.tag == msg.tag), None)
+        if anyone is not None and (mine is None or anyone.order < mine.order):
+            mine, queue = anyone, self._posted_any
+        else:
+            queue = self._posted[src]
+        if mine is None:
+            msg.sink = np.empty(msg.nbytes, dtype=np.uint8)
+            self._unexpected[src].append(msg)
+            return
+        queue.remove(mine)
+        msg.target = mine
+        if mine.found is not None:
+            mine.found(src)
+        if mine.data.size == msg.nbytes and mine.dtype == msg.dtype:
+            msg.sink = mine.data
+        else:
+            msg.error = self._mismatch(msg, mine, src)
 
     def _claim(self, msg: _Incoming, recv: _Recv, src: int) -> None:
         msg.target = recv
+        if recv.found is not None:
+            recv.found(src)
         if recv.data.size != msg.nbytes or recv.dtype != msg.dtype:
             msg.error = self._mismatch(msg, recv, src)
         if msg.received == msg.stream_bytes:
