@@ -274,17 +274,15 @@ class Communicator:
         if self._batch is not None and not async_op:
             raise self._check.fail(op, f"use i{kind} inside `with comm.batch():`")
         backend, engine, timeout_s = self._backend, self._engine, self.timeout_s
-        work = Work(record, self.rank)
+        sender: list[int] = []   # a receive from any rank: whose message it took
         if kind == "send":
             post = backend.post_send
         elif peer is None:
             def post(x: Array, peer: None, tag: int, record: OpRecord, deadline: float,
                      on_done: Callable[[BaseException | None], None]) -> None:
-                backend.post_recv(x, None, tag, record, deadline, on_done,
-                                  found=lambda sender: setattr(work, "source", sender))
+                backend.post_recv(x, None, tag, record, deadline, on_done, found=sender.append)
         else:
             post = backend.post_recv
-            work.source = peer
         entry = self.flight_recorder.queued(record)
 
         def finished(error: BaseException | None) -> None:
@@ -296,9 +294,14 @@ class Communicator:
             def task(w: Work) -> None:
                 FlightRecorder.started(entry)
                 done = engine.completion(w)
-                post(x, peer, tag, record, time.monotonic() + timeout_s,
-                     lambda error: (finished(error), done(error)))
-            return engine.submit(task, work, finishes_itself=True)
+
+                def on_done(error: BaseException | None) -> None:
+                    finished(error)
+                    if kind == "recv":
+                        w.source = sender[0] if sender else peer
+                    done(error)
+                post(x, peer, tag, record, time.monotonic() + timeout_s, on_done)
+            return engine.submit(task, Work(record, self.rank), finishes_itself=True)
 
         outcome: list[BaseException | None] = []
 
@@ -318,8 +321,8 @@ class Communicator:
             if outcome[0] is not None:
                 raise outcome[0]
 
-        engine.call(blocking, lambda: work)
-        return work.source
+        engine.call(blocking, lambda: Work(record, self.rank))
+        return sender[0] if sender else peer
 
     def _gpu_message(self, op: str, record: OpRecord, x: GpuArray, peer: int, tag: int,
                      async_op: bool, stream: Any) -> Work | None:
