@@ -146,7 +146,7 @@ def rank_main(rank: int, args: argparse.Namespace, port: int, out: str) -> None:
                 sync()
                 if step >= WARMUP:
                     steps.append(time.perf_counter() - start)
-            median = torch.tensor([statistics.median(steps)])
+            median = torch.tensor([statistics.median(steps)], device=device)  # NCCL: on GPU
             dist.all_reduce(median, op=dist.ReduceOp.MAX, group=groups[peer])  # the slowest
             times[v].append(float(median))
     profiles = profile(trainers, x, sync, args.profile, rank) if args.profile else {}

@@ -26,9 +26,9 @@ def check(rank: int, world_size: int) -> None:
             work = dist.all_reduce(x, async_op=async_op)
             if async_op:
                 work.wait()
-            total = (x * 1).sum().item()  # a kernel reads it
-            expected = world_size * (n * (n - 1) / 2) + n * sum(range(world_size))
-            assert abs(total - expected) <= 1e-6 * expected, (rank, async_op, total, expected)
+            total = (x * 1).double().sum().item()  # kernels read it; exact in float64
+            expected = world_size * (n * (n - 1) // 2) + n * sum(range(world_size))
+            assert total == expected, (rank, async_op, total, expected)
 
         out = torch.empty(world_size * 4, device=device)
         dist.all_gather_into_tensor(out, torch.full((4,), float(rank), device=device))
