@@ -755,12 +755,12 @@ class SharedMemoryBackend(Backend):
     def _match(self, msg: _Incoming, src: int) -> None:
         """Give the message whose header just arrived to the earliest posted receive it fits
         (from its sender, or from any rank), else keep it until one is posted."""
-        mine = next((r for r in self._posted[src] if r.tag == msg.tag), None)
-        anyone = next((r for r in self._posted_any if r.tag == msg.tag), None)
-        if anyone is not None and (mine is None or anyone.order < mine.order):
-            mine, queue = anyone, self._posted_any
-        else:
-            queue = self._posted[src]
+        queue = self._posted[src]
+        mine = next((r for r in queue if r.tag == msg.tag), None)
+        if self._posted_any:
+            anyone = next((r for r in self._posted_any if r.tag == msg.tag), None)
+            if anyone is not None and (mine is None or anyone.order < mine.order):
+                mine, queue = anyone, self._posted_any
         if mine is None:
             msg.sink = np.empty(msg.nbytes, dtype=np.uint8)
             self._unexpected[src].append(msg)
