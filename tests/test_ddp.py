@@ -94,3 +94,28 @@ def check_refusals(comm):
 
 def test_bad_use_is_refused_by_name():
     assert all(run_ranks(check_refusals, 2))
+
+
+def check_lone_gradients(comm):
+    """A gradient alone in its bucket is reduced where it lies when contiguous; a strided one
+    (here a transposed view) goes through the bucket's own buffer; both end up averaged, in the
+    arrays given, step after step."""
+    strided = np.zeros((64, 32), np.float64).T        # not C-contiguous
+    plain = np.zeros(2048, np.float64)
+    avg = GradientAverager(comm, [strided, plain], bucket_mb=8192 / 2**20)   # one each
+    assert [len(b.members) for b in avg.buckets] == [1, 1]
+    for step in range(3):
+        strided[...] = comm.rank + step + np.arange(strided.size).reshape(strided.shape)
+        plain[...] = 10.0 * comm.rank + step
+        out = avg.average()
+        assert out[0] is strided and out[1] is plain
+        mean = (comm.size - 1) / 2
+        np.testing.assert_array_equal(
+            strided, mean + step + np.arange(strided.size).reshape(strided.shape))
+        np.testing.assert_array_equal(plain, 10.0 * mean + step)
+    return {b.members[0]: b.own is not None for b in avg.buckets}   # gradient: has a buffer
+
+
+def test_a_lone_contiguous_gradient_is_averaged_in_place_and_a_strided_one_through_a_buffer():
+    for owns in run_ranks(check_lone_gradients, 2):
+        assert owns == {0: True, 1: False}   # a buffer only where a copy is needed

@@ -34,10 +34,16 @@ from .work import Work
 
 
 class _Bucket:
-    __slots__ = ("members", "offsets", "flat", "ready", "work")
+    """Gradients reduced together: `own` is the bucket's flat buffer (made when first needed);
+    `flat` what this step reduces: `own`, or a lone contiguous gradient itself (`borrowed`)."""
 
-    def __init__(self, members: list[int], offsets: list[int], flat: Any) -> None:
-        self.members, self.offsets, self.flat = members, offsets, flat
+    __slots__ = ("members", "offsets", "own", "flat", "borrowed", "ready", "work")
+
+    def __init__(self, members: list[int], offsets: list[int]) -> None:
+        self.members, self.offsets = members, offsets
+        self.own: Any = None
+        self.flat: Any = None
+        self.borrowed = False
         self.ready: set[int] = set()
         self.work: Work | None = None
 
@@ -88,7 +94,7 @@ class GradientAverager:
         offsets = [0]
         for i in members:
             offsets.append(offsets[-1] + _size(self.grads[i]))
-        return _Bucket(members, offsets, _empty_like(self.grads[members[0]], offsets[-1]))
+        return _Bucket(members, offsets)
 
     @classmethod
     def for_module(cls, comm: Communicator, module: Any,
@@ -130,8 +136,15 @@ class GradientAverager:
             raise InvalidArgumentError(f"GradientAverager: gradient {index} was marked ready "
                                        f"twice in one step")
         if self._kind != "jax":
-            k = bucket.members.index(index)
-            _copy_in(bucket.flat, bucket.offsets[k], self.grads[index])
+            g = self.grads[index]
+            bucket.borrowed = len(bucket.members) == 1 and _contiguous(g)
+            if bucket.borrowed:   # a gradient alone in its bucket is reduced where it lies
+                bucket.flat = _flat_view(g)
+            else:
+                if bucket.own is None:
+                    bucket.own = _empty_like(g, bucket.offsets[-1])
+                bucket.flat = bucket.own
+                _copy_in(bucket.flat, bucket.offsets[bucket.members.index(index)], g)
         bucket.ready.add(index)
         while self._next_to_start < len(self.buckets):
             nxt = self.buckets[self._next_to_start]
@@ -153,10 +166,12 @@ class GradientAverager:
         for bucket in self.buckets:
             assert bucket.work is not None
             bucket.work.wait()
-            for k, i in enumerate(bucket.members):
-                out[i] = _copy_out(self.grads[i], bucket.flat, bucket.offsets[k])
+            if not bucket.borrowed:
+                for k, i in enumerate(bucket.members):
+                    out[i] = _copy_out(self.grads[i], bucket.flat, bucket.offsets[k])
             bucket.ready.clear()
-            bucket.work = None
+            bucket.work = bucket.flat = None
+            bucket.borrowed = False
         self._next_to_start = 0
         if self._kind == "jax":
             self.grads = out
@@ -210,6 +225,17 @@ def _empty_like(x: Any, n: int) -> Any:
     if kind == "jax":
         return None  # made when the bucket starts: see _jax_bucket
     return np.zeros(n, x.dtype)
+
+
+def _contiguous(g: Any) -> bool:
+    """Whether a flat view of mutable `g` shares its memory (then it can be reduced in place)."""
+    if _framework(g) == "torch":
+        return bool(g.is_contiguous())
+    return bool(g.flags.c_contiguous) and (_framework(g) != "numpy" or g.flags.writeable)
+
+
+def _flat_view(g: Any) -> Any:
+    return g.detach().view(-1) if _framework(g) == "torch" else g.reshape(-1)
 
 
 def _copy_in(flat: Any, offset: int, g: Any) -> None:
