@@ -13,7 +13,8 @@ or, to overlap the reductions with the backward pass of a PyTorch module (as DDP
     optimizer.step()
 
 Works with NumPy, PyTorch (CPU and CUDA), CuPy and JAX arrays: a bucket is one flat array of
-the gradients' framework and device, so one all_reduce moves many small gradients. Buckets are
+the gradients' framework and device, so one all_reduce moves many small gradients (a contiguous
+gradient alone in its bucket, as a large weight's is, is reduced where it lies). Buckets are
 filled from the last gradient to the first (the order backward produces them) and always start
 in the same order on every rank, whatever order their gradients become ready in, so every rank
 issues the same collectives. JAX arrays are immutable: `average` returns new arrays for them.
