@@ -11,6 +11,7 @@ agreement check across ranks. Backends trust what they receive.
 from __future__ import annotations
 
 import contextlib
+import functools
 import pickle
 import time
 import weakref
@@ -278,9 +279,7 @@ class Communicator:
         if kind == "send":
             post = backend.post_send
         elif peer is None:
-            def post(x: Array, peer: None, tag: int, record: OpRecord, deadline: float,
-                     on_done: Callable[[BaseException | None], None]) -> None:
-                backend.post_recv(x, None, tag, record, deadline, on_done, found=sender.append)
+            post = functools.partial(backend.post_recv, found=sender.append)
         else:
             post = backend.post_recv
         entry = self.flight_recorder.queued(record)
@@ -499,11 +498,8 @@ class Communicator:
         if uneven:
             from .algorithms.uneven import gather_v
 
-            outs_v = self._check.root_pieces("gather", out_list, "out_list", x, dst, "dst",
-                                             writable=True, sizes_may_differ=True)
-            self._host_only("gather", x, *(outs_v or []))
-            return self._run_uneven("gather", lambda: gather_v(self, x, outs_v, dst), x,
-                                    async_op, stream)
+            return self._rooted_uneven("gather", gather_v, x, out_list, "out_list", dst, "dst",
+                                       True, async_op, stream)
         outs = self._check.root_pieces("gather", out_list, "out_list", x, dst, "dst", writable=True)
         return self._collective("gather", _about(x, ", dst={}", dst), x.nbytes * self.size,
                                 lambda b: b.gather(x, outs, dst), async_op, like=x, root=dst,
@@ -524,11 +520,8 @@ class Communicator:
         if uneven:
             from .algorithms.uneven import scatter_v
 
-            chunks_v = self._check.root_pieces("scatter", chunks, "chunks", x, src, "src",
-                                               writable=False, sizes_may_differ=True)
-            self._host_only("scatter", x, *(chunks_v or []))
-            return self._run_uneven("scatter", lambda: scatter_v(self, x, chunks_v, src), x,
-                                    async_op, stream)
+            return self._rooted_uneven("scatter", scatter_v, x, chunks, "chunks", src, "src",
+                                       False, async_op, stream)
         pieces = self._check.root_pieces("scatter", chunks, "chunks", x, src, "src", writable=False)
         self._check.others_disjoint("scatter", pieces or [], "chunks", x, "out")
         return self._collective("scatter", _about(x, ", src={}", src), x.nbytes * self.size,
@@ -618,6 +611,17 @@ class Communicator:
         if any(isinstance(a, GpuArray) for a in arrays):
             raise self._check.fail(op, "arrays of different sizes per rank are supported on "
                                        "host arrays only so far", UnsupportedError)
+
+    def _rooted_uneven(self, op: str, algorithm: Callable[[Any, Array, Any, int], None],
+                       x: Array, pieces: Any, name: str, root: int, root_name: str,
+                       writable: bool, async_op: bool, stream: Any) -> Work | None:
+        """gather/scatter with a size per rank: `pieces` (the root's list, None elsewhere)
+        checked, then `algorithm(comm, x, pieces, root)` (uneven.gather_v or scatter_v)."""
+        checked = self._check.root_pieces(op, pieces, name, x, root, root_name,
+                                          writable=writable, sizes_may_differ=True)
+        self._host_only(op, x, *(checked or []))
+        return self._run_uneven(op, lambda: algorithm(self, x, checked, root), x, async_op,
+                                stream)
 
     def _run_uneven(self, op: str, run: Callable[[], None], x: Array, async_op: bool,
                     stream: Any) -> Work | None:

@@ -138,9 +138,9 @@ class GradientAverager:
                                        f"twice in one step")
         if self._kind != "jax":
             g = self.grads[index]
-            bucket.borrowed = len(bucket.members) == 1 and _contiguous(g)
+            bucket.borrowed = len(bucket.members) == 1 and _contiguous(g, self._kind)
             if bucket.borrowed:   # a gradient alone in its bucket is reduced where it lies
-                bucket.flat = _flat_view(g)
+                bucket.flat = g.detach().view(-1) if self._kind == "torch" else g.reshape(-1)
             else:
                 if bucket.own is None:
                     bucket.own = _empty_like(g, bucket.offsets[-1])
@@ -228,15 +228,12 @@ def _empty_like(x: Any, n: int) -> Any:
     return np.zeros(n, x.dtype)
 
 
-def _contiguous(g: Any) -> bool:
-    """Whether a flat view of mutable `g` shares its memory (then it can be reduced in place)."""
-    if _framework(g) == "torch":
+def _contiguous(g: Any, kind: str) -> bool:
+    """Whether a flat view of mutable `g` (a `kind` array, not JAX) shares its memory (then
+    it can be reduced in place)."""
+    if kind == "torch":
         return bool(g.is_contiguous())
-    return bool(g.flags.c_contiguous) and (_framework(g) != "numpy" or g.flags.writeable)
-
-
-def _flat_view(g: Any) -> Any:
-    return g.detach().view(-1) if _framework(g) == "torch" else g.reshape(-1)
+    return bool(g.flags.c_contiguous) and (kind != "numpy" or g.flags.writeable)
 
 
 def _copy_in(flat: Any, offset: int, g: Any) -> None:
