@@ -300,7 +300,7 @@ class Communicator:
                         w.source = sender[0] if sender else peer
                     done(error)
                 post(x, peer, tag, record, time.monotonic() + timeout_s, on_done)
-            return engine.submit(task, Work(record, self.rank), finishes_itself=True)
+            return engine.post(task, Work(record, self.rank))
 
         outcome: list[BaseException | None] = []
 

@@ -89,6 +89,35 @@ class Engine:
         self._enqueue(task, work, finishes_itself)
         return work
 
+    def post(self, task: Callable[[Work], None], work: Work) -> Work:
+        """Start a message: `task(work)` posts it to the backend, which completes `work` through
+        the callback of `completion(work)`. Posted on the calling thread when nothing is queued
+        and no other thread drives (a small send is then done before this returns, with no
+        hand-off to the worker); else queued like `submit`. The worker, started if need be,
+        progresses whatever the post left outstanding, so it finishes without the caller."""
+        work.helper = self.help
+        if not self._queue and self._drive.acquire(False):
+            try:
+                if not self._queue and self.failure is None and not self._closing:
+                    with self._state:
+                        self._outstanding += 1
+                    self._run_queued(task, work, True)
+                    if not work._finished:
+                        self._start_worker()
+                    return work
+            finally:
+                self._drive.release()
+        self._enqueue(task, work, True)
+        return work
+
+    def _start_worker(self) -> None:
+        with self._state:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._worker, daemon=True,
+                                                name=f"anyccl-{self._label}")
+                self._thread.start()
+            self._state.notify_all()
+
     def help(self) -> bool:
         """Do a step of the worker's job on the calling thread (one waiting on a Work): run the
         next queued operation, else progress posted messages. False when another thread drives
@@ -124,11 +153,7 @@ class Engine:
             self._raise_if_unusable()
             self._outstanding += 1
             self._queue.append((task, work, finishes_itself))
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._worker, daemon=True,
-                                                name=f"anyccl-{self._label}")
-                self._thread.start()
-            self._state.notify_all()
+        self._start_worker()
         self.backend.wake()
 
     def completion(self, work: Work) -> Callable[[BaseException | None], None]:

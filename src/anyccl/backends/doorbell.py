@@ -36,6 +36,10 @@ def _load_libc() -> ctypes.CDLL | None:
 
 
 _libc = _load_libc()
+try:  # sem_post without ctypes' per-call cost, where the compiled core was built
+    from ._shmcore import ring as _post
+except ImportError:  # pragma: no cover - built without a C compiler
+    _post = None
 _has_clockwait = _libc is not None and hasattr(_libc, "sem_clockwait")
 
 
@@ -43,6 +47,7 @@ class Doorbell:
     """The doorbell at `address` (an address inside a shared mapping, SEM_BYTES long)."""
 
     def __init__(self, address: int, *, create: bool) -> None:
+        self.address = address
         self._addr = ctypes.c_void_p(address)
         self.polling = _libc is None
         if create and not self.polling and _libc.sem_init(self._addr, 1, 0) != 0:
@@ -52,7 +57,11 @@ class Doorbell:
 
     def ring(self) -> None:
         """Wake the owner if it sleeps (or make its next sleep return at once)."""
-        if not self.polling:
+        if self.polling:
+            return
+        if _post is not None:
+            _post(self.address)
+        else:
             _libc.sem_post(self._addr)  # EOVERFLOW only means the owner will wake anyway
 
     def drain(self) -> None:

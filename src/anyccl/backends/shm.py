@@ -44,6 +44,11 @@ from .base import Backend, Completion
 from .doorbell import Doorbell
 from .registry import HostContext
 
+try:  # the per-call core in C (_shmcore.c); without it, the same steps in Python and NumPy
+    from . import _shmcore
+except ImportError:  # pragma: no cover - built without a C compiler
+    _shmcore = None
+
 try:  # the same calls multiprocessing.shared_memory uses, without its resource tracker
     import _posixshmem
 except ImportError:  # pragma: no cover - non-POSIX platforms
@@ -66,6 +71,15 @@ _PEER_CHECK_S = 0.25
 _SPIN_US = 200  # default spin while every rank has a core: past a sleep's wake-up time
 _NO_ROOM = "no room\n"             # published instead of a segment name when creation failed
 _DTYPE_CODE = {dt: i for i, dt in enumerate(SUPPORTED_DTYPES)}
+# what the compiled core reduces itself: (dtype, op) -> its codes (enums of _shmcore.c)
+_CORE_DTYPES = ("float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16",
+                "uint32", "uint64")
+_CORE_OPS = (ReduceOp.SUM, ReduceOp.PROD, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.AVG,
+             ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR)
+_CORE_REDUCTIONS = {(np.dtype(d), op): (i, k) for i, d in enumerate(_CORE_DTYPES)
+                    for k, op in enumerate(_CORE_OPS)
+                    if (op is not ReduceOp.AVG or d.startswith("float"))
+                    and (op not in _CORE_OPS[5:] or not d.startswith("float"))}
 _NAMES = ("an operation", *COLLECTIVES, "barrier", "send", "recv", "batch")
 _NAME_CODE = {name: i for i, name in enumerate(_NAMES)}
 
@@ -264,6 +278,7 @@ class SharedMemoryBackend(Backend):
         if spin_us is None:  # spinning only helps while every rank has a core of its own
             spin_us = 0 if size > (os.cpu_count() or 1) else _SPIN_US
         self._spin_s = spin_us * 1e-6
+        self._spin_ns = int(spin_us * 1000)
         self._half = 1
         self._epoch = 0
         self._record: OpRecord | None = None
@@ -316,6 +331,18 @@ class SharedMemoryBackend(Backend):
         self._incoming: list[_Incoming | None] = [None] * size
         self._pids = [int(ctl[_W_PID]) for ctl in self._ctl]
         self._scratch = np.empty(0, np.uint8)
+        self._core = _shmcore if settings.SHM_CORE.get() else None
+        self._core_max_bytes = min(self.half_bytes, symmetric.ONE_SHOT_MAX_BYTES)
+        # what the core reads and writes, as addresses (the mappings live as long as self)
+        self._half_at = [tuple(self._staging[j][h].ctypes.data for j in range(size))
+                         for h in (0, 1)]
+        self._arrive_at = self._own.address(_W_ARRIVE * 8)
+        self._peer_arrive_at = tuple(seg.address(_W_ARRIVE * 8)
+                                     for j, seg in enumerate(self._segments) if j != rank)
+        self._peer_bells_at = tuple(bell.address for bell in self._peer_bells)
+        self._bells_at = [bell.address for bell in self._bells]
+        self._sent_at = [self._own.address((_W_SENT + j) * 8) for j in range(size)]
+        self._consumed_at = [self._own.address((layout.w_consumed + j) * 8) for j in range(size)]
         self.direct = self._agree_on_cross_memory(store, timeout_s)
 
     # ---- setup -----------------------------------------------------------------------------
@@ -429,11 +456,12 @@ class SharedMemoryBackend(Backend):
         return op if doing & 1 else f"nothing (idle after {op})"
 
     def _wait_until(self, ready: Callable[[], bool], record: OpRecord | None, deadline: float,
-                    waiting_for: Callable[[], str]) -> None:
-        """Return once `ready()`; progress messages meanwhile; raise on deadline or lost peer."""
+                    waiting_for: Callable[[], str], spin: bool = True) -> None:
+        """Return once `ready()`; progress messages meanwhile; raise on deadline or lost peer.
+        `spin`: spin first (False: the caller has spun already)."""
         if ready():
             return
-        spin_end = time.perf_counter() + self._spin_s
+        spin_end = time.perf_counter() + (self._spin_s if spin else 0.0)
         while time.perf_counter() < spin_end:
             if ready():
                 return
@@ -548,12 +576,19 @@ class SharedMemoryBackend(Backend):
 
     def barrier(self) -> None:
         self._epoch = epoch = self._epoch + 1
-        self._own.words[_W_ARRIVE] = epoch
-        for bell in self._peer_bells:
-            bell.ring()
         peers = self._peer_ctl
+        core = self._core
+        if core is not None:
+            core.arrive(self._arrive_at, epoch, self._peer_bells_at)
+            if core.reached(self._peer_arrive_at, epoch, self._spin_ns):
+                return
+        else:
+            self._own.words[_W_ARRIVE] = epoch
+            for bell in self._peer_bells:
+                bell.ring()
         self._wait_until(lambda: all(c[_W_ARRIVE] >= epoch for c in peers), self._record,
-                         self._deadline, lambda: self._barrier_laggards(epoch))
+                         self._deadline, lambda: self._barrier_laggards(epoch),
+                         spin=core is None)
 
     def _barrier_laggards(self, epoch: int) -> str:
         late = [j for j, c in enumerate(self._ctl) if c[_W_ARRIVE] < epoch]
@@ -586,13 +621,31 @@ class SharedMemoryBackend(Backend):
 
     # ---- collectives -------------------------------------------------------------------------
     def all_reduce(self, x: np.ndarray, op: ReduceOp) -> None:
+        if self._core is not None and self._core_one_shot(x, op, None):
+            return
         if self._direct_for("all_reduce", x.nbytes):
             direct.all_reduce(self, x, op)
         else:
             symmetric.all_reduce(self, x, op)
 
     def reduce(self, x: np.ndarray, root: int, op: ReduceOp) -> None:
-        symmetric.all_reduce(self, x, op, root=root)
+        if self._core is None or not self._core_one_shot(x, op, root):
+            symmetric.all_reduce(self, x, op, root=root)
+
+    def _core_one_shot(self, x: np.ndarray, op: ReduceOp, root: int | None) -> bool:
+        """`symmetric`'s one-shot schedule for a message that fits one staging half, step for
+        step (stage, barrier, reduce in rank order), run by the compiled core; False (nothing
+        done) where the core does not reduce this dtype and op or the message is larger."""
+        codes = _CORE_REDUCTIONS.get((x.dtype, op))
+        if codes is None or x.nbytes > self._core_max_bytes or self.size == 1 \
+                or not x.flags.c_contiguous:
+            return False
+        core, at = self._core, self._half_at[self.next_half()]
+        core.stage(at[self.rank], x)
+        self.barrier()
+        if root is None or root == self.rank:
+            core.reduce(x, at, x.size, codes[0], codes[1], self.size)
+        return True
 
     def broadcast(self, x: np.ndarray, root: int) -> None:
         (direct if self._direct_for("broadcast", x.nbytes) else symmetric).broadcast(self, x, root)
@@ -620,6 +673,15 @@ class SharedMemoryBackend(Backend):
     # ---- point to point ----------------------------------------------------------------------
     def post_send(self, x: np.ndarray, dst: int, tag: int, record: OpRecord, deadline: float,
                   on_done: Completion) -> None:
+        core = self._core
+        if core is not None and not self._sendq[dst] and x.flags.c_contiguous:
+            pos = self._sent[dst]
+            used = pos - int(self._ctl[dst][self._layout.w_consumed + self.rank])
+            if core.send(self._out_rings[dst], pos, self._out_rings[dst].size - used, tag,
+                         _DTYPE_CODE[x.dtype], x, self._sent_at[dst], self._bells_at[dst]):
+                self._sent[dst] = pos + _HEADER + _round_up(x.nbytes, _HEADER)
+                on_done(None)
+                return
         self._sendq[dst].append(_Send(x.reshape(-1).view(np.uint8), tag, x.dtype, record,
                                       deadline, on_done))
         self._progress_send(dst)
@@ -647,7 +709,8 @@ class SharedMemoryBackend(Backend):
                 self._claim(msg, recv, src)
                 return
         self._posted[src].append(recv)
-        self._progress_receive(src)
+        if not self._take_whole(src):
+            self._progress_receive(src)
 
     def has_pending(self) -> bool:
         return any(self._sendq) or any(self._posted) or bool(self._posted_any) or any(
@@ -722,7 +785,32 @@ class SharedMemoryBackend(Backend):
                 msg.on_done(None)
         return moved
 
+    def _take_whole(self, src: int) -> bool:
+        """The compiled core's path for the common case: the next message from `src` is whole
+        in the ring and is for the one receive posted for it (same tag, dtype and size): copied
+        straight into that receive. False, with nothing changed, in every other case."""
+        posted = self._posted[src]
+        if self._core is None or len(posted) != 1 or self._posted_any \
+                or self._incoming[src] is not None:
+            return False
+        recv = posted[0]
+        pos = self._consumed[src]
+        available = int(self._ctl[src][_W_SENT + self.rank]) - pos
+        if available < _HEADER or not recv.data.flags.c_contiguous or not self._core.take(
+                self._rings[src], pos, available, recv.tag, _DTYPE_CODE[recv.dtype], recv.data,
+                self._consumed_at[src], self._bells_at[src]):
+            return False
+        posted.clear()
+        self._consumed[src] = pos + _HEADER + _round_up(recv.data.size, _HEADER)
+        self._arrivals += 1
+        if recv.found is not None:
+            recv.found(src)
+        recv.on_done(None)
+        return True
+
     def _progress_receive(self, src: int) -> bool:
+        if self._take_whole(src):
+            return True
         ring = self._rings[src]
         available = self._ctl[src][_W_SENT + self.rank] - self._consumed[src]
         if available <= 0:

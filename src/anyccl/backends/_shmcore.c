@@ -1,0 +1,298 @@
+/* The shm transport's per-call core, compiled: what every small operation does on every call,
+ * done without the interpreter (see shm.py, which falls back to NumPy where this module is
+ * missing or does not cover a dtype or reduction).
+ *
+ *   ring(bell)                       wake a doorbell (sem_post on its address)
+ *   arrive(word, value, bells)       publish a counter (a release store), then ring each bell
+ *   reached(words, value, spin_ns)   spin, without the GIL, until every counter is >= value;
+ *                                    False once spin_ns passed (the caller sleeps and retries)
+ *   stage(dst, src)                  copy the buffer `src` to the address `dst`
+ *   send(ring, pos, free, ...)       write a whole message (32-byte header, data) into a byte
+ *                                    ring, publish the sent counter, ring the receiver's bell
+ *   take(ring, pos, available, ...)  the same in reverse: the next message, if it is whole,
+ *                                    has the expected tag, dtype and size (else False)
+ *   reduce(out, srcs, count, dtype, op, divisor)
+ *                                    out = srcs[0] (op) srcs[1] (op) ... in that order, in out's
+ *                                    dtype, then / divisor for AVG; False if the dtype/op pair
+ *                                    is not one this module covers (the caller uses NumPy)
+ *
+ * Addresses are Python ints (of shared mappings the caller keeps alive); buffers are objects
+ * with the buffer protocol (NumPy arrays). Counters are aligned 8-byte words with one writer.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <semaphore.h>
+#include <stdint.h>
+#include <string.h>
+#include <time.h>
+
+static uint64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+static int address(PyObject *obj, void **out) {
+    *out = PyLong_AsVoidPtr(obj);
+    return (*out == NULL && PyErr_Occurred()) ? -1 : 0;
+}
+
+static PyObject *ring(PyObject *self, PyObject *bell) {
+    void *addr;
+    if (address(bell, &addr) < 0) return NULL;
+    sem_post((sem_t *)addr);  /* EOVERFLOW only means the owner wakes anyway */
+    Py_RETURN_NONE;
+}
+
+static PyObject *arrive(PyObject *self, PyObject *args) {
+    PyObject *word, *bells;
+    unsigned long long value;
+    if (!PyArg_ParseTuple(args, "OKO!", &word, &value, &PyTuple_Type, &bells)) return NULL;
+    void *addr;
+    if (address(word, &addr) < 0) return NULL;
+    __atomic_store_n((uint64_t *)addr, (uint64_t)value, __ATOMIC_RELEASE);
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(bells); i++) {
+        void *bell;
+        if (address(PyTuple_GET_ITEM(bells, i), &bell) < 0) return NULL;
+        sem_post((sem_t *)bell);
+    }
+    Py_RETURN_NONE;
+}
+
+#define MAX_WORDS 1024
+
+static PyObject *reached(PyObject *self, PyObject *args) {
+    PyObject *words;
+    unsigned long long value, spin_ns;
+    if (!PyArg_ParseTuple(args, "O!KK", &PyTuple_Type, &words, &value, &spin_ns)) return NULL;
+    Py_ssize_t n = PyTuple_GET_SIZE(words);
+    if (n > MAX_WORDS) {
+        PyErr_SetString(PyExc_ValueError, "reached: too many counters");
+        return NULL;
+    }
+    const uint64_t *addr[MAX_WORDS];
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (address(PyTuple_GET_ITEM(words, i), (void **)&addr[i]) < 0) return NULL;
+    }
+    int done = 0;
+    Py_BEGIN_ALLOW_THREADS
+    uint64_t end = 0;
+    for (unsigned iter = 0;; iter++) {
+        Py_ssize_t i = 0;
+        while (i < n && __atomic_load_n(addr[i], __ATOMIC_ACQUIRE) >= value) i++;
+        if (i == n) { done = 1; break; }
+        if ((iter & 63) == 0) {
+            uint64_t t = now_ns();
+            if (end == 0) end = t + spin_ns;
+            else if (t >= end) break;
+        }
+#if defined(__x86_64__) || defined(__i386__)
+        __builtin_ia32_pause();
+#endif
+    }
+    Py_END_ALLOW_THREADS
+    return PyBool_FromLong(done);
+}
+
+static PyObject *stage(PyObject *self, PyObject *args) {
+    PyObject *dst;
+    Py_buffer src;
+    if (!PyArg_ParseTuple(args, "Oy*", &dst, &src)) return NULL;
+    void *addr;
+    if (address(dst, &addr) < 0) { PyBuffer_Release(&src); return NULL; }
+    memcpy(addr, src.buf, (size_t)src.len);
+    PyBuffer_Release(&src);
+    Py_RETURN_NONE;
+}
+
+static void ring_write(uint8_t *ring, Py_ssize_t cap, unsigned long long pos, const uint8_t *src,
+                       Py_ssize_t n) {
+    Py_ssize_t off = (Py_ssize_t)(pos % (unsigned long long)cap);
+    Py_ssize_t first = n < cap - off ? n : cap - off;
+    memcpy(ring + off, src, (size_t)first);
+    if (first < n) memcpy(ring, src + first, (size_t)(n - first));
+}
+
+static void ring_read(uint8_t *dst, const uint8_t *ring, Py_ssize_t cap, unsigned long long pos,
+                      Py_ssize_t n) {
+    Py_ssize_t off = (Py_ssize_t)(pos % (unsigned long long)cap);
+    Py_ssize_t first = n < cap - off ? n : cap - off;
+    memcpy(dst, ring + off, (size_t)first);
+    if (first < n) memcpy(dst + first, ring, (size_t)(n - first));
+}
+
+#define HEADER 32
+#define PADDED(n) (((n) + HEADER - 1) / HEADER * HEADER)
+
+/* send(ring, pos, free, tag, code, src, sent_word, bell) -> bool: write a whole message (header
+ * and data) at stream position pos of the byte ring, publish pos + its length in sent_word
+ * (release) and ring the receiver's bell; False, writing nothing, when it needs more than `free`
+ * bytes (the caller queues it and streams it in pieces). */
+static PyObject *send(PyObject *self, PyObject *args) {
+    Py_buffer ring, src;
+    unsigned long long pos, free;
+    long long tag, code;
+    PyObject *word, *bell;
+    if (!PyArg_ParseTuple(args, "w*KKLLy*OO", &ring, &pos, &free, &tag, &code, &src, &word,
+                          &bell))
+        return NULL;
+    void *word_at = NULL, *bell_at = NULL;
+    int sent = 0;
+    unsigned long long total = HEADER + PADDED((unsigned long long)src.len);
+    if (address(word, &word_at) == 0 && address(bell, &bell_at) == 0 && total <= free
+        && total <= (unsigned long long)ring.len && ring.len % HEADER == 0) {
+        int64_t header[4] = {tag, (int64_t)src.len, code, 0};
+        ring_write(ring.buf, ring.len, pos, (const uint8_t *)header, HEADER);
+        ring_write(ring.buf, ring.len, pos + HEADER, src.buf, src.len);
+        __atomic_store_n((uint64_t *)word_at, pos + total, __ATOMIC_RELEASE);
+        sem_post((sem_t *)bell_at);
+        sent = 1;
+    }
+    PyBuffer_Release(&ring);
+    PyBuffer_Release(&src);
+    if (PyErr_Occurred()) return NULL;
+    return PyBool_FromLong(sent);
+}
+
+/* take(ring, pos, available, tag, code, dst, consumed_word, bell) -> bool: if the message at
+ * stream position pos is whole within `available` bytes and has this tag, dtype code and
+ * dst's size, copy its data into dst, publish pos + its length in consumed_word (release) and
+ * ring the sender's bell; else (another tag, a mismatch, not all there) change nothing and
+ * return False: the caller reads it the general way. */
+static PyObject *take(PyObject *self, PyObject *args) {
+    Py_buffer ring, dst;
+    unsigned long long pos, available;
+    long long tag, code;
+    PyObject *word, *bell;
+    if (!PyArg_ParseTuple(args, "y*KKLLw*OO", &ring, &pos, &available, &tag, &code, &dst, &word,
+                          &bell))
+        return NULL;
+    void *word_at = NULL, *bell_at = NULL;
+    int taken = 0;
+    if (address(word, &word_at) == 0 && address(bell, &bell_at) == 0 && available >= HEADER
+        && ring.len % HEADER == 0 && ring.len >= HEADER) {
+        int64_t header[4];
+        ring_read((uint8_t *)header, ring.buf, ring.len, pos, HEADER);
+        unsigned long long total = HEADER + PADDED((unsigned long long)dst.len);
+        if (header[0] == tag && header[1] == (int64_t)dst.len && header[2] == code
+            && total <= available) {
+            ring_read(dst.buf, ring.buf, ring.len, pos + HEADER, dst.len);
+            __atomic_store_n((uint64_t *)word_at, pos + total, __ATOMIC_RELEASE);
+            sem_post((sem_t *)bell_at);
+            taken = 1;
+        }
+    }
+    PyBuffer_Release(&ring);
+    PyBuffer_Release(&dst);
+    if (PyErr_Occurred()) return NULL;
+    return PyBool_FromLong(taken);
+}
+
+/* ---- reductions ------------------------------------------------------------------------- */
+enum { SUM, PROD, MIN, MAX, AVG, BAND, BOR, BXOR, N_OPS };
+enum { F32, F64, I8, I16, I32, I64, U8, U16, U32, U64, N_DTYPES };
+
+/* NumPy's minimum/maximum: a NaN in either operand gives NaN */
+#define FMIN(a, b) ((a) != (a) ? (a) : ((b) != (b) ? (b) : ((a) <= (b) ? (a) : (b))))
+#define FMAX(a, b) ((a) != (a) ? (a) : ((b) != (b) ? (b) : ((a) >= (b) ? (a) : (b))))
+#define IMIN(a, b) ((a) <= (b) ? (a) : (b))
+#define IMAX(a, b) ((a) >= (b) ? (a) : (b))
+
+#define LOOP(T, EXPR)                                                               \
+    for (Py_ssize_t j = 1; j < nsrc; j++) {                                         \
+        const T *b = (const T *)srcs[j];                                            \
+        const T *a = j == 1 ? (const T *)srcs[0] : (const T *)out;                  \
+        T *o = (T *)out;                                                            \
+        for (Py_ssize_t i = 0; i < count; i++) o[i] = (T)(EXPR);                     \
+    }
+
+#define FLOAT_CASES(T)                                                              \
+    switch (op) {                                                                   \
+    case SUM: case AVG: LOOP(T, a[i] + b[i]) break;                                 \
+    case PROD: LOOP(T, a[i] * b[i]) break;                                          \
+    case MIN: LOOP(T, FMIN(a[i], b[i])) break;                                      \
+    case MAX: LOOP(T, FMAX(a[i], b[i])) break;                                      \
+    default: return 0;                                                              \
+    }                                                                               \
+    if (op == AVG) {                                                                \
+        T *o = (T *)out;                                                            \
+        for (Py_ssize_t i = 0; i < count; i++) o[i] = o[i] / (T)divisor;            \
+    }                                                                               \
+    return 1;
+
+/* integers wrap on overflow as NumPy's do: sums and products in the unsigned type U */
+#define INT_CASES(T, U)                                                             \
+    switch (op) {                                                                   \
+    case SUM: LOOP(T, (U)a[i] + (U)b[i]) break;                                     \
+    case PROD: LOOP(T, (U)a[i] * (U)b[i]) break;                                    \
+    case MIN: LOOP(T, IMIN(a[i], b[i])) break;                                      \
+    case MAX: LOOP(T, IMAX(a[i], b[i])) break;                                      \
+    case BAND: LOOP(T, a[i] & b[i]) break;                                          \
+    case BOR: LOOP(T, a[i] | b[i]) break;                                           \
+    case BXOR: LOOP(T, a[i] ^ b[i]) break;                                          \
+    default: return 0;                                                              \
+    }                                                                               \
+    return 1;
+
+static int reduce_into(void *out, void *const *srcs, Py_ssize_t nsrc, Py_ssize_t count,
+                       int dtype, int op, long divisor) {
+    switch (dtype) {
+    case F32: { FLOAT_CASES(float) }
+    case F64: { FLOAT_CASES(double) }
+    case I8: { INT_CASES(int8_t, uint8_t) }
+    case I16: { INT_CASES(int16_t, uint16_t) }
+    case I32: { INT_CASES(int32_t, uint32_t) }
+    case I64: { INT_CASES(int64_t, uint64_t) }
+    case U8: { INT_CASES(uint8_t, uint8_t) }
+    case U16: { INT_CASES(uint16_t, uint16_t) }
+    case U32: { INT_CASES(uint32_t, uint32_t) }
+    case U64: { INT_CASES(uint64_t, uint64_t) }
+    }
+    return 0;
+}
+
+static PyObject *reduce(PyObject *self, PyObject *args) {
+    Py_buffer out;
+    PyObject *srcs;
+    Py_ssize_t count;
+    int dtype, op;
+    long divisor;
+    if (!PyArg_ParseTuple(args, "w*O!niil", &out, &PyTuple_Type, &srcs, &count, &dtype, &op,
+                          &divisor))
+        return NULL;
+    Py_ssize_t nsrc = PyTuple_GET_SIZE(srcs);
+    void *addr[MAX_WORDS];
+    int ok = 0;
+    if (nsrc < 2 || nsrc > MAX_WORDS || dtype < 0 || dtype >= N_DTYPES || op < 0 || op >= N_OPS
+        || divisor < 1) {
+        PyErr_SetString(PyExc_ValueError, "reduce: bad arguments");
+    } else {
+        Py_ssize_t i = 0;
+        for (; i < nsrc; i++)
+            if (address(PyTuple_GET_ITEM(srcs, i), &addr[i]) < 0) break;
+        if (i == nsrc) ok = reduce_into(out.buf, addr, nsrc, count, dtype, op, divisor);
+    }
+    PyBuffer_Release(&out);
+    if (PyErr_Occurred()) return NULL;
+    return PyBool_FromLong(ok);
+}
+
+static PyMethodDef methods[] = {
+    {"ring", ring, METH_O, "ring(bell): wake the doorbell at address `bell`."},
+    {"arrive", arrive, METH_VARARGS,
+     "arrive(word, value, bells): store value at address word (release), ring each bell."},
+    {"reached", reached, METH_VARARGS,
+     "reached(words, value, spin_ns) -> bool: every counter >= value, spinning up to spin_ns."},
+    {"stage", stage, METH_VARARGS, "stage(dst, src): copy buffer src to address dst."},
+    {"send", send, METH_VARARGS,
+     "send(ring, pos, free, tag, code, src, sent_word, bell) -> bool: a whole message."},
+    {"take", take, METH_VARARGS,
+     "take(ring, pos, available, tag, code, dst, consumed_word, bell) -> bool: a whole one."},
+    {"reduce", reduce, METH_VARARGS,
+     "reduce(out, srcs, count, dtype, op, divisor) -> bool: reduce srcs in order into out."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_shmcore", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__shmcore(void) { return PyModule_Create(&module); }
