@@ -260,21 +260,19 @@ class Communicator:
         sender, an async call its Work."""
         key = (kind, peer)
         self._p2p_seq[key] = seq = self._p2p_seq.get(key, 0) + 1
-        arrow = "dst" if kind == "send" else "src"
         nbytes = x.nbytes
-        who = "any" if peer is None else peer
-        record = OpRecord(kind, seq, lambda: f"{arrow}={who}, tag={tag}, {format_bytes(nbytes)}",
-                          nbytes)
-        op = kind if not async_op else "i" + kind
-        if self._gpu_side.on_gpu(op, [("tensor", x)], stream):
+        record = OpRecord(kind, seq, _MessageArgs(kind, peer, tag, nbytes), nbytes)
+        if (stream is not None or type(x) is not np.ndarray) and self._gpu_side.on_gpu(
+                "i" + kind if async_op else kind, [("tensor", x)], stream):
+            op = "i" + kind if async_op else kind
             if peer is None:
                 raise self._check.fail(op, "src=None (from any rank) needs host arrays: GPU "
                                            "messages match in issue order between two named "
                                            "ranks (NCCL has no any-source receive); name src")
             return self._gpu_message(op, record, x, peer, tag, async_op, stream)
         if self._batch is not None and not async_op:
-            raise self._check.fail(op, f"use i{kind} inside `with comm.batch():`")
-        backend, engine, timeout_s = self._backend, self._engine, self.timeout_s
+            raise self._check.fail(kind, f"use i{kind} inside `with comm.batch():`")
+        backend, engine = self._backend, self._engine
         sender: list[int] = []   # a receive from any rank: whose message it took
         if kind == "send":
             post = backend.post_send
@@ -283,45 +281,49 @@ class Communicator:
         else:
             post = backend.post_recv
         entry = self.flight_recorder.queued(record)
-
-        def finished(error: BaseException | None) -> None:
-            FlightRecorder.ended(entry, error)
-            if error is not None:
-                self._post_mortem(error)
-
         if async_op:
             def task(w: Work) -> None:
                 FlightRecorder.started(entry)
                 done = engine.completion(w)
 
                 def on_done(error: BaseException | None) -> None:
-                    finished(error)
+                    self._message_ended(entry, error)
                     if kind == "recv":
                         w.source = sender[0] if sender else peer
                     done(error)
-                post(x, peer, tag, record, time.monotonic() + timeout_s, on_done)
+                post(x, peer, tag, record, time.monotonic() + self.timeout_s, on_done)
             return engine.post(task, Work(record, self.rank))
-
-        outcome: list[BaseException | None] = []
-
-        def blocking() -> None:
-            FlightRecorder.started(entry)
-            deadline = time.monotonic() + timeout_s
-            backend.begin(record, deadline)
-            post(x, peer, tag, record, deadline, outcome.append)
-            if not outcome:
-                try:
-                    backend.wait_for_messages(lambda: bool(outcome), record, deadline)
-                except BaseException as exc:
-                    finished(exc)
-                    raise
-            backend.end(record)
-            finished(outcome[0])
-            if outcome[0] is not None:
-                raise outcome[0]
-
-        engine.call(blocking, lambda: Work(record, self.rank))
+        if not engine.run_now(self._message_now, post, x, peer, tag, record, entry):
+            engine.call(lambda: self._message_now(post, x, peer, tag, record, entry),
+                        lambda: Work(record, self.rank))
         return sender[0] if sender else peer
+
+    def _message_now(self, post: Callable, x: Array, peer: int | None, tag: int,
+                     record: OpRecord, entry: list) -> None:
+        """A blocking message, on the thread that drives the host backend: post it, wait until
+        it is done, raise its error."""
+        FlightRecorder.started(entry)
+        backend = self._backend
+        deadline = time.monotonic() + self.timeout_s
+        backend.begin(record, deadline)
+        outcome: list[BaseException | None] = []
+        post(x, peer, tag, record, deadline, outcome.append)
+        if not outcome:
+            try:
+                backend.wait_for_messages(lambda: bool(outcome), record, deadline)
+            except BaseException as exc:
+                self._message_ended(entry, exc)
+                raise
+        backend.end(record)
+        error = outcome[0]
+        self._message_ended(entry, error)
+        if error is not None:
+            raise error
+
+    def _message_ended(self, entry: list, error: BaseException | None) -> None:
+        FlightRecorder.ended(entry, error)
+        if error is not None:
+            self._post_mortem(error)
 
     def _gpu_message(self, op: str, record: OpRecord, x: GpuArray, peer: int, tag: int,
                      async_op: bool, stream: Any) -> Work | None:
@@ -756,6 +758,20 @@ def _about(x: Array, more: str = "", *values: Any) -> Callable[[], str]:
     `x`'s dtype and size, never `x`: a record keeps no array alive."""
     dtype, size = x.dtype, x.size
     return lambda: f"{_DTYPE_NAMES.get(dtype) or dtype.name} x {size}{more.format(*values)}"
+
+
+class _MessageArgs:
+    """A message's argument text ("dst=1, tag=0, 8 B"), made when first read."""
+
+    __slots__ = ("kind", "peer", "tag", "nbytes")
+
+    def __init__(self, kind: str, peer: int | None, tag: int, nbytes: int) -> None:
+        self.kind, self.peer, self.tag, self.nbytes = kind, peer, tag, nbytes
+
+    def __call__(self) -> str:
+        arrow = "dst" if self.kind == "send" else "src"
+        who = "any" if self.peer is None else self.peer
+        return f"{arrow}={who}, tag={self.tag}, {format_bytes(self.nbytes)}"
 
 
 def _named(name: str, pieces: Sequence[Array]) -> list[tuple[str, Array]]:

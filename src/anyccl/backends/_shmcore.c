@@ -192,9 +192,10 @@ static PyObject *take(PyObject *self, PyObject *args) {
 enum { SUM, PROD, MIN, MAX, AVG, BAND, BOR, BXOR, N_OPS };
 enum { F32, F64, I8, I16, I32, I64, U8, U16, U32, U64, N_DTYPES };
 
-/* NumPy's minimum/maximum: a NaN in either operand gives NaN */
-#define FMIN(a, b) ((a) != (a) ? (a) : ((b) != (b) ? (b) : ((a) <= (b) ? (a) : (b))))
-#define FMAX(a, b) ((a) != (a) ? (a) : ((b) != (b) ? (b) : ((a) >= (b) ? (a) : (b))))
+/* NumPy's minimum/maximum: a NaN in either operand gives that NaN (the first if both are);
+ * between equal values (0.0 and -0.0) the second operand */
+#define FMIN(a, b) (((a) != (a) || (a) < (b)) ? (a) : (b))
+#define FMAX(a, b) (((a) != (a) || (a) > (b)) ? (a) : (b))
 #define IMIN(a, b) ((a) <= (b) ? (a) : (b))
 #define IMAX(a, b) ((a) >= (b) ? (a) : (b))
 

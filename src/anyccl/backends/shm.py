@@ -931,4 +931,5 @@ def create(ctx: HostContext) -> SharedMemoryBackend:
 def status() -> str:
     """What `anyccl info` says of the shm backend here."""
     direct = "usable" if cross_memory.available() else "not usable"
-    return f"available (shared memory; cross-memory attach {direct})"
+    core = "built" if _shmcore is not None else "not built: Python path"
+    return f"available (shared memory; cross-memory attach {direct}; compiled core {core})"

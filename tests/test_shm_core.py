@@ -1,0 +1,117 @@
+"""The shm transport's compiled core (backends/_shmcore.c) does exactly what the Python path it
+replaces does: the same bytes for every reduction it covers (NaN, infinities, signed zeros,
+integer wrap-around included), the same messages in the same order. Each check runs once with
+the core and once with ANYCCL_SHM_CORE=0, and the two runs must agree bit for bit."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from harness import run_ranks
+
+from anyccl import ReduceOp
+
+pytestmark = pytest.mark.shm_only
+
+PYTHON_PATH = {"ANYCCL_SHM_CORE": "0"}
+CORE_DTYPES = ("float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16",
+               "uint32", "uint64")
+# 1 element, an odd count, and the largest one-shot message of float32 (128 KiB)
+COUNTS = (1, 7, 1000, 32768)
+
+
+def hostile_values(rank: int, count: int, dtype: np.dtype, salt: int) -> np.ndarray:
+    """Values that expose any difference in order or rounding: random floats over many scales
+    with NaN, +-inf and -0.0 sprinkled in; integers over their whole range (sums wrap)."""
+    rng = np.random.default_rng(1000 * rank + salt)
+    if dtype.kind == "f":
+        x = (rng.standard_normal(count) * 10.0 ** rng.integers(-8, 9, count)).astype(dtype)
+        specials = np.array([np.nan, np.inf, -np.inf, -0.0, 0.0], dtype)
+        x[rng.random(count) < 0.05] = specials[rng.integers(0, 5)]
+        return x
+    info = np.iinfo(dtype)
+    return rng.integers(info.min, info.max, count, dtype=dtype, endpoint=True)
+
+
+def reductions(comm) -> bytes:
+    """Every covered dtype x op x count, as all_reduce and as reduce to each root in turn:
+    the concatenated result bytes of this rank."""
+    out = []
+    salt = 0
+    for name in CORE_DTYPES:
+        dtype = np.dtype(name)
+        ops = [ReduceOp.SUM, ReduceOp.PROD, ReduceOp.MIN, ReduceOp.MAX]
+        ops += [ReduceOp.AVG] if dtype.kind == "f" else [ReduceOp.BAND, ReduceOp.BOR,
+                                                         ReduceOp.BXOR]
+        for op in ops:
+            for count in COUNTS:
+                salt += 1
+                x = hostile_values(comm.rank, count, dtype, salt)
+                with np.errstate(all="ignore"):
+                    comm.all_reduce(x, op=op)
+                    out.append(x.tobytes())
+                    y = hostile_values(comm.rank, count, dtype, salt)
+                    comm.reduce(y, dst=salt % comm.size, op=op)
+                out.append(y.tobytes())
+    return b"".join(out)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_core_reductions_match_the_python_path_bit_for_bit(world_size):
+    with_core = run_ranks(reductions, world_size)
+    without = run_ranks(reductions, world_size, env=PYTHON_PATH)
+    for rank in range(world_size):
+        assert with_core[rank] == without[rank], f"rank {rank} differs"
+
+
+def messages(comm) -> list[bytes]:
+    """Messages of every kind the core takes whole and those it leaves to Python: small and
+    larger than the ring, tags out of order, receives posted first, from any rank, async."""
+    me, n = comm.rank, comm.size
+    right, left = (me + 1) % n, (me - 1) % n
+    got = []
+    for count in (0, 1, 7, 5000, 300_000):
+        x = np.arange(count, dtype=np.float64) + 1000 * me
+        y = np.empty(count, np.float64)
+        w = comm.irecv(y, left, tag=count % 7)
+        comm.send(x, right, tag=count % 7)
+        w.wait()
+        got.append(y.tobytes())
+    # two tags sent in one order, received in the other
+    a, b = np.full(3, me, np.int32), np.full(5, -me, np.int32)
+    ra, rb = np.empty(3, np.int32), np.empty(5, np.int32)
+    with comm.batch():
+        comm.isend(a, right, tag=1)
+        comm.isend(b, right, tag=2)
+    rb_work = comm.irecv(rb, left, tag=2)
+    comm.recv(ra, left, tag=1)
+    rb_work.wait()
+    got += [ra.tobytes(), rb.tobytes()]
+    # from any rank: rank 0 hears everyone once
+    if me == 0:
+        heard = []
+        for _ in range(n - 1):
+            z = np.empty(2, np.int64)
+            sender = comm.recv(z, None, tag=9)
+            assert z[0] == sender
+            heard.append(sender)
+        got.append(np.array(sorted(heard)).tobytes())
+    else:
+        comm.send(np.full(2, me, np.int64), 0, tag=9)
+    comm.barrier()
+    return got
+
+
+def test_core_messages_match_the_python_path():
+    with_core = run_ranks(messages, 3)
+    assert with_core == run_ranks(messages, 3, env=PYTHON_PATH)
+    expected_left = np.arange(7, dtype=np.float64) + 1000 * 2
+    assert with_core[0][2] == expected_left.tobytes()  # rank 0's left neighbour is rank 2
+    assert with_core[0][-1] == np.array([1, 2]).tobytes()
+
+
+def test_the_compiled_core_is_built_by_the_install():
+    """README's `pip install -e .` builds it; every figure in benchmarks/results assumes it."""
+    from anyccl.backends import _shmcore
+
+    assert {"ring", "arrive", "reached", "stage", "send", "take", "reduce"} <= set(dir(_shmcore))
