@@ -19,6 +19,7 @@ from .errors import CommunicatorClosedError
 from .work import Work
 
 _IDLE_POLL_S = 0.25
+_HELPED_S = 0.001  # the worker leaves messages to a waiter that drove them this recently
 
 
 class Engine:
@@ -32,6 +33,8 @@ class Engine:
         self._inline = False      # a blocking call runs on its caller's thread
         self._thread: threading.Thread | None = None
         self._closing = False
+        self._helped_at = 0.0     # when a waiter last drove the backend itself
+        self._draining = False    # close() waits for outstanding work to finish
         self.failure: BaseException | None = None
 
     # ---- issuing -----------------------------------------------------------------------------
@@ -103,6 +106,9 @@ class Engine:
                         self._outstanding += 1
                     self._run_queued(task, work, True)
                     if not work._finished:
+                        # the caller usually waits on it next and drives it then: the worker
+                        # takes over only if nobody has driven it for _HELPED_S
+                        self._helped_at = time.monotonic()
                         self._start_worker()
                     return work
             finally:
@@ -132,6 +138,7 @@ class Engine:
                 return True
             if self._outstanding == 0 or self.failure is not None or self._closing:
                 return False
+            self._helped_at = time.monotonic()
             try:
                 self.backend.progress()
             except BaseException as exc:  # a lost peer: everything outstanding fails
@@ -168,7 +175,8 @@ class Engine:
         work.complete(error)
         with self._state:
             self._outstanding -= 1
-            self._state.notify_all()
+            if self._draining:  # only close() waits for the count (the idle worker does not)
+                self._state.notify_all()
 
     # ---- the worker --------------------------------------------------------------------------
     def _worker(self) -> None:
@@ -189,6 +197,11 @@ class Engine:
                 self._fail_all(CommunicatorClosedError(
                     f"{self._label}: the communicator was closed before this message finished"))
                 return
+            if time.monotonic() - self._helped_at < _HELPED_S:
+                # a waiter drives its messages itself: stay off the cores and the lock (woken
+                # by every arriving message, this thread would only take turns with it)
+                time.sleep(_HELPED_S)
+                continue
             error = None
             with self._drive:
                 try:
@@ -241,6 +254,7 @@ class Engine:
             if self._closing:
                 return
             deadline = time.monotonic() + timeout_s
+            self._draining = True
             while self._outstanding and self.failure is None:
                 left = deadline - time.monotonic()
                 if left <= 0:
