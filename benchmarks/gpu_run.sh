@@ -16,7 +16,8 @@
 # lab/cuda_call_cost.py), eager (8 B - 1 MiB eager calls: all_reduce on ipc beside nccl, torch
 # and torch's symmetric memory; the other ipc ops beside nccl and torch; every op on nccl beside
 # torch), graph (the four ipc ops as CUDA graph replays), replay (each step of a repeated call's
-# host time: lab/replay_cost.py), torchtests (the torch backend's GPU tests), torchddp (torch DDP,
+# host time: lab/replay_cost.py), torchtests (the torch backend's GPU tests), torchsmoke (the
+# torch backend's collectives and DDP/FSDP2/averager on a small model, on however many GPUs), torchddp (torch DDP,
 # FSDP2 and the GradientAverager on anyccl groups vs DDP on NCCL: float32 and bfloat16, 201M
 # parameters; PROFILE=1 adds rank 0's torch.profiler tables), pack (everything in $RESULTS_DIR into one gpu-out.tgz: last).
 # MIN/MAX change small's, large's and scale's sizes, ROUNDS the bench rounds (3); CE_ARGS are
@@ -33,6 +34,10 @@ if compgen -G ".whl/*.whl" > /dev/null; then
       --target /tmp/site .whl/*.whl || exit 1
 fi
 export PYTHONPATH=$PWD/src:/tmp/site
+# the shm transport's compiled core, as `pip install -e .` would build it (skipped without gcc)
+core_so=src/anyccl/backends/_shmcore$(python3 -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
+[ -e "$core_so" ] || gcc -O3 -shared -fPIC -I"$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["include"])')" \
+    src/anyccl/backends/_shmcore.c -o "$core_so" 2>/dev/null || echo "shm core not built: Python path"
 anyccl() { python3 -m anyccl "$@"; }
 { nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv
   nvidia-smi topo -m; anyccl info; python3 -c 'import torch; print("torch", torch.__version__, "nccl", torch.cuda.nccl.version())'
@@ -57,6 +62,14 @@ for what in "$@"; do
   torchtests) step torchtests
     timeout "${TESTS_TIMEOUT:-240}" python3 -m pytest -q -rfE --tb=short -m gpu tests/test_gpu_torch_backend.py \
         -p no:cacheprovider 2>&1 | tee "$RESULTS_DIR/gpu-torch-backend-tests.txt" | tail -15 ;;
+  torchsmoke) step torchsmoke  # the torch backend on the GPUs there are (one is enough)
+    for t in nccl ipc; do
+      ANYCCL_BACKEND=$t timeout 240 python3 tests/scripts/torch_cuda_collectives.py "$n" 29571 \
+          && echo "torch_cuda_collectives.py on $n rank(s), $t: passed"
+    done 2>&1 | tee "$RESULTS_DIR/torch-smoke.txt" | tail -20
+    timeout 300 python3 benchmarks/torch_ddp_backends.py --device cuda --ranks "$n" --width 256 \
+        --layers 3 --steps 3 --rounds 1 --variants "${VARIANTS:-ddp:nccl,ddp:anyccl-ipc,ddp:anyccl-nccl,fsdp2:nccl,fsdp2:anyccl-auto,averager:anyccl-auto,averager:anyccl-ipc}" \
+        2>&1 | tee -a "$RESULTS_DIR/torch-smoke.txt" | tail -20 ;;
   torchddp) step torchddp  # torch DDP / FSDP2 / GradientAverager on anyccl vs on NCCL, the 201M model
     for dtype in ${DTYPES:-float32 bfloat16}; do
       timeout "${DDP_TIMEOUT:-200}" python3 benchmarks/torch_ddp_backends.py --device cuda --ranks "$n" \

@@ -29,6 +29,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import anyccl.torch  # noqa: F401 - registers "anyccl" where the entry point is not installed
+
 DEFAULT_VARIANTS = {
     "cpu": "ddp:gloo,ddp:anyccl",
     "cuda": "ddp:nccl,ddp:anyccl-auto,ddp:anyccl-ipc,ddp:anyccl-nccl,fsdp2:nccl,"

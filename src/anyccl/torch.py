@@ -33,9 +33,10 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import _create_work_from_future
 
-from . import settings
+from . import gpu, settings
 from .algorithms.uneven import split_elements
 from .bootstrap import C10dStore, join
+from .buffers import torch_stream
 from .communicator import Communicator
 from .errors import UnsupportedError
 from .ops import ReduceOp
@@ -110,6 +111,28 @@ class _BackendView:
         return False
 
 
+class _SideStream:
+    """A process group's own stream on one device, with the raw handles its operations use:
+    the stream, torch's (id, device index, device type) for it, and an event to order it after
+    the caller's stream."""
+
+    __slots__ = ("stream", "ids", "handle", "_event", "event")
+
+    def __init__(self, index: int) -> None:
+        self.stream = torch.cuda.Stream(index)
+        self.ids = (self.stream.stream_id, self.stream.device_index, self.stream.device_type)
+        self.handle = self.stream.cuda_stream
+        self._event = torch.cuda.Event()  # torch owns it; made on this device by a record
+        self._event.record(self.stream)
+        self.event = self._event.cuda_event
+
+
+def _set_stream(ids: tuple[int, int, int]) -> None:
+    """Make the stream torch knows as `ids` (stream id, device index, device type) current on
+    its device: torch.cuda.set_stream's own step, without building a Stream object."""
+    torch._C._cuda_setStream(stream_id=ids[0], device_index=ids[1], device_type=ids[2])
+
+
 class ProcessGroup(dist.ProcessGroup):
     """A torch process group whose operations run on an anyccl Communicator."""
 
@@ -118,27 +141,34 @@ class ProcessGroup(dist.ProcessGroup):
         self.comm = comm
         self._group_name = ""
         self._group_desc = ""
-        self._streams: dict[int, torch.cuda.Stream] = {}   # by CUDA device index
+        self._sides: dict[int, _SideStream] = {}   # the group's stream, by CUDA device index
 
     def _run(self, call: Callable[[], object], result: Any, tensors: list[torch.Tensor]) -> Any:
         """Run `call` (anyccl's blocking calls on `tensors`) and return its torch Work. With a
         CUDA tensor among them, the calls are queued on this group's stream for its device,
         after the work on the caller's current stream; every CUDA tensor is marked as used
-        there (the caching allocator then keeps its memory until the operation is done)."""
+        there (the caching allocator then keeps its memory until the operation is done).
+        Streams are switched through their raw handles: torch's `wait_stream` and stream
+        context cost more host time than the operation itself."""
         device = next((t.device for t in tensors if t.is_cuda), None)
         if device is None:
             call()
             return _done(result, [])
-        stream = self._streams.get(device.index)
-        if stream is None:
-            stream = self._streams[device.index] = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
+        side = self._sides.get(device.index)
+        if side is None:
+            side = self._sides[device.index] = _SideStream(device.index)
+        gpu.record(side.event, torch_stream(device.index))  # after the caller's work so far
+        gpu.stream_wait(side.handle, side.event)
+        previous = torch._C._cuda_getCurrentStream(device.index)
+        _set_stream(side.ids)
+        try:
             call()
             for t in tensors:
                 if t.is_cuda:
-                    t.record_stream(stream)
+                    t.record_stream(side.stream)
             return _done(result, tensors)
+        finally:
+            _set_stream(previous)
 
     def _get_backend(self, device: Any) -> _BackendView:
         return _BackendView()
@@ -310,10 +340,14 @@ class ProcessGroup(dist.ProcessGroup):
         return _done(None, [])
 
     def shutdown(self) -> None:
-        self.comm.close()
+        self._close()
 
     def abort(self) -> None:
+        self._close()
+
+    def _close(self) -> None:
         self.comm.close()
+        self._sides.clear()
 
 
 def create(store: Any, rank: int, size: int, timeout: timedelta) -> ProcessGroup:

@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import anyccl.torch  # noqa: F401 - registers "anyccl" where the entry point is not installed
+
 
 def check(rank: int, world_size: int) -> None:
     device = torch.device("cuda", rank)

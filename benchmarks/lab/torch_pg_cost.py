@@ -1,0 +1,170 @@
+"""Host time of one torch.distributed all_reduce on CUDA tensors: the NCCL process group against
+anyccl's (over its nccl and ipc transports), one process per GPU, same tensors, rotating order.
+
+For each group and size: the host time until `dist.all_reduce` returns (what DDP's autograd
+hook pays per bucket), and the time per call once the GPU has finished a run of calls. Then, on
+rank 0, where anyccl's group spends its host time: the group's wrapper with an empty operation
+(stream switch, record_stream, the Work and its future), and a cProfile of the real calls.
+
+    python benchmarks/lab/torch_pg_cost.py [--sizes 8,26214400] [--calls 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import socket
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import anyccl.torch  # noqa: F401 - registers "anyccl" where the entry point is not installed
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _groups() -> dict[str, object]:
+    groups = {"nccl": dist.group.WORLD}
+    for transport in ("nccl", "ipc"):
+        os.environ["ANYCCL_BACKEND"] = transport
+        groups[f"anyccl-{transport}"] = dist.new_group(backend="anyccl")
+    os.environ.pop("ANYCCL_BACKEND", None)
+    return groups
+
+
+def _timed(fn, calls: int) -> tuple[float, float]:
+    """(host us per call until return, us per call once the GPU finished)."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    t2 = time.perf_counter()
+    return (t1 - t0) / calls * 1e6, (t2 - t0) / calls * 1e6
+
+
+def rank_main(rank: int, size: int, port: int, args: argparse.Namespace) -> None:
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=size,
+                            device_id=torch.device("cuda", rank))
+    groups = _groups()
+    rows = []
+    for nbytes in args.sizes:
+        t = torch.ones(max(1, nbytes // 4), device="cuda")
+        results: dict[str, list[tuple[float, float]]] = {name: [] for name in groups}
+        for group in groups.values():  # warm up: plans, NCCL channels, kernels
+            for _ in range(20):
+                dist.all_reduce(t, group=group)
+        for rnd in range(args.rounds):
+            order = list(groups)[rnd % len(groups):] + list(groups)[:rnd % len(groups)]
+            for name in order:
+                group = groups[name]
+                results[name].append(_timed(lambda g=group, x=t: dist.all_reduce(x, group=g),
+                                            args.calls))
+        for name, got in results.items():
+            rows.append((nbytes, name, statistics.median(h for h, _ in got),
+                         statistics.median(w for _, w in got)))
+    if rank == 0:
+        print(f"# torch {torch.__version__}, {size} rank(s), {torch.cuda.get_device_name()}; "
+              f"median of {args.rounds} rotating rounds of {args.calls} calls")
+        print("| bytes | group | host us per call (until return) | us per call (GPU done) |")
+        print("|---:|---|---:|---:|")
+        for nbytes, name, host, whole in rows:
+            print(f"| {nbytes} | {name} | {host:.1f} | {whole:.1f} |")
+    pg = groups["anyccl-nccl"]
+    inner = pg if isinstance(pg, anyccl.torch.ProcessGroup) else None
+    t = torch.ones(max(1, args.sizes[-1] // 4), device="cuda")
+    if inner is not None and rank == 0:
+        host, _ = _timed(lambda: inner._run(lambda: None, [t], [t]), args.calls)
+        print(f"\nanyccl group wrapper alone (stream switch, record_stream, Work): {host:.1f} us")
+        _parts(inner, t, args.calls)
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(args.calls):
+        dist.all_reduce(t, group=pg)
+    profile.disable()
+    torch.cuda.synchronize()
+    if rank == 0:
+        out = io.StringIO()
+        pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(25)
+        print(f"\ncProfile of {args.calls} all_reduce calls on anyccl-nccl, rank 0:")
+        print(out.getvalue())
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+def _parts(inner: anyccl.torch.ProcessGroup, t: torch.Tensor, calls: int) -> None:
+    """Host us per call of each step of the group's wrapper and of the operation itself."""
+    from torch._C._distributed_c10d import _create_work_from_future
+
+    dev = t.device
+    side = torch.cuda.Stream(dev)
+    cur = torch.cuda.current_stream(dev)
+    from anyccl.buffers import torch_stream
+
+    def future_of(value: object) -> None:
+        f = torch.futures.Future(devices=[dev])
+        f.set_result(value)
+        _create_work_from_future(f)
+
+    def switch() -> None:
+        with torch.cuda.stream(side):
+            pass
+
+    def op_on_side() -> None:
+        with torch.cuda.stream(side):
+            inner.comm.all_reduce(t)
+
+    steps = {
+        "torch.cuda.current_stream(device)": lambda: torch.cuda.current_stream(dev),
+        "torch._C._cuda_getCurrentStream(index)": lambda: torch._C._cuda_getCurrentStream(
+            dev.index),
+        "side.wait_stream(current)": lambda: side.wait_stream(cur),
+        "with torch.cuda.stream(side): pass": switch,
+        "t.record_stream(side)": lambda: t.record_stream(side),
+        "CUDA Future + set_result([t]) + Work": lambda: future_of([t]),
+        "CUDA Future + set_result(None) + Work": lambda: future_of(None),
+        "CPU Future + set_result([t]) + Work": lambda: _create_work_from_future(
+            _completed(torch.futures.Future(), [t])),
+        "anyccl.gpu.torch_stream(device)": lambda: torch_stream(dev.index),
+        "comm.all_reduce(t) (cached plan)": lambda: inner.comm.all_reduce(t),
+        "comm.all_reduce(t) on the side stream": op_on_side,
+    }
+    print("\n| step | host us per call |\n|---|---:|")
+    for name, fn in steps.items():
+        for _ in range(20):
+            fn()
+        print(f"| {name} | {_timed(fn, calls)[0]:.1f} |")
+
+
+def _completed(future: torch.futures.Future, value: object) -> torch.futures.Future:
+    future.set_result(value)
+    return future
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--sizes", default="8,26214400",
+                   type=lambda s: [int(v) for v in s.split(",")])
+    p.add_argument("--calls", type=int, default=200)
+    p.add_argument("--rounds", type=int, default=3)
+    args = p.parse_args()
+    size = torch.cuda.device_count()
+    mp.spawn(rank_main, args=(size, _free_port(), args), nprocs=size)
+
+
+if __name__ == "__main__":
+    main()
