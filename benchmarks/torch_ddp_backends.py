@@ -163,6 +163,51 @@ def rank_main(rank: int, args: argparse.Namespace, port: int, out: str) -> None:
     os._exit(0)
 
 
+class _HostTime:
+    """Inside the block: the host time spent in anyccl's torch process group (its operations,
+    on whichever thread issues them: autograd's, under DDP), and how many it ran."""
+
+    def __init__(self) -> None:
+        import cProfile
+
+        self.calls, self.seconds = 0, 0.0
+        self.profile = cProfile.Profile()  # of the operations' own calls, on their thread
+
+    def __enter__(self) -> _HostTime:
+        import anyccl.torch as pg
+
+        self._original = original = pg.ProcessGroup._run
+
+        def timed(group: Any, *args: Any) -> Any:
+            t0 = time.perf_counter()
+            self.profile.enable()
+            try:
+                return original(group, *args)
+            finally:
+                self.profile.disable()
+                self.seconds += time.perf_counter() - t0
+                self.calls += 1
+        pg.ProcessGroup._run = timed
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import anyccl.torch as pg
+
+        pg.ProcessGroup._run = self._original
+
+    def report(self, steps: int) -> str:
+        if not self.calls:
+            return ""
+        import io
+        import pstats
+
+        out = io.StringIO()
+        pstats.Stats(self.profile, stream=out).sort_stats("tottime").print_stats(20)
+        return (f"\nanyccl process group: {self.calls / steps:.0f} operations per step, "
+                f"{self.seconds / self.calls * 1e6:.1f} us of host time each (profiled), "
+                f"{self.seconds / steps * 1e3:.2f} ms per step; where:\n{out.getvalue()}")
+
+
 def profile(trainers: dict[str, Trainer], x: torch.Tensor, sync: Any, directory: str,
             rank: int) -> dict[str, str]:
     """Three more steps of each variant on every rank, rank 0's under torch.profiler: its
@@ -176,13 +221,14 @@ def profile(trainers: dict[str, Trainer], x: torch.Tensor, sync: Any, directory:
     tables = {}
     for v, trainer in trainers.items():
         dist.barrier()
+        spent = _HostTime()
         with torch_profile(activities=activities) if rank == 0 else \
-                contextlib.nullcontext() as prof:
+                contextlib.nullcontext() as prof, spent:
             for _ in range(3):
                 trainer.step(x)
             sync()
         if prof is not None:
-            tables[v] = prof.key_averages().table(sort_by=key, row_limit=15)
+            tables[v] = prof.key_averages().table(sort_by=key, row_limit=15) + spent.report(3)
             os.makedirs(directory, exist_ok=True)
             with open(os.path.join(directory, v.replace(":", "-") + ".txt"), "w") as f:
                 f.write(tables[v])
