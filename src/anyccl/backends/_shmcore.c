@@ -124,34 +124,58 @@ static void ring_read(uint8_t *dst, const uint8_t *ring, Py_ssize_t cap, unsigne
 #define HEADER 32
 #define PADDED(n) (((n) + HEADER - 1) / HEADER * HEADER)
 
+/* The arguments of send and take: a byte ring, a stream position, how many bytes may be written
+ * (send) or are there to read (take), the message's tag and dtype code, its data, the counter
+ * to publish the new position in, and the peer's doorbell. */
+typedef struct {
+    Py_buffer ring, data;
+    unsigned long long pos, limit;
+    long long tag, code;
+    void *word, *bell;
+} Message;
+
+static int parse_message(PyObject *args, const char *format, Message *m) {
+    PyObject *word, *bell;
+    if (!PyArg_ParseTuple(args, format, &m->ring, &m->pos, &m->limit, &m->tag, &m->code,
+                          &m->data, &word, &bell))
+        return -1;
+    if (address(word, &m->word) == 0 && address(bell, &m->bell) == 0
+        && (m->ring.len < HEADER || m->ring.len % HEADER != 0))
+        PyErr_SetString(PyExc_ValueError, "the ring's size is not a multiple of 32 bytes");
+    if (PyErr_Occurred()) {
+        PyBuffer_Release(&m->ring);
+        PyBuffer_Release(&m->data);
+        return -1;
+    }
+    return 0;
+}
+
+/* If `moved`: publish pos + total (release) and ring the peer. Release the buffers. */
+static PyObject *finish_message(Message *m, int moved, unsigned long long total) {
+    if (moved) {
+        __atomic_store_n((uint64_t *)m->word, m->pos + total, __ATOMIC_RELEASE);
+        sem_post((sem_t *)m->bell);
+    }
+    PyBuffer_Release(&m->ring);
+    PyBuffer_Release(&m->data);
+    return PyBool_FromLong(moved);
+}
+
 /* send(ring, pos, free, tag, code, src, sent_word, bell) -> bool: write a whole message (header
  * and data) at stream position pos of the byte ring, publish pos + its length in sent_word
  * (release) and ring the receiver's bell; False, writing nothing, when it needs more than `free`
  * bytes (the caller queues it and streams it in pieces). */
 static PyObject *send(PyObject *self, PyObject *args) {
-    Py_buffer ring, src;
-    unsigned long long pos, free;
-    long long tag, code;
-    PyObject *word, *bell;
-    if (!PyArg_ParseTuple(args, "w*KKLLy*OO", &ring, &pos, &free, &tag, &code, &src, &word,
-                          &bell))
-        return NULL;
-    void *word_at = NULL, *bell_at = NULL;
-    int sent = 0;
-    unsigned long long total = HEADER + PADDED((unsigned long long)src.len);
-    if (address(word, &word_at) == 0 && address(bell, &bell_at) == 0 && total <= free
-        && total <= (unsigned long long)ring.len && ring.len % HEADER == 0) {
-        int64_t header[4] = {tag, (int64_t)src.len, code, 0};
-        ring_write(ring.buf, ring.len, pos, (const uint8_t *)header, HEADER);
-        ring_write(ring.buf, ring.len, pos + HEADER, src.buf, src.len);
-        __atomic_store_n((uint64_t *)word_at, pos + total, __ATOMIC_RELEASE);
-        sem_post((sem_t *)bell_at);
-        sent = 1;
+    Message m;
+    if (parse_message(args, "w*KKLLy*OO", &m) < 0) return NULL;
+    unsigned long long total = HEADER + PADDED((unsigned long long)m.data.len);
+    int fits = total <= m.limit && total <= (unsigned long long)m.ring.len;
+    if (fits) {
+        int64_t header[4] = {m.tag, (int64_t)m.data.len, m.code, 0};
+        ring_write(m.ring.buf, m.ring.len, m.pos, (const uint8_t *)header, HEADER);
+        ring_write(m.ring.buf, m.ring.len, m.pos + HEADER, m.data.buf, m.data.len);
     }
-    PyBuffer_Release(&ring);
-    PyBuffer_Release(&src);
-    if (PyErr_Occurred()) return NULL;
-    return PyBool_FromLong(sent);
+    return finish_message(&m, fits, total);
 }
 
 /* take(ring, pos, available, tag, code, dst, consumed_word, bell) -> bool: if the message at
@@ -160,32 +184,18 @@ static PyObject *send(PyObject *self, PyObject *args) {
  * ring the sender's bell; else (another tag, a mismatch, not all there) change nothing and
  * return False: the caller reads it the general way. */
 static PyObject *take(PyObject *self, PyObject *args) {
-    Py_buffer ring, dst;
-    unsigned long long pos, available;
-    long long tag, code;
-    PyObject *word, *bell;
-    if (!PyArg_ParseTuple(args, "y*KKLLw*OO", &ring, &pos, &available, &tag, &code, &dst, &word,
-                          &bell))
-        return NULL;
-    void *word_at = NULL, *bell_at = NULL;
-    int taken = 0;
-    if (address(word, &word_at) == 0 && address(bell, &bell_at) == 0 && available >= HEADER
-        && ring.len % HEADER == 0 && ring.len >= HEADER) {
+    Message m;
+    if (parse_message(args, "y*KKLLw*OO", &m) < 0) return NULL;
+    unsigned long long total = HEADER + PADDED((unsigned long long)m.data.len);
+    int ours = 0;
+    if (m.limit >= HEADER) {
         int64_t header[4];
-        ring_read((uint8_t *)header, ring.buf, ring.len, pos, HEADER);
-        unsigned long long total = HEADER + PADDED((unsigned long long)dst.len);
-        if (header[0] == tag && header[1] == (int64_t)dst.len && header[2] == code
-            && total <= available) {
-            ring_read(dst.buf, ring.buf, ring.len, pos + HEADER, dst.len);
-            __atomic_store_n((uint64_t *)word_at, pos + total, __ATOMIC_RELEASE);
-            sem_post((sem_t *)bell_at);
-            taken = 1;
-        }
+        ring_read((uint8_t *)header, m.ring.buf, m.ring.len, m.pos, HEADER);
+        ours = header[0] == m.tag && header[1] == (int64_t)m.data.len && header[2] == m.code
+               && total <= m.limit;
+        if (ours) ring_read(m.data.buf, m.ring.buf, m.ring.len, m.pos + HEADER, m.data.len);
     }
-    PyBuffer_Release(&ring);
-    PyBuffer_Release(&dst);
-    if (PyErr_Occurred()) return NULL;
-    return PyBool_FromLong(taken);
+    return finish_message(&m, ours, total);
 }
 
 /* ---- reductions ------------------------------------------------------------------------- */
