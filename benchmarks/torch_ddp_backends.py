@@ -138,23 +138,29 @@ def rank_main(rank: int, args: argparse.Namespace, port: int, out: str) -> None:
     x = torch.randn(args.batch, args.width, generator=data, device=device,
                     dtype=getattr(torch, args.dtype))
     times: dict[str, list[float]] = {v: [] for v in variants}
+    host: dict[str, list[float]] = {v: [] for v in variants}  # in anyccl's group, per step
     for k in range(args.rounds):
         for v in variants[k % len(variants):] + variants[:k % len(variants)]:
-            trainer, steps = trainers[v], []
+            trainer, steps, spent = trainers[v], [], _HostTime()
             dist.barrier()
             for step in range(WARMUP + args.steps):
                 start = time.perf_counter()
-                trainer.step(x)
-                sync()
+                with spent if step >= WARMUP else contextlib.nullcontext():
+                    trainer.step(x)
+                    sync()
                 if step >= WARMUP:
                     steps.append(time.perf_counter() - start)
+            host[v].append(spent.seconds / args.steps)
+            if k == args.rounds - 1 and rank == 0 and spent.calls:
+                print(f"{v}: {spent.report(args.steps).strip()}", flush=True)
             median = torch.tensor([statistics.median(steps)], device=device)  # NCCL: on GPU
             dist.all_reduce(median, op=dist.ReduceOp.MAX, group=groups[peer])  # the slowest
             times[v].append(float(median))
     profiles = profile(trainers, x, sync, args.profile, rank) if args.profile else {}
     weights = {v: t.weights() for v, t in trainers.items()}
     if rank == 0:
-        torch.save({"times": times, "weights": weights, "profiles": profiles}, out)
+        torch.save({"times": times, "host": host, "weights": weights, "profiles": profiles},
+                   out)
     dist.barrier()
     dist.destroy_process_group()
     # torch's CPU build sometimes aborts in its exit-time destructors after DDP ("terminate called
@@ -165,47 +171,53 @@ def rank_main(rank: int, args: argparse.Namespace, port: int, out: str) -> None:
 
 class _HostTime:
     """Inside the block: the host time spent in anyccl's torch process group (its operations,
-    on whichever thread issues them: autograd's, under DDP), and how many it ran."""
+    on whichever thread issues them: autograd's, under DDP), how many it ran, and how much of
+    it went to anyccl's own calls and to torch's Work and CUDA future."""
 
     def __init__(self) -> None:
-        import cProfile
-
         self.calls, self.seconds = 0, 0.0
-        self.profile = cProfile.Profile()  # of the operations' own calls, on their thread
+        self.parts = {"anyccl call": 0.0, "torch Work + future": 0.0}
+
+    def _timing(self, fn: Any, into: str | None) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                if into is None:
+                    self.seconds += time.perf_counter() - t0
+                    self.calls += 1
+                else:
+                    self.parts[into] += time.perf_counter() - t0
+        return timed
 
     def __enter__(self) -> _HostTime:
         import anyccl.torch as pg
+        from anyccl.communicator import Communicator
 
-        self._original = original = pg.ProcessGroup._run
-
-        def timed(group: Any, *args: Any) -> Any:
-            t0 = time.perf_counter()
-            self.profile.enable()
-            try:
-                return original(group, *args)
-            finally:
-                self.profile.disable()
-                self.seconds += time.perf_counter() - t0
-                self.calls += 1
-        pg.ProcessGroup._run = timed
+        self._saved = [(pg.ProcessGroup, "_run", pg.ProcessGroup._run),
+                       (pg, "_done", pg._done)] + [
+            (Communicator, name, getattr(Communicator, name))
+            for name in ("all_reduce", "all_gather", "reduce_scatter", "broadcast")]
+        pg.ProcessGroup._run = self._timing(pg.ProcessGroup._run, None)
+        pg._done = self._timing(pg._done, "torch Work + future")
+        for owner, name, fn in self._saved[2:]:
+            setattr(owner, name, self._timing(fn, "anyccl call"))
         return self
 
     def __exit__(self, *exc: object) -> None:
-        import anyccl.torch as pg
-
-        pg.ProcessGroup._run = self._original
+        for owner, name, fn in self._saved:
+            setattr(owner, name, fn)
 
     def report(self, steps: int) -> str:
         if not self.calls:
             return ""
-        import io
-        import pstats
-
-        out = io.StringIO()
-        pstats.Stats(self.profile, stream=out).sort_stats("tottime").print_stats(20)
+        parts = ", ".join(f"{name} {t / self.calls * 1e6:.1f} us" for name, t in
+                          self.parts.items())
+        rest = (self.seconds - sum(self.parts.values())) / self.calls * 1e6
         return (f"\nanyccl process group: {self.calls / steps:.0f} operations per step, "
-                f"{self.seconds / self.calls * 1e6:.1f} us of host time each (profiled), "
-                f"{self.seconds / steps * 1e3:.2f} ms per step; where:\n{out.getvalue()}")
+                f"{self.seconds / self.calls * 1e6:.1f} us of host time each ({parts}, streams "
+                f"and the rest {rest:.1f} us), {self.seconds / steps * 1e3:.2f} ms per step\n")
 
 
 def profile(trainers: dict[str, Trainer], x: torch.Tensor, sync: Any, directory: str,
@@ -271,15 +283,16 @@ def main() -> int:
     base = variants[0]
     base_ms = statistics.median(got["times"][base]) * 1e3
     print(f"| variant | step time (ms, median of rounds) | rounds (ms) | step time / {base}'s "
-          f"| weights vs {base} |")
-    print("|---|---:|---|---:|---|")
+          f"| host time in anyccl's group (ms per step, rank 0) | weights vs {base} |")
+    print("|---|---:|---|---:|---:|---|")
     for v in variants:
         ms = statistics.median(got["times"][v]) * 1e3
         diff = max(float((a - b).abs().max()) for a, b in zip(got["weights"][v],
                                                               got["weights"][base]))
         same = "identical" if diff == 0 else f"max diff {diff:.2e}"
+        in_group = statistics.median(got["host"][v]) * 1e3
         print(f"| {v} | {ms:.2f} | {', '.join(f'{t * 1e3:.2f}' for t in got['times'][v])} | "
-              f"{ms / base_ms:.2f} | {same} |")
+              f"{ms / base_ms:.2f} | {in_group:.2f} | {same} |")
     for v, table in got["profiles"].items():
         print(f"\n## profile of rank 0, 3 steps of {v}\n```\n{table}\n```")
     # DDP divides before it sums, so 2 ranks give the same bits in any order of addition
