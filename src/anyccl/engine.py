@@ -1,10 +1,12 @@
 """Runs a backend's operations in issue order, one thread at a time.
 
 A blocking call runs inline on the caller's thread when nothing asynchronous is outstanding (the
-common case, and the fastest). Asynchronous operations go to a worker thread, started on first
-use, which runs queued collectives in order and, in between, progresses posted point-to-point
-messages; while anything is outstanding, blocking calls queue behind it too. Whoever drives the
-backend holds `_drive`; `_state` guards the queue and the counters.
+common case, and the fastest). An async message is posted inline too when nothing is queued (a
+small send is then done before isend returns). Other asynchronous operations go to a worker
+thread, started on first use, which runs queued collectives in order and, in between,
+progresses posted point-to-point messages (leaving them to a waiter that drives them itself);
+while anything is outstanding, blocking calls queue behind it too. Whoever drives the backend
+holds `_drive`; `_state` guards the queue and the counters.
 """
 
 from __future__ import annotations
