@@ -86,10 +86,12 @@ def rank_main(rank: int, size: int, port: int, args: argparse.Namespace) -> None
     pg = groups["anyccl-nccl"]
     inner = pg if isinstance(pg, anyccl.torch.ProcessGroup) else None
     t = torch.ones(max(1, args.sizes[-1] // 4), device="cuda")
-    if inner is not None and rank == 0:
+    if inner is not None:  # every rank: the breakdown runs collectives too
         host, _ = _timed(lambda: inner._run(lambda: None, [t], [t]), args.calls)
-        print(f"\nanyccl group wrapper alone (stream switch, record_stream, Work): {host:.1f} us")
-        _parts(inner, t, args.calls)
+        if rank == 0:
+            print(f"\nanyccl group wrapper alone (stream switch, record_stream, Work): "
+                  f"{host:.1f} us")
+        _parts(inner, t, args.calls, rank)
     profile = cProfile.Profile()
     profile.enable()
     for _ in range(args.calls):
@@ -106,8 +108,9 @@ def rank_main(rank: int, size: int, port: int, args: argparse.Namespace) -> None
     os._exit(0)
 
 
-def _parts(inner: anyccl.torch.ProcessGroup, t: torch.Tensor, calls: int) -> None:
-    """Host us per call of each step of the group's wrapper and of the operation itself."""
+def _parts(inner: anyccl.torch.ProcessGroup, t: torch.Tensor, calls: int, rank: int) -> None:
+    """Host us per call of each step of the group's wrapper and of the operation itself, run
+    on every rank (two steps are collectives), printed by rank 0."""
     from torch._C._distributed_c10d import _create_work_from_future
 
     dev = t.device
@@ -143,11 +146,14 @@ def _parts(inner: anyccl.torch.ProcessGroup, t: torch.Tensor, calls: int) -> Non
         "comm.all_reduce(t) (cached plan)": lambda: inner.comm.all_reduce(t),
         "comm.all_reduce(t) on the side stream": op_on_side,
     }
-    print("\n| step | host us per call |\n|---|---:|")
+    if rank == 0:
+        print("\n| step | host us per call |\n|---|---:|")
     for name, fn in steps.items():
         for _ in range(20):
             fn()
-        print(f"| {name} | {_timed(fn, calls)[0]:.1f} |")
+        took = _timed(fn, calls)[0]
+        if rank == 0:
+            print(f"| {name} | {took:.1f} |", flush=True)
 
 
 def _completed(future: torch.futures.Future, value: object) -> torch.futures.Future:
