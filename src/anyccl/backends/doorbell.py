@@ -18,6 +18,8 @@ import os
 import sys
 import time
 
+from .. import settings
+
 SEM_BYTES = 32  # sizeof(sem_t) on 64-bit glibc and musl; the slot reserved in a segment
 _CLOCK_MONOTONIC = 1
 
@@ -48,6 +50,7 @@ class Doorbell:
 
     def __init__(self, address: int, *, create: bool) -> None:
         self.address = address
+        self._post = _post if settings.SHM_CORE.get() else None
         self._addr = ctypes.c_void_p(address)
         self.polling = _libc is None
         if create and not self.polling and _libc.sem_init(self._addr, 1, 0) != 0:
@@ -59,8 +62,8 @@ class Doorbell:
         """Wake the owner if it sleeps (or make its next sleep return at once)."""
         if self.polling:
             return
-        if _post is not None:
-            _post(self.address)
+        if self._post is not None:
+            self._post(self.address)
         else:
             _libc.sem_post(self._addr)  # EOVERFLOW only means the owner will wake anyway
 

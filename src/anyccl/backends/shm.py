@@ -35,8 +35,14 @@ import numpy as np
 from .. import settings
 from ..algorithms import direct, symmetric
 from ..buffers import SUPPORTED_DTYPES
-from ..errors import InvalidArgumentError, PeerLostError, RendezvousError, TimeoutError
-from ..ops import COLLECTIVES, ReduceOp
+from ..errors import (
+    InvalidArgumentError,
+    PeerLostError,
+    RendezvousError,
+    TimeoutError,
+    UnsupportedError,
+)
+from ..ops import COLLECTIVES, ReduceOp, check_reduce_op
 from ..store import Store
 from ..trace import OpRecord, format_bytes
 from . import cross_memory
@@ -76,10 +82,18 @@ _CORE_DTYPES = ("float32", "float64", "int8", "int16", "int32", "int64", "uint8"
                 "uint32", "uint64")
 _CORE_OPS = (ReduceOp.SUM, ReduceOp.PROD, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.AVG,
              ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR)
+
+
+def _defined(op: ReduceOp, dtype: np.dtype) -> bool:
+    try:
+        check_reduce_op(op, dtype)
+    except UnsupportedError:
+        return False
+    return True
+
+
 _CORE_REDUCTIONS = {(np.dtype(d), op): (i, k) for i, d in enumerate(_CORE_DTYPES)
-                    for k, op in enumerate(_CORE_OPS)
-                    if (op is not ReduceOp.AVG or d.startswith("float"))
-                    and (op not in _CORE_OPS[5:] or not d.startswith("float"))}
+                    for k, op in enumerate(_CORE_OPS) if _defined(op, np.dtype(d))}
 _NAMES = ("an operation", *COLLECTIVES, "barrier", "send", "recv", "batch")
 _NAME_CODE = {name: i for i, name in enumerate(_NAMES)}
 
@@ -277,7 +291,6 @@ class SharedMemoryBackend(Backend):
         spin_us = settings.SPIN_US.get()
         if spin_us is None:  # spinning only helps while every rank has a core of its own
             spin_us = 0 if size > (os.cpu_count() or 1) else _SPIN_US
-        self._spin_s = spin_us * 1e-6
         self._spin_ns = int(spin_us * 1000)
         self._half = 1
         self._epoch = 0
@@ -461,7 +474,7 @@ class SharedMemoryBackend(Backend):
         `spin`: spin first (False: the caller has spun already)."""
         if ready():
             return
-        spin_end = time.perf_counter() + (self._spin_s if spin else 0.0)
+        spin_end = time.perf_counter() + (self._spin_ns * 1e-9 if spin else 0.0)
         while time.perf_counter() < spin_end:
             if ready():
                 return
@@ -621,7 +634,7 @@ class SharedMemoryBackend(Backend):
 
     # ---- collectives -------------------------------------------------------------------------
     def all_reduce(self, x: np.ndarray, op: ReduceOp) -> None:
-        if self._core is not None and self._core_one_shot(x, op, None):
+        if self._core_one_shot(x, op, None):
             return
         if self._direct_for("all_reduce", x.nbytes):
             direct.all_reduce(self, x, op)
@@ -629,18 +642,20 @@ class SharedMemoryBackend(Backend):
             symmetric.all_reduce(self, x, op)
 
     def reduce(self, x: np.ndarray, root: int, op: ReduceOp) -> None:
-        if self._core is None or not self._core_one_shot(x, op, root):
+        if not self._core_one_shot(x, op, root):
             symmetric.all_reduce(self, x, op, root=root)
 
     def _core_one_shot(self, x: np.ndarray, op: ReduceOp, root: int | None) -> bool:
         """`symmetric`'s one-shot schedule for a message that fits one staging half, step for
         step (stage, barrier, reduce in rank order), run by the compiled core; False (nothing
-        done) where the core does not reduce this dtype and op or the message is larger."""
+        done) without the core, where it does not reduce this dtype and op, or for a larger
+        message."""
+        core = self._core
         codes = _CORE_REDUCTIONS.get((x.dtype, op))
-        if codes is None or x.nbytes > self._core_max_bytes or self.size == 1 \
+        if core is None or codes is None or x.nbytes > self._core_max_bytes or self.size == 1 \
                 or not x.flags.c_contiguous:
             return False
-        core, at = self._core, self._half_at[self.next_half()]
+        at = self._half_at[self.next_half()]
         core.stage(at[self.rank], x)
         self.barrier()
         if root is None or root == self.rank:
@@ -709,8 +724,7 @@ class SharedMemoryBackend(Backend):
                 self._claim(msg, recv, src)
                 return
         self._posted[src].append(recv)
-        if not self._take_whole(src):
-            self._progress_receive(src)
+        self._progress_receive(src)
 
     def has_pending(self) -> bool:
         return any(self._sendq) or any(self._posted) or bool(self._posted_any) or any(
