@@ -280,6 +280,9 @@ def check_point_to_point(comm):
         work = comm.irecv(got, left)
     work.wait()
     assert torch.equal(got, torch.arange(1 << 20, dtype=torch.float32, device=dev) + left)
+    again = torch.empty_like(mine)                 # the same ring in one call, on the stream
+    assert comm.sendrecv(mine + 1, right, again, left) == left
+    assert torch.equal(again, got + 1)
 
     # ping-pong of fp16 GPU0 -> GPU1 -> GPU0, exact
     x = torch.randn(4096, device=dev).half() if comm.rank == 0 else \

@@ -233,3 +233,55 @@ def check_earliest_posted_receive_takes_the_message(comm):
 
 def test_the_earliest_posted_receive_that_fits_takes_a_message_as_in_mpi():
     assert run_ranks(check_earliest_posted_receive_takes_the_message, 3)[0] == (10, 1, 11, 1)
+
+
+def check_sendrecv_around_a_ring(comm):
+    """Every rank sends right and receives from the left in one call: small messages (whole in
+    the ring), messages larger than the ring, every dtype, and a receive from any rank."""
+    right, left = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
+    for dtype in DTYPES:
+        for count in (0, 1, 33, 300_001):
+            got = np.empty(count, dtype)
+            sender = comm.sendrecv(make_input(comm.rank, count, np.dtype(dtype)), right, got,
+                                   left, tag=count)
+            want = make_input(left, count, np.dtype(dtype))
+            assert sender == left and np.array_equal(got.view(np.uint8), want.view(np.uint8)), \
+                (dtype, count)
+    got = np.empty(5, np.int64)
+    sender = comm.sendrecv(np.full(5, comm.rank, np.int64), right, got, None, tag=9)
+    return sender == left and bool((got == left).all())
+
+
+@pytest.mark.parametrize("world_size", (2, 4))
+def test_sendrecv_exchanges_around_a_ring_without_deadlock(world_size):
+    assert all(run_ranks(check_sendrecv_around_a_ring, world_size))
+
+
+def check_sendrecv_refusals(comm):
+    peer = 1 - comm.rank
+    x = np.zeros(8, np.float32)
+    messages = []
+    for call in (lambda: comm.sendrecv(x, peer, x[2:6], peer),     # overlapping arrays
+                 lambda: comm.sendrecv(x, None, np.zeros(8, np.float32), peer),
+                 lambda: comm.sendrecv(x, comm.rank, np.zeros(8, np.float32), peer)):
+        try:
+            call()
+        except anyccl.InvalidArgumentError as exc:
+            messages.append(str(exc))
+    with comm.batch():
+        try:
+            comm.sendrecv(x, peer, np.zeros(8, np.float32), peer)
+        except anyccl.InvalidArgumentError as exc:
+            messages.append(str(exc))
+    got = np.empty(8, np.float32)   # nothing was sent by the refused calls: this is the first
+    comm.sendrecv(np.full(8, comm.rank, np.float32), peer, got, peer)
+    return messages, bool((got == peer).all())
+
+
+def test_sendrecv_refuses_overlapping_arrays_missing_or_own_ranks_and_batches():
+    for messages, intact in run_ranks(check_sendrecv_refusals, 2):
+        assert intact and len(messages) == 4, messages
+        assert "send_tensor and recv_tensor overlap" in messages[0], messages[0]
+        assert "dst=None" in messages[1], messages[1]
+        assert "is this rank" in messages[2], messages[2]
+        assert "inside `with comm.batch():`" in messages[3], messages[3]

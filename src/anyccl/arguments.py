@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from .buffers import Array, Pieces, as_array, overlaps
+from .buffers import SUPPORTED, Array, Pieces, as_array, overlaps
 from .errors import AnycclError, InvalidArgumentError
 from .ops import ReduceOp, check_reduce_op
 
@@ -40,6 +40,22 @@ class Arguments:
             return as_array(x, name, writable=writable).reshape(-1)
         except AnycclError as exc:
             raise type(exc)(f"rank {self.rank}: {op}: {exc}") from None
+
+    def message(self, op: str, x: Any, peer: Any, peer_name: str, tag: Any,
+                writable: bool) -> tuple[Array, int | None, int]:
+        """A send's or receive's array, peer and tag. peer=None is a receive from any rank
+        (peer_name "src"); a rank never messages itself."""
+        if type(x) is np.ndarray and type(peer) is int and type(tag) is int \
+                and 0 <= peer < self.size and peer != self.rank and 0 <= tag < 2 ** 63 \
+                and x.dtype in SUPPORTED and x.flags.c_contiguous \
+                and (x.flags.writeable or not writable):
+            return (x if x.ndim == 1 else x.reshape(-1)), peer, tag  # the common case, at once
+        if peer is None and peer_name == "src":
+            return self.array(op, x, "tensor", writable=True), None, self.tag(op, tag)
+        peer = self.peer(op, peer, peer_name)
+        if peer == self.rank:
+            raise self.fail(op, f"{peer_name}={peer} is this rank; a rank cannot message itself")
+        return self.array(op, x, "tensor", writable=writable), peer, self.tag(op, tag)
 
     def peer(self, op: str, value: Any, name: str) -> int:
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)):

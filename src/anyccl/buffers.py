@@ -24,7 +24,7 @@ SUPPORTED_DTYPES: tuple[np.dtype, ...] = tuple(np.dtype(d) for d in (
     np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,
     np.float16, BFLOAT16, np.float32, np.float64, np.complex64, np.complex128,
 ))
-_SUPPORTED = frozenset(SUPPORTED_DTYPES)
+SUPPORTED = frozenset(SUPPORTED_DTYPES)  # the dtypes every backend moves
 
 
 def _torch_module() -> Any:
@@ -103,7 +103,7 @@ def as_numpy(x: Any, name: str, *, writable: bool) -> np.ndarray:
             raise InvalidArgumentError(
                 f"{name} of type {type(x).__name__} cannot be written in place; pass a NumPy "
                 f"array or a tensor")
-    if arr.dtype not in _SUPPORTED:
+    if arr.dtype not in SUPPORTED:
         names = ", ".join(d.name for d in SUPPORTED_DTYPES)
         raise UnsupportedError(f"{name} has dtype {arr.dtype}; supported: {names}")
     if not arr.flags.c_contiguous:
@@ -177,7 +177,7 @@ def _dtype_or_refuse(dtype: Any, name: str) -> np.dtype:
         dt = np.dtype(dtype)
     except TypeError:
         dt = None
-    if dt is None or dt not in _SUPPORTED:
+    if dt is None or dt not in SUPPORTED:
         names = ", ".join(d.name for d in SUPPORTED_DTYPES)
         raise UnsupportedError(f"{name} has dtype {dtype}; supported: {names}")
     return dt
@@ -335,6 +335,8 @@ def overlaps(a: Array, b: Array) -> bool:
         return (a.device == b.device and a.nbytes > 0 and b.nbytes > 0
                 and a.ptr < b.ptr + b.nbytes and b.ptr < a.ptr + a.nbytes)
     if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
+        if a is not b and a.base is None and b.base is None:
+            return False  # two arrays that each own their memory: apart (the common case)
         return bool(a.size and b.size and np.may_share_memory(a, b))
     return False
 

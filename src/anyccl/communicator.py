@@ -16,7 +16,7 @@ import pickle
 import time
 import weakref
 from collections.abc import Iterator, Sequence
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -87,7 +87,7 @@ class Communicator:
         self._name = name
         self._engine = Engine(backend, f"rank {rank} ({name})")
         self._seq = 0
-        self._p2p_seq: dict[tuple[str, int | None], int] = {}
+        self._p2p_seq: dict[tuple[str, int | None, int | None], int] = {}
         self._splits = 0
         self._closed = False
         self._gpu_side = GpuDispatch(self._check, backend, store, rank=rank, size=size,
@@ -258,10 +258,7 @@ class Communicator:
                  stream: Any = None) -> Work | int | None:
         """Send or receive (peer=None: receive from any rank); a blocking receive returns the
         sender, an async call its Work."""
-        key = (kind, peer)
-        self._p2p_seq[key] = seq = self._p2p_seq.get(key, 0) + 1
-        nbytes = x.nbytes
-        record = OpRecord(kind, seq, _MessageArgs(kind, peer, tag, nbytes), nbytes)
+        record = self._message_record(kind, x, peer, tag)
         if (stream is not None or type(x) is not np.ndarray) and self._gpu_side.on_gpu(
                 "i" + kind if async_op else kind, [("tensor", x)], stream):
             op = "i" + kind if async_op else kind
@@ -272,6 +269,9 @@ class Communicator:
             return self._gpu_message(op, record, x, peer, tag, async_op, stream)
         if self._batch is not None and not async_op:
             raise self._check.fail(kind, f"use i{kind} inside `with comm.batch():`")
+        entry = self.flight_recorder.queued(record)
+        if not async_op:
+            return self._blocking_messages(record, entry, ((kind, x, peer, tag),))
         backend, engine = self._backend, self._engine
         sender: list[int] = []   # a receive from any rank: whose message it took
         if kind == "send":
@@ -280,42 +280,68 @@ class Communicator:
             post = functools.partial(backend.post_recv, found=sender.append)
         else:
             post = backend.post_recv
-        entry = self.flight_recorder.queued(record)
-        if async_op:
-            def task(w: Work) -> None:
-                FlightRecorder.started(entry)
-                done = engine.completion(w)
 
-                def on_done(error: BaseException | None) -> None:
-                    self._message_ended(entry, error)
-                    if kind == "recv":
-                        w.source = sender[0] if sender else peer
-                    done(error)
-                post(x, peer, tag, record, time.monotonic() + self.timeout_s, on_done)
-            return engine.post(task, Work(record, self.rank))
-        if not engine.run_now(self._message_now, post, x, peer, tag, record, entry):
-            engine.call(lambda: self._message_now(post, x, peer, tag, record, entry),
-                        lambda: Work(record, self.rank))
-        return sender[0] if sender else peer
+        def task(w: Work) -> None:
+            FlightRecorder.started(entry)
+            done = engine.completion(w)
 
-    def _message_now(self, post: Callable, x: Array, peer: int | None, tag: int,
-                     record: OpRecord, entry: list) -> None:
-        """A blocking message, on the thread that drives the host backend: post it, wait until
-        it is done, raise its error."""
+            def on_done(error: BaseException | None) -> None:
+                self._message_ended(entry, error)
+                if kind == "recv":
+                    w.source = sender[0] if sender else peer
+                done(error)
+            post(x, peer, tag, record, time.monotonic() + self.timeout_s, on_done)
+        return engine.post(task, Work(record, self.rank))
+
+    def _message_record(self, kind: str, x: Array, peer: int | None, tag: int,
+                        src: int | None = None) -> OpRecord:
+        """The record of a message (kind "sendrecv": of an exchange, receiving from `src`),
+        numbered per kind and peers."""
+        key = (kind, peer, src)
+        self._p2p_seq[key] = seq = self._p2p_seq.get(key, 0) + 1
+        nbytes = x.nbytes
+        return OpRecord(kind, seq, _MessageArgs(kind, peer, tag, nbytes, src), nbytes)
+
+    def _blocking_messages(self, record: OpRecord, entry: list,
+                           messages: tuple[_HostMessage, ...]) -> int | None:
+        """Send and receive `messages` together as the one operation `record`, on this thread
+        when it may drive the host backend (else in turn on the engine); return the sender of
+        the receive among them."""
+        found: list[int] = []
+        if not self._engine.run_now(self._messages_now, record, entry, messages, found):
+            self._engine.call(lambda: self._messages_now(record, entry, messages, found),
+                              lambda: Work(record, self.rank))
+        return found[0] if found else messages[-1][2]
+
+    def _messages_now(self, record: OpRecord, entry: list, messages: tuple[_HostMessage, ...],
+                      found: list[int]) -> None:
+        """Blocking messages, on the thread that drives the host backend: each through the
+        transport's fast path where it takes it (send_now, receive_now), the others posted;
+        return once all are done, raising the first error. A receive from any rank appends
+        its sender to `found`."""
         FlightRecorder.started(entry)
         backend = self._backend
         deadline = time.monotonic() + self.timeout_s
         backend.begin(record, deadline)
-        outcome: list[BaseException | None] = []
-        post(x, peer, tag, record, deadline, outcome.append)
-        if not outcome:
+        posted = 0
+        outcomes: list[BaseException | None] = []
+        for kind, x, peer, tag in messages:
+            if kind == "send":
+                if not backend.send_now(x, peer, tag):
+                    posted += 1
+                    backend.post_send(x, peer, tag, record, deadline, outcomes.append)
+            elif peer is None or not backend.receive_now(x, peer, tag):
+                posted += 1
+                backend.post_recv(x, peer, tag, record, deadline, outcomes.append,
+                                  found=found.append)
+        if len(outcomes) < posted:
             try:
-                backend.wait_for_messages(lambda: bool(outcome), record, deadline)
+                backend.wait_for_messages(lambda: len(outcomes) == posted, record, deadline)
             except BaseException as exc:
                 self._message_ended(entry, exc)
                 raise
         backend.end(record)
-        error = outcome[0]
+        error = next((e for e in outcomes if e is not None), None) if outcomes else None
         self._message_ended(entry, error)
         if error is not None:
             raise error
@@ -386,15 +412,7 @@ class Communicator:
     def _p2p_args(self, op: str, tensor: Any, peer: Any, peer_name: str, tag: Any,
                   writable: bool) -> tuple[Array, int | None, int]:
         self._check_open(op)
-        if peer is None and peer_name == "src":  # a receive from any rank
-            return self._check.array(op, tensor, "tensor", writable=True), None, \
-                self._check.tag(op, tag)
-        peer = self._check.peer(op, peer, peer_name)
-        if peer == self.rank:
-            raise self._check.fail(op, f"{peer_name}={peer} is this rank; a rank cannot message "
-                                       f"itself")
-        x = self._check.array(op, tensor, "tensor", writable=writable)
-        return x, peer, self._check.tag(op, tag)
+        return self._check.message(op, tensor, peer, peer_name, tag, writable)
 
     def send(self, tensor: Any, dst: int, tag: int = 0, *, stream: Any = None) -> None:
         """Send `tensor` to rank `dst`. Host arrays: returns once the data is out of `tensor`
@@ -421,6 +439,29 @@ class Communicator:
         any rank (host arrays); the Work's `source` then names the sender."""
         return self._message("recv", *self._p2p_args("irecv", tensor, src, "src", tag, True),
                              True, stream)
+
+    def sendrecv(self, send_tensor: Any, dst: int, recv_tensor: Any, src: int | None,
+                 tag: int = 0, *, stream: Any = None) -> int:
+        """Send `send_tensor` to `dst` and receive the next message from `src` with `tag` into
+        `recv_tensor`, both at once (MPI's Sendrecv): neither waits for the other, so a ring of
+        exchanges cannot deadlock. Returns the sender (src=None, host arrays: from any rank).
+        Host arrays: returns when the message arrived; GPU arrays: queued on the stream."""
+        self._check_open("sendrecv")
+        x, dst, tag = self._check.message("sendrecv", send_tensor, dst, "dst", tag, False)
+        y, src, _ = self._check.message("sendrecv", recv_tensor, src, "src", tag, True)
+        self._check.disjoint("sendrecv", x, "send_tensor", y, "recv_tensor")
+        if self._batch is not None:
+            raise self._check.fail("sendrecv", "use isend and irecv inside `with comm.batch():`")
+        if stream is None and type(x) is np.ndarray and type(y) is np.ndarray:
+            record = self._message_record("sendrecv", x, dst, tag, src)
+            return self._blocking_messages(record, self.flight_recorder.queued(record),
+                                           (("send", x, dst, tag), ("recv", y, src, tag)))
+        with self.batch():
+            sent = self.isend(x, dst, tag, stream=stream)
+            received = self.irecv(y, src, tag, stream=stream)
+        sent.wait()
+        received.wait()
+        return src if src is not None else received.source
 
     # ---- collectives -------------------------------------------------------------------------
     # GPU arrays: each call is queued after the work on the caller's current stream (torch's or
@@ -760,15 +801,23 @@ def _about(x: Array, more: str = "", *values: Any) -> Callable[[], str]:
     return lambda: f"{_DTYPE_NAMES.get(dtype) or dtype.name} x {size}{more.format(*values)}"
 
 
+# a blocking host message: kind ("send" or "recv"), array, peer (None: any rank), tag
+_HostMessage = tuple[str, Array, Optional[int], int]
+
+
 class _MessageArgs:
     """A message's argument text ("dst=1, tag=0, 8 B"), made when first read."""
 
-    __slots__ = ("kind", "peer", "tag", "nbytes")
+    __slots__ = ("kind", "peer", "tag", "nbytes", "src")
 
-    def __init__(self, kind: str, peer: int | None, tag: int, nbytes: int) -> None:
-        self.kind, self.peer, self.tag, self.nbytes = kind, peer, tag, nbytes
+    def __init__(self, kind: str, peer: int | None, tag: int, nbytes: int,
+                 src: int | None = None) -> None:
+        self.kind, self.peer, self.tag, self.nbytes, self.src = kind, peer, tag, nbytes, src
 
     def __call__(self) -> str:
+        if self.kind == "sendrecv":
+            return (f"dst={self.peer}, src={'any' if self.src is None else self.src}, "
+                    f"tag={self.tag}, {format_bytes(self.nbytes)}")
         arrow = "dst" if self.kind == "send" else "src"
         who = "any" if self.peer is None else self.peer
         return f"{arrow}={who}, tag={self.tag}, {format_bytes(self.nbytes)}"

@@ -7,10 +7,12 @@
  *   reached(words, value, spin_ns)   spin, without the GIL, until every counter is >= value;
  *                                    False once spin_ns passed (the caller sleeps and retries)
  *   stage(dst, src)                  copy the buffer `src` to the address `dst`
- *   send(ring, pos, free, ...)       write a whole message (32-byte header, data) into a byte
- *                                    ring, publish the sent counter, ring the receiver's bell
- *   take(ring, pos, available, ...)  the same in reverse: the next message, if it is whole,
- *                                    has the expected tag, dtype and size (else False)
+ *   send(ring, pos, consumed, ...)   write a whole message (32-byte header, data) into a byte
+ *                                    ring if it has room, publish the sent counter, ring the
+ *                                    receiver's bell
+ *   take(ring, pos, sent_word, ...)  the same in reverse: the next message, if it is whole
+ *                                    (spinning a while without the GIL until it is) and has
+ *                                    the expected tag, dtype and size (else False)
  *   reduce(out, srcs, count, dtype, op, divisor)
  *                                    out = srcs[0] (op) srcs[1] (op) ... in that order, in out's
  *                                    dtype, then / divisor for AVG; False if the dtype/op pair
@@ -124,23 +126,28 @@ static void ring_read(uint8_t *dst, const uint8_t *ring, Py_ssize_t cap, unsigne
 #define HEADER 32
 #define PADDED(n) (((n) + HEADER - 1) / HEADER * HEADER)
 
-/* The arguments of send and take: a byte ring, a stream position, how many bytes may be written
- * (send) or are there to read (take), the message's tag and dtype code, its data, the counter
- * to publish the new position in, and the peer's doorbell. */
+/* The arguments of send and take: a byte ring, a stream position, the peer's counter (send: how
+ * far the receiver consumed; take: how far the sender sent), the message's tag and dtype code,
+ * its data, the counter to publish the new position in, and the peer's doorbell. */
 typedef struct {
     Py_buffer ring, data;
-    unsigned long long pos, limit;
+    unsigned long long pos;
     long long tag, code;
+    const uint64_t *peer;
     void *word, *bell;
 } Message;
 
-static int parse_message(PyObject *args, const char *format, Message *m) {
-    PyObject *word, *bell;
-    if (!PyArg_ParseTuple(args, format, &m->ring, &m->pos, &m->limit, &m->tag, &m->code,
-                          &m->data, &word, &bell))
-        return -1;
-    if (address(word, &m->word) == 0 && address(bell, &m->bell) == 0
-        && (m->ring.len < HEADER || m->ring.len % HEADER != 0))
+static int parse_message(PyObject *args, const char *format, Message *m,
+                         unsigned long long *spin_ns) {
+    PyObject *peer, *word, *bell;
+    int ok = spin_ns == NULL
+        ? PyArg_ParseTuple(args, format, &m->ring, &m->pos, &peer, &m->tag, &m->code,
+                           &m->data, &word, &bell)
+        : PyArg_ParseTuple(args, format, &m->ring, &m->pos, &peer, &m->tag, &m->code,
+                           &m->data, &word, &bell, spin_ns);
+    if (!ok) return -1;
+    if (address(peer, (void **)&m->peer) == 0 && address(word, &m->word) == 0
+        && address(bell, &m->bell) == 0 && (m->ring.len < HEADER || m->ring.len % HEADER != 0))
         PyErr_SetString(PyExc_ValueError, "the ring's size is not a multiple of 32 bytes");
     if (PyErr_Occurred()) {
         PyBuffer_Release(&m->ring);
@@ -148,6 +155,20 @@ static int parse_message(PyObject *args, const char *format, Message *m) {
         return -1;
     }
     return 0;
+}
+
+enum { PARTIAL, WHOLE, NOT_OURS };
+
+/* Whether the message at m->pos is all there (its sender's counter has passed pos + total) and
+ * is the one m expects (tag, size, dtype code). */
+static int message_state(const Message *m, unsigned long long total) {
+    unsigned long long available = __atomic_load_n(m->peer, __ATOMIC_ACQUIRE) - m->pos;
+    if (available < HEADER) return PARTIAL;
+    int64_t header[4];
+    ring_read((uint8_t *)header, m->ring.buf, m->ring.len, m->pos, HEADER);
+    if (header[0] != m->tag || header[1] != (int64_t)m->data.len || header[2] != m->code)
+        return NOT_OURS;
+    return available >= total ? WHOLE : PARTIAL;
 }
 
 /* If `moved`: publish pos + total (release) and ring the peer. Release the buffers. */
@@ -161,15 +182,17 @@ static PyObject *finish_message(Message *m, int moved, unsigned long long total)
     return PyBool_FromLong(moved);
 }
 
-/* send(ring, pos, free, tag, code, src, sent_word, bell) -> bool: write a whole message (header
- * and data) at stream position pos of the byte ring, publish pos + its length in sent_word
- * (release) and ring the receiver's bell; False, writing nothing, when it needs more than `free`
- * bytes (the caller queues it and streams it in pieces). */
+/* send(ring, pos, consumed_word, tag, code, src, sent_word, bell) -> bool: write a whole
+ * message (header and data) at stream position pos of the byte ring, publish pos + its length in
+ * sent_word (release) and ring the receiver's bell; False, writing nothing, when it needs more
+ * than the ring has free (the receiver's counter at consumed_word says how much it has read):
+ * the caller queues it and streams it in pieces. */
 static PyObject *send(PyObject *self, PyObject *args) {
     Message m;
-    if (parse_message(args, "w*KKLLy*OO", &m) < 0) return NULL;
+    if (parse_message(args, "w*KOLLy*OO", &m, NULL) < 0) return NULL;
     unsigned long long total = HEADER + PADDED((unsigned long long)m.data.len);
-    int fits = total <= m.limit && total <= (unsigned long long)m.ring.len;
+    unsigned long long used = m.pos - __atomic_load_n(m.peer, __ATOMIC_ACQUIRE);
+    int fits = total + used <= (unsigned long long)m.ring.len;
     if (fits) {
         int64_t header[4] = {m.tag, (int64_t)m.data.len, m.code, 0};
         ring_write(m.ring.buf, m.ring.len, m.pos, (const uint8_t *)header, HEADER);
@@ -178,24 +201,33 @@ static PyObject *send(PyObject *self, PyObject *args) {
     return finish_message(&m, fits, total);
 }
 
-/* take(ring, pos, available, tag, code, dst, consumed_word, bell) -> bool: if the message at
- * stream position pos is whole within `available` bytes and has this tag, dtype code and
- * dst's size, copy its data into dst, publish pos + its length in consumed_word (release) and
- * ring the sender's bell; else (another tag, a mismatch, not all there) change nothing and
- * return False: the caller reads it the general way. */
+/* take(ring, pos, sent_word, tag, code, dst, consumed_word, bell, spin_ns) -> bool: if the
+ * message at stream position pos of the byte ring is whole (the sender's counter at sent_word
+ * has passed it) and has this tag, dtype code and dst's size, copy its data into dst, publish
+ * pos + its length in consumed_word (release) and ring the sender's bell. While it is not all
+ * there, spin up to spin_ns without the GIL (0: look once). Else (another tag, a mismatch, still
+ * not there, larger than the ring) change nothing and return False: the caller reads it the
+ * general way. */
 static PyObject *take(PyObject *self, PyObject *args) {
     Message m;
-    if (parse_message(args, "y*KKLLw*OO", &m) < 0) return NULL;
+    unsigned long long spin_ns;
+    if (parse_message(args, "y*KOLLw*OOK", &m, &spin_ns) < 0) return NULL;
     unsigned long long total = HEADER + PADDED((unsigned long long)m.data.len);
-    int ours = 0;
-    if (m.limit >= HEADER) {
-        int64_t header[4];
-        ring_read((uint8_t *)header, m.ring.buf, m.ring.len, m.pos, HEADER);
-        ours = header[0] == m.tag && header[1] == (int64_t)m.data.len && header[2] == m.code
-               && total <= m.limit;
-        if (ours) ring_read(m.data.buf, m.ring.buf, m.ring.len, m.pos + HEADER, m.data.len);
+    int state = total <= (unsigned long long)m.ring.len ? message_state(&m, total) : NOT_OURS;
+    if (state == PARTIAL && spin_ns > 0) {
+        Py_BEGIN_ALLOW_THREADS
+        uint64_t end = now_ns() + spin_ns;
+        for (unsigned iter = 1; state == PARTIAL; iter++) {
+#if defined(__x86_64__) || defined(__i386__)
+            __builtin_ia32_pause();
+#endif
+            state = message_state(&m, total);
+            if ((iter & 63) == 0 && now_ns() >= end) break;
+        }
+        Py_END_ALLOW_THREADS
     }
-    return finish_message(&m, ours, total);
+    if (state == WHOLE) ring_read(m.data.buf, m.ring.buf, m.ring.len, m.pos + HEADER, m.data.len);
+    return finish_message(&m, state == WHOLE, total);
 }
 
 /* ---- reductions ------------------------------------------------------------------------- */
@@ -296,9 +328,11 @@ static PyMethodDef methods[] = {
      "reached(words, value, spin_ns) -> bool: every counter >= value, spinning up to spin_ns."},
     {"stage", stage, METH_VARARGS, "stage(dst, src): copy buffer src to address dst."},
     {"send", send, METH_VARARGS,
-     "send(ring, pos, free, tag, code, src, sent_word, bell) -> bool: a whole message."},
+     "send(ring, pos, consumed_word, tag, code, src, sent_word, bell) -> bool: a whole "
+     "message."},
     {"take", take, METH_VARARGS,
-     "take(ring, pos, available, tag, code, dst, consumed_word, bell) -> bool: a whole one."},
+     "take(ring, pos, sent_word, tag, code, dst, consumed_word, bell, spin_ns) -> bool: a whole "
+     "one."},
     {"reduce", reduce, METH_VARARGS,
      "reduce(out, srcs, count, dtype, op, divisor) -> bool: reduce srcs in order into out."},
     {NULL, NULL, 0, NULL},

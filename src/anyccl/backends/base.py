@@ -75,6 +75,17 @@ class Backend(ABC):
         posted receive that fits a message takes it, as in MPI); `found(sender)` is called
         before `on_done`."""
 
+    def send_now(self, x: np.ndarray, dst: int, tag: int) -> bool:
+        """A blocking send's fast path: True once `x` went out whole, here and now; False,
+        with nothing done, where the transport has none (the caller then posts it)."""
+        return False
+
+    def receive_now(self, x: np.ndarray, src: int, tag: int) -> bool:
+        """A blocking receive's fast path: True once the next message from `src` with `tag`
+        landed in `x`; False, with nothing done, in every other case (the caller then posts
+        the receive, which reports mismatches, deadlines and lost peers)."""
+        return False
+
     @abstractmethod
     def has_pending(self) -> bool:
         """Whether posted point-to-point messages wait for progress."""

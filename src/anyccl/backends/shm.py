@@ -94,7 +94,7 @@ def _defined(op: ReduceOp, dtype: np.dtype) -> bool:
 
 _CORE_REDUCTIONS = {(np.dtype(d), op): (i, k) for i, d in enumerate(_CORE_DTYPES)
                     for k, op in enumerate(_CORE_OPS) if _defined(op, np.dtype(d))}
-_NAMES = ("an operation", *COLLECTIVES, "barrier", "send", "recv", "batch")
+_NAMES = ("an operation", *COLLECTIVES, "barrier", "send", "recv", "batch", "sendrecv")
 _NAME_CODE = {name: i for i, name in enumerate(_NAMES)}
 
 
@@ -356,6 +356,10 @@ class SharedMemoryBackend(Backend):
         self._bells_at = [bell.address for bell in self._bells]
         self._sent_at = [self._own.address((_W_SENT + j) * 8) for j in range(size)]
         self._consumed_at = [self._own.address((layout.w_consumed + j) * 8) for j in range(size)]
+        # the peers' counters of what they sent to and consumed from this rank
+        self._peer_sent_at = [seg.address((_W_SENT + rank) * 8) for seg in self._segments]
+        self._peer_consumed_at = [seg.address((layout.w_consumed + rank) * 8)
+                                  for seg in self._segments]
         self.direct = self._agree_on_cross_memory(store, timeout_s)
 
     # ---- setup -----------------------------------------------------------------------------
@@ -686,17 +690,24 @@ class SharedMemoryBackend(Backend):
         symmetric.all_to_all(self, outs, inputs)
 
     # ---- point to point ----------------------------------------------------------------------
+    def send_now(self, x: np.ndarray, dst: int, tag: int) -> bool:
+        """The compiled core's path: nothing queued for `dst` and the whole message fits in its
+        ring's free space: written there in one call."""
+        core = self._core
+        if core is None or self._sendq[dst] or not x.flags.c_contiguous:
+            return False
+        pos = self._sent[dst]
+        if not core.send(self._out_rings[dst], pos, self._peer_consumed_at[dst], tag,
+                         _DTYPE_CODE[x.dtype], x, self._sent_at[dst], self._bells_at[dst]):
+            return False
+        self._sent[dst] = pos + _HEADER + _round_up(x.nbytes, _HEADER)
+        return True
+
     def post_send(self, x: np.ndarray, dst: int, tag: int, record: OpRecord, deadline: float,
                   on_done: Completion) -> None:
-        core = self._core
-        if core is not None and not self._sendq[dst] and x.flags.c_contiguous:
-            pos = self._sent[dst]
-            used = pos - int(self._ctl[dst][self._layout.w_consumed + self.rank])
-            if core.send(self._out_rings[dst], pos, self._out_rings[dst].size - used, tag,
-                         _DTYPE_CODE[x.dtype], x, self._sent_at[dst], self._bells_at[dst]):
-                self._sent[dst] = pos + _HEADER + _round_up(x.nbytes, _HEADER)
-                on_done(None)
-                return
+        if self.send_now(x, dst, tag):
+            on_done(None)
+            return
         self._sendq[dst].append(_Send(x.reshape(-1).view(np.uint8), tag, x.dtype, record,
                                       deadline, on_done))
         self._progress_send(dst)
@@ -808,19 +819,37 @@ class SharedMemoryBackend(Backend):
                 or self._incoming[src] is not None:
             return False
         recv = posted[0]
-        pos = self._consumed[src]
-        available = int(self._ctl[src][_W_SENT + self.rank]) - pos
-        if available < _HEADER or not recv.data.flags.c_contiguous or not self._core.take(
-                self._rings[src], pos, available, recv.tag, _DTYPE_CODE[recv.dtype], recv.data,
-                self._consumed_at[src], self._bells_at[src]):
+        if not recv.data.flags.c_contiguous or not self._take(recv.data, src, recv.tag,
+                                                              recv.dtype, 0):
             return False
         posted.clear()
-        self._consumed[src] = pos + _HEADER + _round_up(recv.data.size, _HEADER)
-        self._arrivals += 1
         if recv.found is not None:
             recv.found(src)
         recv.on_done(None)
         return True
+
+    def _take(self, data: np.ndarray, src: int, tag: int, dtype: np.dtype, spin_ns: int) -> bool:
+        """The core's take of the next message from `src` into `data` (see _take_whole)."""
+        pos = self._consumed[src]
+        if not self._core.take(self._rings[src], pos, self._peer_sent_at[src], tag,
+                               _DTYPE_CODE[dtype], data, self._consumed_at[src],
+                               self._bells_at[src], spin_ns):
+            return False
+        self._consumed[src] = pos + _HEADER + _round_up(data.nbytes, _HEADER)
+        self._arrivals += 1
+        return True
+
+    def receive_now(self, x: np.ndarray, src: int, tag: int) -> bool:
+        """A blocking receive's fast path: when nothing else is pending from `src` or queued to
+        send, wait here (spinning a while, without the GIL) for the next message from `src` and
+        copy it into `x` if it is the one expected. False, with nothing changed, when it is not
+        (then the caller posts the receive the general way, which also reports mismatches,
+        deadlines and lost peers)."""
+        if self._core is None or self._posted[src] or self._posted_any \
+                or self._unexpected[src] or self._incoming[src] is not None \
+                or any(self._sendq) or not x.flags.c_contiguous:
+            return False
+        return self._take(x, src, tag, x.dtype, self._spin_ns)
 
     def _progress_receive(self, src: int) -> bool:
         if self._take_whole(src):

@@ -35,20 +35,13 @@ class AnycclPeer:
             "scatter": lambda: c.scatter(b["out"], b.get("chunks"), root),
             "reduce_scatter": lambda: c.reduce_scatter(b["out"], b["inp"], redop),
             "all_to_all": lambda: c.all_to_all(b["out"], b["inp"]),
-            "sendrecv": lambda: _batched_ring(c, b["inp"], b["out"]),
+            "sendrecv": lambda: c.sendrecv(b["inp"], (c.rank + 1) % c.size, b["out"],
+                                           (c.rank - 1) % c.size),
         }
         return table[op]
 
     def close(self) -> None:
         pass
-
-
-def _batched_ring(c: Communicator, inp: Any, out: Any) -> None:
-    """sendrecv as one batch (on GPUs a receive queued before the send would wait for ever)."""
-    with c.batch():
-        c.isend(inp, (c.rank + 1) % c.size)
-        work = c.irecv(out, (c.rank - 1) % c.size)
-    work.wait()
 
 
 def _ring(irecv: Callable, send: Callable, rank: int, size: int, inp: Any, out: Any) -> None:
