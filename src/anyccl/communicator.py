@@ -308,7 +308,7 @@ class Communicator:
         when it may drive the host backend (else in turn on the engine); return the sender of
         the receive among them."""
         found: list[int] = []
-        if not self._engine.run_now(self._messages_now, record, entry, messages, found):
+        if not self._engine.run_message_now(self._messages_now, record, entry, messages, found):
             self._engine.call(lambda: self._messages_now(record, entry, messages, found),
                               lambda: Work(record, self.rank))
         return found[0] if found else messages[-1][2]

@@ -74,6 +74,7 @@ _W_SENT = 64                       # words 64 .. 64+n: bytes this rank wrote int
 _HEADER = 32                       # message header: tag, nbytes, dtype code, 0 (int64 each)
 _HEADER_WORDS = struct.Struct("<4q")
 _PEER_CHECK_S = 0.25
+_DEADLINE_CHECK_S = 0.001  # how often progress() looks for posted messages past their deadline
 _SPIN_US = 200  # default spin while every rank has a core: past a sleep's wake-up time
 _NO_ROOM = "no room\n"             # published instead of a segment name when creation failed
 _DTYPE_CODE = {dt: i for i, dt in enumerate(SUPPORTED_DTYPES)}
@@ -297,7 +298,7 @@ class SharedMemoryBackend(Backend):
         self._record: OpRecord | None = None
         self._deadline = float("inf")
         self._closed = False
-        self._next_peer_check = 0.0
+        self._next_peer_check = self._next_deadline_check = 0.0
         self._doing = 0
         if comm_name == WORLD:
             reclaim_dead_segments()
@@ -747,6 +748,9 @@ class SharedMemoryBackend(Backend):
         if now >= self._next_peer_check:
             self._next_peer_check = now + _PEER_CHECK_S
             self._check_peers()
+        if now < self._next_deadline_check:  # deadlines are seconds away: a look per ms will do
+            return
+        self._next_deadline_check = now + _DEADLINE_CHECK_S
         for queue in (*self._sendq, *self._posted, self._posted_any):
             for req in list(queue):
                 if now >= req.deadline:
