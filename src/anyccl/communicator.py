@@ -272,6 +272,11 @@ class Communicator:
         entry = self.flight_recorder.queued(record)
         if not async_op:
             return self._blocking_messages(record, entry, ((kind, x, peer, tag),))
+        work = Work(record, self.rank)
+        if peer is not None and self._engine.run_message_now(self._message_at_once, kind, x,
+                                                             peer, tag, entry, work) \
+                and work._finished:
+            return work
         backend, engine = self._backend, self._engine
         sender: list[int] = []   # a receive from any rank: whose message it took
         if kind == "send":
@@ -291,7 +296,20 @@ class Communicator:
                     w.source = sender[0] if sender else peer
                 done(error)
             post(x, peer, tag, record, time.monotonic() + self.timeout_s, on_done)
-        return engine.post(task, Work(record, self.rank))
+        return engine.post(task, work)
+
+    def _message_at_once(self, kind: str, x: Array, peer: int, tag: int, entry: list,
+                         work: Work) -> None:
+        """An async message that the transport's fast path finishes right now (a send that
+        fits, a receive whose message is already there): `work` completes here, with no
+        engine bookkeeping; else nothing happens and the caller posts it."""
+        backend = self._backend
+        if backend.send_now(x, peer, tag) if kind == "send" else \
+                backend.receive_now(x, peer, tag, wait=False):
+            FlightRecorder.started(entry)
+            FlightRecorder.ended(entry)
+            work.source = peer if kind == "recv" else None
+            work.complete()
 
     def _message_record(self, kind: str, x: Array, peer: int | None, tag: int,
                         src: int | None = None) -> OpRecord:
@@ -300,7 +318,8 @@ class Communicator:
         key = (kind, peer, src)
         self._p2p_seq[key] = seq = self._p2p_seq.get(key, 0) + 1
         nbytes = x.nbytes
-        return OpRecord(kind, seq, _MessageArgs(kind, peer, tag, nbytes, src), nbytes)
+        return OpRecord(kind, seq, functools.partial(_message_text, kind, peer, tag, nbytes, src),
+                        nbytes)
 
     def _blocking_messages(self, record: OpRecord, entry: list,
                            messages: tuple[_HostMessage, ...]) -> int | None:
@@ -316,24 +335,30 @@ class Communicator:
     def _messages_now(self, record: OpRecord, entry: list, messages: tuple[_HostMessage, ...],
                       found: list[int]) -> None:
         """Blocking messages, on the thread that drives the host backend: each through the
-        transport's fast path where it takes it (send_now, receive_now), the others posted;
-        return once all are done, raising the first error. A receive from any rank appends
-        its sender to `found`."""
+        transport's fast path where it takes it (send_now, receive_now: done at once), the
+        others posted; return once all are done, raising the first error. A receive from any
+        rank appends its sender to `found`. Only posted messages tell the backend that this
+        rank is in `record` (what peers see while it waits) and get a deadline."""
         FlightRecorder.started(entry)
         backend = self._backend
-        deadline = time.monotonic() + self.timeout_s
-        backend.begin(record, deadline)
-        posted = 0
+        posted, deadline = 0, 0.0
         outcomes: list[BaseException | None] = []
         for kind, x, peer, tag in messages:
+            if peer is not None and (backend.send_now if kind == "send"
+                                     else backend.receive_now)(x, peer, tag):
+                continue
+            if not posted:
+                deadline = time.monotonic() + self.timeout_s
+                backend.begin(record, deadline)
+            posted += 1
             if kind == "send":
-                if not backend.send_now(x, peer, tag):
-                    posted += 1
-                    backend.post_send(x, peer, tag, record, deadline, outcomes.append)
-            elif peer is None or not backend.receive_now(x, peer, tag):
-                posted += 1
+                backend.post_send(x, peer, tag, record, deadline, outcomes.append)
+            else:
                 backend.post_recv(x, peer, tag, record, deadline, outcomes.append,
                                   found=found.append)
+        if not posted:
+            FlightRecorder.ended(entry)
+            return
         if len(outcomes) < posted:
             try:
                 backend.wait_for_messages(lambda: len(outcomes) == posted, record, deadline)
@@ -341,7 +366,7 @@ class Communicator:
                 self._message_ended(entry, exc)
                 raise
         backend.end(record)
-        error = next((e for e in outcomes if e is not None), None) if outcomes else None
+        error = next((e for e in outcomes if e is not None), None)
         self._message_ended(entry, error)
         if error is not None:
             raise error
@@ -805,22 +830,13 @@ def _about(x: Array, more: str = "", *values: Any) -> Callable[[], str]:
 _HostMessage = tuple[str, Array, Optional[int], int]
 
 
-class _MessageArgs:
+def _message_text(kind: str, peer: int | None, tag: int, nbytes: int, src: int | None) -> str:
     """A message's argument text ("dst=1, tag=0, 8 B"), made when first read."""
-
-    __slots__ = ("kind", "peer", "tag", "nbytes", "src")
-
-    def __init__(self, kind: str, peer: int | None, tag: int, nbytes: int,
-                 src: int | None = None) -> None:
-        self.kind, self.peer, self.tag, self.nbytes, self.src = kind, peer, tag, nbytes, src
-
-    def __call__(self) -> str:
-        if self.kind == "sendrecv":
-            return (f"dst={self.peer}, src={'any' if self.src is None else self.src}, "
-                    f"tag={self.tag}, {format_bytes(self.nbytes)}")
-        arrow = "dst" if self.kind == "send" else "src"
-        who = "any" if self.peer is None else self.peer
-        return f"{arrow}={who}, tag={self.tag}, {format_bytes(self.nbytes)}"
+    if kind == "sendrecv":
+        return (f"dst={peer}, src={'any' if src is None else src}, tag={tag}, "
+                f"{format_bytes(nbytes)}")
+    arrow = "dst" if kind == "send" else "src"
+    return f"{arrow}={'any' if peer is None else peer}, tag={tag}, {format_bytes(nbytes)}"
 
 
 def _named(name: str, pieces: Sequence[Array]) -> list[tuple[str, Array]]:

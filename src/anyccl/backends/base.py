@@ -80,10 +80,11 @@ class Backend(ABC):
         with nothing done, where the transport has none (the caller then posts it)."""
         return False
 
-    def receive_now(self, x: np.ndarray, src: int, tag: int) -> bool:
-        """A blocking receive's fast path: True once the next message from `src` with `tag`
-        landed in `x`; False, with nothing done, in every other case (the caller then posts
-        the receive, which reports mismatches, deadlines and lost peers)."""
+    def receive_now(self, x: np.ndarray, src: int, tag: int, wait: bool = True) -> bool:
+        """A receive's fast path: True once the next message from `src` with `tag` landed in
+        `x` (wait=False: only if it is there already; True: the transport may wait a moment);
+        False, with nothing done, in every other case (the caller then posts the receive, which
+        reports mismatches, deadlines and lost peers)."""
         return False
 
     @abstractmethod

@@ -843,17 +843,17 @@ class SharedMemoryBackend(Backend):
         self._arrivals += 1
         return True
 
-    def receive_now(self, x: np.ndarray, src: int, tag: int) -> bool:
-        """A blocking receive's fast path: when nothing else is pending from `src` or queued to
-        send, wait here (spinning a while, without the GIL) for the next message from `src` and
-        copy it into `x` if it is the one expected. False, with nothing changed, when it is not
+    def receive_now(self, x: np.ndarray, src: int, tag: int, wait: bool = True) -> bool:
+        """A receive's fast path: when nothing else is pending from `src` or queued to send,
+        take the next message from `src` into `x` if it is the one expected; `wait`: spin a
+        while for it first, without the GIL. False, with nothing changed, when it is not
         (then the caller posts the receive the general way, which also reports mismatches,
         deadlines and lost peers)."""
         if self._core is None or self._posted[src] or self._posted_any \
                 or self._unexpected[src] or self._incoming[src] is not None \
                 or any(self._sendq) or not x.flags.c_contiguous:
             return False
-        return self._take(x, src, tag, x.dtype, self._spin_ns)
+        return self._take(x, src, tag, x.dtype, self._spin_ns if wait else 0)
 
     def _progress_receive(self, src: int) -> bool:
         if self._take_whole(src):
