@@ -273,8 +273,8 @@ class Communicator:
         if not async_op:
             return self._blocking_messages(record, entry, ((kind, x, peer, tag),))
         work = Work(record, self.rank)
-        if peer is not None and self._engine.run_message_now(self._message_at_once, kind, x,
-                                                             peer, tag, entry, work) \
+        if peer is not None and self._engine.run_now(self._message_at_once, kind, x, peer, tag,
+                                                     entry, work, after_posted=True) \
                 and work._finished:
             return work
         backend, engine = self._backend, self._engine
@@ -327,7 +327,8 @@ class Communicator:
         when it may drive the host backend (else in turn on the engine); return the sender of
         the receive among them."""
         found: list[int] = []
-        if not self._engine.run_message_now(self._messages_now, record, entry, messages, found):
+        if not self._engine.run_now(self._messages_now, record, entry, messages, found,
+                                    after_posted=True):
             self._engine.call(lambda: self._messages_now(record, entry, messages, found),
                               lambda: Work(record, self.rank))
         return found[0] if found else messages[-1][2]

@@ -66,27 +66,22 @@ class Engine:
                 self._inline = False
                 self._state.notify_all()
 
-    def run_now(self, fn: Callable[..., None], *args: Any) -> bool:
+    def run_now(self, fn: Callable[..., None], *args: Any, after_posted: bool = False) -> bool:
         """Run `fn(*args)` on the calling thread if nothing asynchronous is outstanding and no
         other thread drives the backend (True; its error is raised and fails the engine as
         `call`'s would); else do nothing and return False (then `call` queues it). The common
         case, without touching the queue's condition: a submit that races in after the check
-        queues behind this call (its worker needs `_drive`), as if issued after it."""
-        return self._run_inline(False, fn, args)
+        queues behind this call (its worker needs `_drive`), as if issued after it.
 
-    def run_message_now(self, fn: Callable[..., None], *args: Any) -> bool:
-        """`run_now` for a blocking message: it may also run while posted messages are still
-        outstanding (they progress while it waits), as long as nothing is queued: everything
-        issued before it has reached the backend, so messages keep their issue order."""
-        return self._run_inline(True, fn, args)
-
-    def _run_inline(self, after_posted: bool, fn: Callable[..., None], args: tuple) -> bool:
-        busy = self._queue if after_posted else self._outstanding
-        if busy or not self._drive.acquire(False):
+        `after_posted` (a message): it may also run while posted messages are outstanding
+        (they progress while it waits), as long as nothing is queued: everything issued before
+        it has reached the backend, so messages keep their issue order."""
+        if (self._queue if after_posted else self._outstanding) \
+                or not self._drive.acquire(False):
             return False
         try:
-            busy = self._queue if after_posted else self._outstanding
-            if busy or self.failure is not None or self._closing:
+            if (self._queue if after_posted else self._outstanding) or self.failure is not None \
+                    or self._closing:
                 return False
             try:
                 fn(*args)
