@@ -501,3 +501,36 @@ def test_repeated_blocking_calls_on_the_same_tensors_stay_right_and_free_them(ba
     for planned, freed in run_ranks(check_repeated_calls, gpu.device_count(), env=env):
         assert planned == 8         # 4 ops x 2 sizes
         assert freed, "a cached plan kept the user's tensor alive"
+
+
+def check_calls_from_a_thread_new_to_cuda(comm):
+    """A thread whose first CUDA call is anyccl's: blocking, async and a message-free plan
+    replay all work (the communicator gives the thread its device's context)."""
+    import threading
+
+    import torch
+
+    x = torch.full((64,), float(comm.rank + 1), device=f"cuda:{comm.device}")
+    torch.cuda.synchronize()
+    failed = []
+
+    def calls() -> None:
+        try:
+            comm.all_reduce(x)
+            comm.all_reduce(x)                      # the second: the cached plan
+            comm.all_reduce(x, async_op=True).wait()
+        except BaseException as exc:                # reported by the main thread
+            failed.append(exc)
+    thread = threading.Thread(target=calls)
+    thread.start()
+    thread.join()
+    assert not failed, failed
+    total = sum(range(1, comm.size + 1))
+    return bool(torch.all(x == float(total * comm.size ** 2)).item())
+
+
+@pytest.mark.parametrize("backend", ["nccl", "ipc"])
+@pytest.mark.parametrize("world", world_sizes()[:2])
+def test_calls_from_a_thread_that_never_used_cuda_work(backend, world):
+    env = {**GPU_ENV, "ANYCCL_BACKEND": f"cpu:shm,cuda:{backend}"}
+    assert all(run_ranks(check_calls_from_a_thread_new_to_cuda, world, env=env, deadline_s=120))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import threading
 from typing import Any
 
 from . import settings
@@ -72,6 +73,20 @@ def use_device(device: int) -> None:
 
 def current_device() -> int:
     return int(_check(_rt().cudaGetDevice(), "cudaGetDevice"))
+
+
+_threads = threading.local()  # per thread: whether it is known to have a current CUDA context
+
+
+def ensure_context(device: int) -> None:
+    """Give the calling thread a current CUDA context if it has none (a thread that never used
+    CUDA has none, and driver calls fail there): `device`'s primary context, as the runtime
+    would make it. Looked up once per thread."""
+    if getattr(_threads, "has_context", False):
+        return
+    if not int(_driver_value(_drv().cuCtxGetCurrent(), "cuCtxGetCurrent")):
+        set_device(device)
+    _threads.has_context = True
 
 
 def device_properties(device: int) -> Any:

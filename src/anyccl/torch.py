@@ -127,6 +127,18 @@ class _SideStream:
         self.event = self._event.cuda_event
 
 
+def _use_device(index: int) -> int | None:
+    """Make CUDA device `index` current on this thread for one operation, as torch's own groups
+    do with a device guard: the device to restore afterwards, or None when it was current (a
+    thread new to CUDA also gets the device's context: the driver calls below need one)."""
+    current = torch._C._cuda_getDevice()
+    if current == index:
+        gpu.ensure_context(index)
+        return None
+    gpu.set_device(index)
+    return current
+
+
 def _set_stream(ids: tuple[int, int, int]) -> None:
     """Make the stream torch knows as `ids` (stream id, device index, device type) current on
     its device: torch.cuda.set_stream's own step, without building a Stream object."""
@@ -154,6 +166,7 @@ class ProcessGroup(dist.ProcessGroup):
         if device is None:
             call()
             return _done(result, [])
+        restore = _use_device(device.index)
         side = self._sides.get(device.index)
         if side is None:
             side = self._sides[device.index] = _SideStream(device.index)
@@ -169,6 +182,8 @@ class ProcessGroup(dist.ProcessGroup):
             return _done(result, tensors)
         finally:
             _set_stream(previous)
+            if restore is not None:
+                gpu.set_device(restore)
 
     def _get_backend(self, device: Any) -> _BackendView:
         return _BackendView()

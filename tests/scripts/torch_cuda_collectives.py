@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 
 import torch
 import torch.distributed as dist
@@ -50,6 +51,23 @@ def check(rank: int, world_size: int) -> None:
         assert a.tolist() == [100.0 * r + 2 * rank + k for r in range(world_size)
                               for k in range(2)], a
     torch.cuda.synchronize(device)
+
+    # from a thread that never touched CUDA (its first CUDA call is the collective), as torch's
+    # NCCL group allows: the group makes the device's context current there itself
+    y = torch.full((16,), float(rank + 1), device=device)
+    torch.cuda.synchronize(device)
+    failed: list[BaseException] = []
+
+    def in_thread() -> None:
+        try:
+            dist.all_reduce(y)
+        except BaseException as exc:  # reported by the main thread
+            failed.append(exc)
+    thread = threading.Thread(target=in_thread)
+    thread.start()
+    thread.join()
+    assert not failed, failed
+    assert y.tolist() == [float(sum(range(1, world_size + 1)))] * 16, y
 
 
 def main(rank: int, world_size: int, port: int) -> None:

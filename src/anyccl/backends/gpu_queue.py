@@ -111,6 +111,7 @@ class GpuQueue:
         it also follows the previous operation of this queue, wherever that was queued."""
         if self.failure is not None:
             self.raise_if_failed()
+        gpu.ensure_context(self.device)  # the caller may be a thread new to CUDA
         if on is not None:  # a blocking call: right on the caller's stream
             if gpu.is_capturing(on):
                 return self._captured(on, enqueue, record, entries)
