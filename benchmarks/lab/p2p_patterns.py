@@ -41,13 +41,13 @@ def main() -> None:
         comm.send(x, peer)
         work.wait()
 
-    def ping_pong() -> None:
+    def ping_pong(send: Callable, recv: Callable) -> None:
         if comm.rank == 0:
-            comm.send(x, peer)
-            comm.recv(y, peer)
+            send(x, peer)
+            recv(y, peer)
         else:
-            comm.recv(y, peer)
-            comm.send(x, peer)
+            recv(y, peer)
+            send(x, peer)
 
     def mpi_batched() -> None:
         MPI.Request.Waitall([world.Isend(x, peer), world.Irecv(y, peer)])
@@ -57,20 +57,13 @@ def main() -> None:
         world.Send(x, peer)
         request.Wait()
 
-    def mpi_ping_pong() -> None:
-        if comm.rank == 0:
-            world.Send(x, peer)
-            world.Recv(y, peer)
-        else:
-            world.Recv(y, peer)
-            world.Send(x, peer)
-
     shapes: dict[str, tuple[Callable[[], None], Callable[[], None]]] = {
         "sendrecv": (lambda: comm.sendrecv(x, peer, y, peer),
                      lambda: world.Sendrecv(x, peer, 0, y, peer, 0)),
         "isend+irecv batch, wait": (batched, mpi_batched),
         "irecv, send, wait": (ring, mpi_ring),
-        "ping-pong send/recv": (ping_pong, mpi_ping_pong),
+        "ping-pong send/recv": (lambda: ping_pong(comm.send, comm.recv),
+                                lambda: ping_pong(world.Send, world.Recv)),
     }
     if not hasattr(comm, "sendrecv"):  # an anyccl from before it had one
         del shapes["sendrecv"]
