@@ -275,7 +275,7 @@ class Communicator:
         work = Work(record, self.rank)
         if peer is not None and self._engine.run_now(self._message_at_once, kind, x, peer, tag,
                                                      entry, work, after_posted=True) \
-                and work._finished:
+                and work.is_completed():
             return work
         backend, engine = self._backend, self._engine
         sender: list[int] = []   # a receive from any rank: whose message it took
