@@ -125,6 +125,7 @@ def install(monkeypatch_setattr: Callable[[Any, str, Any], None] | None = None,
     put = monkeypatch_setattr or setattr
     calls = {
         "device_count": lambda: 1, "set_device": lambda d: None, "use_device": lambda d: None,
+        "ensure_context": lambda d: None,
         "current_device": lambda: 0, "device_of_pointer": lambda p: 0,
         "device_name": lambda d: "fake GPU", "relax_capture_mode": lambda: None,
         "is_capturing": lambda s: False,
