@@ -33,7 +33,9 @@ try:
         step += 1
         if comm.rank == victim and step == 50:
             os.kill(os.getpid(), signal.SIGKILL)
-        if mode == "collective":
+        if mode == "late" and comm.rank == 2 and step == 50:
+            time.sleep(2)                 # the others notice the death and exit first
+        if mode in ("collective", "late"):
             comm.all_reduce(x)
         elif comm.rank == 0:
             comm.recv(x, victim)          # waits on the victim, which dies
@@ -55,9 +57,11 @@ def _job_env(world_size: int) -> tuple[StoreServer, list[dict[str, str]]]:
     return server, [{**common, "RANK": str(r), "LOCAL_RANK": str(r)} for r in range(world_size)]
 
 
-@pytest.mark.parametrize("mode", ("collective", "recv"))
+@pytest.mark.parametrize("mode", ("collective", "recv", "late"))
 def test_a_rank_killed_mid_job_makes_the_others_raise_peer_lost_within_ten_seconds(mode):
-    world = 3 if mode == "collective" else 2
+    """Every survivor names the killed rank and its death, also one that only looks after
+    another survivor has noticed and exited ("late")."""
+    world = 2 if mode == "recv" else 3
     server, envs = _job_env(world)
     victim = 1
     procs = spawn_processes(SURVIVOR, envs, timeout_s=60, args=[str(victim), mode])

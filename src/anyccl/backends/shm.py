@@ -522,6 +522,11 @@ class SharedMemoryBackend(Backend):
             origin = self._origin(lost[0])
             if origin == lost[0]:
                 raise self._lost(origin, f"{lost[1]} while this rank was in {self._record}")
+            if not process_alive(self._pids[origin]):
+                # the first rank lost has died too: name its death, not the exit it caused
+                raise self._lost(origin, f"rank {origin} (pid {self._pids[origin]}) died while "
+                                         f"this rank was in {self._record} ({lost[1]} after "
+                                         f"losing it)")
             raise self._lost(origin, f"rank {origin} left while this rank was in {self._record} "
                                      f"({lost[1]} after losing it)")
         for j in range(self.size):
