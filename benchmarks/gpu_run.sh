@@ -38,6 +38,9 @@ export PYTHONPATH=$PWD/src:/tmp/site
 core_so=src/anyccl/backends/_shmcore$(python3 -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
 [ -e "$core_so" ] || gcc -O3 -shared -fPIC -I"$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["include"])')" \
     src/anyccl/backends/_shmcore.c -o "$core_so" 2>/dev/null || echo "shm core not built: Python path"
+cuda_so=src/anyccl/_cudacore${core_so##*_shmcore}
+[ -e "$cuda_so" ] || gcc -O2 -shared -fPIC -I"$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["include"])')" \
+    src/anyccl/_cudacore.c -o "$cuda_so" -ldl 2>/dev/null || echo "CUDA core not built: cuda-bindings path"
 anyccl() { python3 -m anyccl "$@"; }
 { nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv
   nvidia-smi topo -m; anyccl info; python3 -c 'import torch; print("torch", torch.__version__, "nccl", torch.cuda.nccl.version())'

@@ -155,6 +155,7 @@ def check_stream_order(comm):
 
     import torch
 
+    comm.connect_gpu()  # NCCL's start (imports, init: up to a second of CPU) is not timed below
     side = torch.cuda.Stream(comm.device)
     n = 1 << 20
     with torch.cuda.stream(side):

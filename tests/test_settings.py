@@ -85,7 +85,7 @@ def test_unset_and_empty_mean_the_default(monkeypatch):
     ("ANYCCL_IPC_BLOCKS", "many", "an integer"),
     ("ANYCCL_IPC_BLOCKS", "0", "at least 1"),
     ("ANYCCL_IPC_CE_SYNC", "spin", "one of kernels, memop-wait"),
-    ("ANYCCL_CUDA_API", "cuda", "one of driver, runtime"),
+    ("ANYCCL_CUDA_API", "cuda", "one of driver, bindings, runtime"),
 ])
 def test_a_bad_value_is_refused_naming_the_variable(monkeypatch, name, text, expected):
     monkeypatch.setenv(name, text)

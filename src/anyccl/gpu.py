@@ -72,6 +72,10 @@ def use_device(device: int) -> None:
 
 
 def current_device() -> int:
+    if _core is not None:
+        ordinal = _core.device()  # the current context's device: what the runtime would say
+        if ordinal >= 0:
+            return ordinal
     return int(_check(_rt().cudaGetDevice(), "cudaGetDevice"))
 
 
@@ -84,7 +88,13 @@ def ensure_context(device: int) -> None:
     would make it. Looked up once per thread."""
     if getattr(_threads, "has_context", False):
         return
-    if not int(_driver_value(_drv().cuCtxGetCurrent(), "cuCtxGetCurrent")):
+    if _core is not None:
+        current = _core.context()
+        if current < 0:
+            _check_driver(_drv().CUresult(-current), "cuCtxGetCurrent")
+    else:
+        current = int(_driver_value(_drv().cuCtxGetCurrent(), "cuCtxGetCurrent"))
+    if not current:
         set_device(device)
     _threads.has_context = True
 
@@ -137,9 +147,25 @@ def destroy_event(event: int) -> None:
     _check(_rt().cudaEventDestroy(event), "cudaEventDestroy")
 
 
-# The three calls made on every GPU operation go through the driver API by default: the
-# bindings' runtime layer may cost more per call (ANYCCL_CUDA_API=runtime selects it, to compare).
-_DRIVER = settings.CUDA_API.get() == "driver"
+# The calls made on every GPU operation go through the driver API by default, compiled
+# (_cudacore.c) where it was built: the bindings' argument wrapping costs about a microsecond a
+# call, their runtime layer more (ANYCCL_CUDA_API=bindings or runtime selects them, to compare).
+_DRIVER = settings.CUDA_API.get() != "runtime"
+
+
+def _load_core() -> Any:
+    """anyccl's compiled driver calls (`_cudacore.c`), where the module was built and the driver
+    library opens; else None (the bindings serve every call)."""
+    if settings.CUDA_API.get() != "driver":
+        return None
+    try:
+        from . import _cudacore
+    except ImportError:
+        return None
+    return _cudacore if _cudacore.load() else None
+
+
+_core = _load_core()
 
 
 @functools.cache
@@ -157,7 +183,11 @@ def _check_driver(status: Any, call: str) -> None:
 
 
 def record(event: int, stream: int) -> None:
-    if _DRIVER:
+    if _core is not None:
+        status = _core.record(event, stream)
+        if status:
+            _check_driver(_drv().CUresult(status), "cuEventRecord")
+    elif _DRIVER:
         _check_driver(_drv().cuEventRecord(event, stream)[0], "cuEventRecord")
     else:
         _check(_rt().cudaEventRecord(event, stream), "cudaEventRecord")
@@ -165,13 +195,27 @@ def record(event: int, stream: int) -> None:
 
 def stream_wait(stream: int, event: int) -> None:
     """Work queued on `stream` from now on waits for `event` (no host block)."""
-    if _DRIVER:
+    if _core is not None:
+        status = _core.stream_wait(stream, event)
+        if status:
+            _check_driver(_drv().CUresult(status), "cuStreamWaitEvent")
+    elif _DRIVER:
         _check_driver(_drv().cuStreamWaitEvent(stream, event, 0)[0], "cuStreamWaitEvent")
     else:
         _check(_rt().cudaStreamWaitEvent(stream, event, 0), "cudaStreamWaitEvent")
 
 
+_NOT_READY = 600  # CUDA_ERROR_NOT_READY
+
+
 def event_done(event: int) -> bool:
+    if _core is not None:
+        status = _core.query(event)
+        if status == _NOT_READY:
+            return False
+        if status:
+            _check_driver(_drv().CUresult(status), "cuEventQuery")
+        return True
     if _DRIVER:
         driver = _drv()
         status = driver.cuEventQuery(event)[0]
@@ -313,6 +357,11 @@ def _libcuda_launch() -> Any:
 def launch(function: Any, blocks: int, threads: int, stream: int, params: int) -> None:
     """Queue `function` (a CUfunction or its address) on `stream`; `params` is the address of
     its void* argument array."""
+    if _core is not None:
+        status = _core.launch(int(function), blocks, threads, stream, params)
+        if status:
+            _check_driver(_drv().CUresult(status), "cuLaunchKernel")
+        return
     status = _libcuda_launch()(int(function), blocks, 1, 1, threads, 1, 1, 0, stream or None,
                                params, None)
     if status:
@@ -329,6 +378,11 @@ def relax_capture_mode() -> None:
 
 def is_capturing(stream: int) -> bool:
     """Whether `stream` is being captured into a CUDA graph."""
+    if _core is not None:
+        status = _core.capturing(stream)
+        if status < 0:
+            _check_driver(_drv().CUresult(-status), "cuStreamIsCapturing")
+        return status != 0
     driver = _drv()
     status = _driver_value(driver.cuStreamIsCapturing(stream), "cuStreamIsCapturing")
     return status != driver.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE

@@ -166,8 +166,11 @@ MPI_STAGING_CHUNK = _declare("MPI_STAGING_CHUNK", "size", 4 << 20,
 
 # ---- GPUs ------------------------------------------------------------------------------------
 CUDA_API = _declare("CUDA_API", "choice", "driver",
-                    "Which CUDA bindings anyccl's own calls go through.",
-                    choices=("driver", "runtime"))
+                    "How anyccl's own per-operation CUDA calls are made: driver (its compiled "
+                    "driver calls where they were built, else cuda-bindings' driver API), "
+                    "bindings (cuda-bindings' driver API), runtime (cuda-bindings' runtime "
+                    "API).",
+                    choices=("driver", "bindings", "runtime"))
 CACHE_DIR = _declare("CACHE_DIR", "path", None,
                      "Where the ipc kernels compiled by NVRTC are kept. Default: "
                      "~/.cache/anyccl.")
