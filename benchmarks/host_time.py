@@ -173,7 +173,8 @@ def gpu_backend(kind: str) -> Any:
     from anyccl.backends.gpu_queue import GpuQueue
 
     queue = GpuQueue(0, "rank 0", lambda: None, rank=0, what="NCCL communicator")
-    queue._watch = lambda item: None  # no watchdog thread: the caller's side only
+    # no watchdog thread: the caller's side only (what it queues for the watchdog is dropped)
+    queue._queued, queue._wake_watchdog = collections.deque(maxlen=0), lambda: None
     nccl = nccl_module.NcclBackend.__new__(nccl_module.NcclBackend)
     nccl.__dict__.update(dict(_b=Bindings(), _comm=0, rank=0, size=2, device=0, _label="rank 0",
                               _lost_peer=lambda: None, timeout_s=60.0, queue=queue))

@@ -43,16 +43,11 @@ _WATCH_POLL_S = 0.05        # how often the watchdog looks at queued events (nev
 _HEALTH_POLL_S = 0.1        # how often it runs the health checks
 
 
-class _Queued:
-    """One queued operation the watchdog follows: its record, the event that marks its end,
-    its deadline, the arrays kept alive until then and its flight-recorder lines."""
-
-    __slots__ = ("record", "event", "deadline", "keep", "entries")
-
-    def __init__(self, record: OpRecord, event: int, deadline: float, keep: Any,
-                 entries: list[dict]) -> None:
-        self.record, self.event, self.deadline = record, event, deadline
-        self.keep, self.entries = keep, entries
+# One queued operation the watchdog follows, as a plain tuple (made on every call): its record,
+# the event that marks its end, its deadline, the arrays kept alive until then and its
+# flight-recorder lines.
+_RECORD, _EVENT, _DEADLINE, _KEEP, _ENTRIES = range(5)
+Queued = tuple  # (OpRecord, event, deadline, keep, entries)
 
 
 class GpuQueue:
@@ -81,7 +76,7 @@ class GpuQueue:
         self._last_event = 0
         self.lock = threading.Lock()             # enqueueing vs aborting
         self._wake = threading.Event()           # set when work arrives in an empty queue
-        self._queued: deque[_Queued] = deque()   # appended here, popped by the watchdog
+        self._queued: deque[Queued] = deque()   # appended here, popped by the watchdog
         self._retiring = threading.Lock()        # one thread pops finished operations
         self._watchdog: threading.Thread | None = None
         self._closing = False
@@ -141,7 +136,11 @@ class GpuQueue:
             self._last_stream, self._last_event = stream, event
         for entry in entries:
             FlightRecorder.started(entry)
-        self._watch(_Queued(record, event, deadline, keep, entries))
+        queued = self._queued
+        was_empty = not queued
+        queued.append((record, event, deadline, keep, entries))
+        if was_empty:
+            self._wake_watchdog()
         return event
 
     def _enqueue(self, enqueue: Enqueue, stream: int, record: OpRecord) -> None:
@@ -185,15 +184,13 @@ class GpuQueue:
         ) from failure
 
     # ---- the watchdog ------------------------------------------------------------------------
-    def _watch(self, item: _Queued) -> None:
-        was_empty = not self._queued
-        self._queued.append(item)
+    def _wake_watchdog(self) -> None:
+        """Work arrived in an empty queue: start the watchdog (the first time) or wake it."""
         if self._watchdog is None:
             self._watchdog = threading.Thread(target=self._watchdog_loop, daemon=True,
                                               name=f"anyccl-gpu-watchdog-{self.label}")
             self._watchdog.start()
-        if was_empty:
-            self._wake.set()
+        self._wake.set()
 
     def _finished(self) -> int:
         """Retire the operations that completed; how many. They complete in issue order, so
@@ -208,18 +205,18 @@ class GpuQueue:
         count = len(queued)  # items appended from here on are not looked at
         if not count:
             return 0
-        if gpu.event_done(queued[count - 1].event):
+        if gpu.event_done(queued[count - 1][_EVENT]):
             done = count
         else:  # items [0, done) are finished, item `last` is not
             done, last = 0, count - 1
             while done < last:
                 middle = (done + last) // 2
-                if gpu.event_done(queued[middle].event):
+                if gpu.event_done(queued[middle][_EVENT]):
                     done = middle + 1
                 else:
                     last = middle
         for _ in range(done):
-            for entry in queued.popleft().entries:
+            for entry in queued.popleft()[_ENTRIES]:
                 FlightRecorder.ended(entry)
         return done
 
@@ -234,14 +231,14 @@ class GpuQueue:
                 continue
             time.sleep(_WATCH_POLL_S)
             retired = self._finished()
-            record = self._queued[0].record if self._queued else OpRecord("(last operation)", 0)
+            head = self._queued[0] if self._queued else None
+            record = head[_RECORD] if head is not None else OpRecord("(last operation)", 0)
             problem: BaseException | None = None
             now = time.monotonic()
-            if self._queued and now >= self._queued[0].deadline:
-                head = self._queued[0]
+            if head is not None and now >= head[_DEADLINE]:
                 problem = TimeoutError(
-                    f"rank {self.rank}: {head.record} did not finish on GPU {self.device} within "
-                    f"{head.deadline - head.record.issued_at:.3g} s (the anyccl timeout); the "
+                    f"rank {self.rank}: {record} did not finish on GPU {self.device} within "
+                    f"{head[_DEADLINE] - record.issued_at:.3g} s (the anyccl timeout); the "
                     f"{self.what} was aborted")
             elif retired or now - last_health >= _HEALTH_POLL_S:
                 # also as operations finish: one may have ended early on an error its
@@ -279,7 +276,7 @@ class GpuQueue:
         failed = list(self._queued)
         self._queued.clear()
         for item in failed:
-            for entry in item.entries:
+            for entry in item[_ENTRIES]:
                 FlightRecorder.ended(entry, self.failure)
 
     @property
