@@ -330,6 +330,36 @@ def test_repeated_blocking_gpu_calls_replay_their_plan_with_every_check_and_reco
         assert got["states"] == {"done"}
 
 
+def check_retiring_without_the_watchdog(comm) -> dict:
+    from anyccl.backends import gpu_queue
+
+    gpu_queue._WATCH_POLL_S = 3600.0           # the watchdog sleeps through the whole loop
+    x = FakeGpuArray(np.ones(2, np.float32))
+    comm.all_reduce(x)                         # wakes the watchdog, which now sleeps an hour
+    _landed()
+    queue = comm.gpu_backend.queue
+    longest = 0
+    for step in range(6 * gpu_queue._RETIRE_EVERY):
+        comm.all_reduce(x)
+        if step % 16 == 15:
+            _landed()                          # what was queued so far has finished
+        longest = max(longest, len(queue._queued))
+    _landed()
+    states = [e["state"] for e in comm.flight_recorder.entries()]
+    return {"longest": longest, "states": states[:len(states) - len(queue._queued)]}
+
+
+def test_an_eager_loop_retires_its_finished_operations_itself():
+    """Operations are retired (flight records marked done, arrays released) by the caller every
+    64 calls, not only by the watchdog's polls: thousands of records queued between two polls
+    lived long enough to set off the garbage collector's full collections in eager loops."""
+    from anyccl.backends.gpu_queue import _RETIRE_EVERY
+
+    got = run_ranks(check_retiring_without_the_watchdog, 1, env=SETUP)[0]
+    assert got["longest"] <= 2 * _RETIRE_EVERY, got["longest"]
+    assert got["states"] and set(got["states"]) == {"done"}, got["states"]  # not queued
+
+
 # ---- error paths ---------------------------------------------------------------------------
 def check_argument_errors(comm) -> list[str]:
     errors = []

@@ -41,6 +41,10 @@ _WATCH_POLL_S = 0.05        # how often the watchdog looks at queued events (nev
                             # each look takes the GIL from the caller; at 10 ms an eager loop
                             # of small calls lost ~1.7 us per call to it on a GPU machine)
 _HEALTH_POLL_S = 0.1        # how often it runs the health checks
+_RETIRE_EVERY = 64          # the caller retires finished operations itself every this many:
+                            # an eager loop queues thousands per watchdog poll, whose records
+                            # would otherwise live long enough to reach the garbage collector's
+                            # oldest generation and set off its full collections
 
 
 # One queued operation the watchdog follows, as a plain tuple (made on every call): its record,
@@ -141,6 +145,13 @@ class GpuQueue:
         queued.append((record, event, deadline, keep, entries))
         if was_empty:
             self._wake_watchdog()
+        elif not len(queued) % _RETIRE_EVERY and self._retiring.acquire(False):
+            try:   # (never waits for the watchdog: it is retiring them already)
+                self._retire()
+            except gpu.CudaError:
+                pass   # the operation is queued; the error fails the watchdog's look or a call
+            finally:
+                self._retiring.release()
         return event
 
     def _enqueue(self, enqueue: Enqueue, stream: int, record: OpRecord) -> None:
