@@ -93,12 +93,12 @@ def main() -> None:
         import torch.distributed._symmetric_memory as symm
 
         buf = symm.empty(2, device="cuda").fill_(1)
-        name = dist.group.WORLD.group_name
-        symm.rendezvous(buf, name)
+        world = dist.group.WORLD.group_name
+        symm.rendezvous(buf, world)
         peers["symm_mem two_shot_all_reduce_ 8 B"] = \
-            lambda: torch.ops.symm_mem.two_shot_all_reduce_(buf, "sum", name)
+            lambda: torch.ops.symm_mem.two_shot_all_reduce_(buf, "sum", world)
         peers["symm_mem one_shot_all_reduce 8 B"] = \
-            lambda: torch.ops.symm_mem.one_shot_all_reduce(buf, "sum", name)
+            lambda: torch.ops.symm_mem.one_shot_all_reduce(buf, "sum", world)
     except Exception as exc:  # noqa: BLE001 - a peer this torch lacks is left out, said why
         print(f"torch symmetric memory left out: {exc!r}"[:300])
     peers["a tiny torch op, x.add_(0)"] = lambda: tiny.add_(0)
