@@ -520,15 +520,13 @@ class SharedMemoryBackend(Backend):
         lost = self.lost_peer()
         if lost is not None:
             origin = self._origin(lost[0])
-            if origin == lost[0]:
-                raise self._lost(origin, f"{lost[1]} while this rank was in {self._record}")
-            if not process_alive(self._pids[origin]):
-                # the first rank lost has died too: name its death, not the exit it caused
+            after = "" if origin == lost[0] else f" ({lost[1]} after losing it)"
+            if origin == lost[0] or not process_alive(self._pids[origin]):
+                # the first rank lost died: name its death, not an exit it caused
                 raise self._lost(origin, f"rank {origin} (pid {self._pids[origin]}) died while "
-                                         f"this rank was in {self._record} ({lost[1]} after "
-                                         f"losing it)")
-            raise self._lost(origin, f"rank {origin} left while this rank was in {self._record} "
-                                     f"({lost[1]} after losing it)")
+                                         f"this rank was in {self._record}{after}")
+            raise self._lost(origin, f"rank {origin} left while this rank was in "
+                                     f"{self._record}{after}")
         for j in range(self.size):
             if j != self.rank and self._ctl[j][_W_CLOSED]:
                 origin = self._origin(j)
