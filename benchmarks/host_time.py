@@ -161,6 +161,7 @@ def stub_cuda() -> None:
         setattr(gpu, name, lambda *a: None)
     gpu.new_stream = gpu.new_event = lambda device: next(handles)
     gpu.is_capturing = lambda stream: False
+    gpu.queue_kernel = lambda *a: True
     gpu.use_device = gpu.set_device = gpu.ensure_context = lambda device: None
     gpu.device_count = lambda: 1
     gpu.device_of_pointer = lambda ptr: 0

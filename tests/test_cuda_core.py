@@ -5,6 +5,7 @@ GPU, answering every call as NVIDIA's bindings do (gpu.py uses it in their place
 from __future__ import annotations
 
 import ctypes
+import time
 
 import pytest
 
@@ -74,3 +75,57 @@ def test_on_a_gpu_each_call_answers_as_the_bindings_do():
         gpu.destroy_event(event)
         gpu.destroy_event(done)
         gpu.destroy_stream(stream)
+
+
+class _Put(ctypes.Structure):
+    """The argument block of the test kernel `put`: store `value` at `word`."""
+
+    _fields_ = [("word", ctypes.c_uint64), ("value", ctypes.c_uint32)]
+
+
+_PUT = """
+struct Put { unsigned* word; unsigned value; };
+extern "C" __global__ void put(Put a) { *(volatile unsigned*)a.word = a.value; }
+"""
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_a_kernel_is_queued_after_an_event_and_recorded_in_one_call():
+    torch = pytest.importorskip("torch")
+    from anyccl.backends.ipc import compiler
+
+    assert _cudacore.load() and gpu._core is _cudacore
+    torch.cuda.set_device(0)
+    torch.cuda.init()
+    major, minor = gpu.compute_capability(0)
+    function = gpu.module_function(gpu.load_module(compiler._compile(_PUT, f"sm_{major}{minor}")),
+                                   "put")
+    host, device_ptr = gpu.host_alloc_mapped(8)
+    gate, out = ctypes.c_uint32.from_address(host), ctypes.c_uint32.from_address(host + 4)
+    gate.value = out.value = 0
+    blocked, stream = gpu.new_stream(0), gpu.new_stream(0)
+    opened, done = gpu.new_event(0), gpu.new_event(0)
+    try:
+        gpu.wait_value(blocked, device_ptr, 1)     # `blocked` waits for the host's word
+        gpu.record(opened, blocked)
+        call = gpu.KernelLaunch(function, 1, 1, _Put(device_ptr + 4, 7))
+        assert gpu.queue_kernel(call, stream, done, opened)
+        time.sleep(0.05)
+        assert out.value == 0 and not gpu.event_done(done)   # it waits for `opened`
+        gate.value = 1
+        gpu.synchronize_stream(stream)
+        assert out.value == 7 and gpu.event_done(done)       # ran, then its event
+        # a captured stream: nothing queued, the caller captures it its own way
+        side = torch.cuda.Stream()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=side):
+            assert not gpu.queue_kernel(call, side.cuda_stream, done, 0)
+        # a failed step is an error that names its driver call
+        with pytest.raises(gpu.CudaError, match="cuLaunchKernel failed"):
+            gpu.queue_kernel(gpu.KernelLaunch(0, 1, 1, _Put()), stream, done, 0)
+    finally:
+        gpu.destroy_event(opened)
+        gpu.destroy_event(done)
+        gpu.destroy_stream(blocked)
+        gpu.destroy_stream(stream)
+        gpu.host_free(host)

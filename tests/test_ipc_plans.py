@@ -6,15 +6,20 @@ batched messages fork to side streams and join back. The kernels themselves are 
 
 from __future__ import annotations
 
+import ctypes
+import time
+
 import numpy as np
 import pytest
 
 from anyccl import ReduceOp, gpu
+from anyccl.backends.gpu_queue import GpuQueue
 from anyccl.backends.ipc import backend as ipc
 from anyccl.backends.ipc import compiler
 from anyccl.backends.ipc.memory import TILE_BYTES, KernelArgs, Layout
 from anyccl.buffers import BFLOAT16, GpuArray
 from anyccl.errors import InvalidArgumentError
+from anyccl.trace import OpRecord
 
 
 class FakeNccl:
@@ -34,7 +39,8 @@ def launches(monkeypatch):
     names = {}
 
     def launch(function, blocks, threads, stream, params):
-        args = backend_under_test[0]._args
+        # what the kernel would get: the block the parameter array points to
+        args = KernelArgs.from_address(ctypes.c_void_p.from_address(params).value)
         fields = {name: getattr(args, name) for name, _ in KernelArgs._fields_}
         fields["ins"], fields["outs"] = list(args.ins), list(args.outs)
         seen.append((names[function], blocks, stream, fields))
@@ -44,7 +50,7 @@ def launches(monkeypatch):
     events = []
     monkeypatch.setattr(gpu, "record", lambda e, s: events.append(("record", e, s)))
     monkeypatch.setattr(gpu, "stream_wait", lambda s, e: events.append(("wait", s, e)))
-    counter = iter(range(100, 1000))
+    counter = iter(range(100, 10_000))
     monkeypatch.setattr(gpu, "new_stream", lambda d: next(counter))
     monkeypatch.setattr(gpu, "new_event", lambda d: next(counter))
     backend_under_test.clear()
@@ -65,7 +71,8 @@ def make_backend(names, size=2, rank=0, policy="ipc", half_mb=2):
     b = ipc.IpcBackend.__new__(ipc.IpcBackend)
     b.nccl, b.policy, b.rank, b.size, b.device = FakeNccl(), policy, rank, size, 0
     b.layout, b._args = layout, KernelArgs()
-    b._params_address, b._side, b._fork = 0, [], 1
+    b._params = (ctypes.c_void_p * 1)(ctypes.addressof(b._args))
+    b._params_address, b._side, b._fork = ctypes.addressof(b._params), [], 1
     b.max_blocks, b.ll_bytes, b.one_shot_bytes = 128, min(16 << 10, layout.slot_bytes // 2), \
         256 << 10
     b.ce_bytes = 1 << 62  # the copy-engine path: tests/test_ipc_copy_engines.py
@@ -160,6 +167,48 @@ def test_batched_messages_fork_to_a_side_stream_per_channel_and_join_back(launch
     assert [a["tag"] for *_, a in seen] == [5, 5, 6]
     joins = [e for e in events if e[0] == "wait" and e[1] == 42]
     assert len(joins) == 2                                           # the stream waits for both
+
+
+def test_a_one_kernel_operation_is_queued_in_one_step_after_the_queues_last_operation(
+        launches, monkeypatch):
+    """A blocking operation of one kernel (what a cached plan replays) carries its own
+    argument block, so the queue issues its driver calls as one (gpu.queue_kernel): wait for
+    the queue's previous operation if that ran on another stream, launch, record its event; on
+    a stream being captured it is captured whole, with no event."""
+    seen, names, events = launches
+    monkeypatch.setattr(gpu, "_core", None)   # the per-call path: each driver call is seen
+    record_launch = gpu.launch
+    monkeypatch.setattr(gpu, "launch", lambda function, blocks, threads, stream, params: (
+        events.append(("launch", stream)), record_launch(function, blocks, threads, stream,
+                                                          params)))
+    capturing: set[int] = set()
+    monkeypatch.setattr(gpu, "is_capturing", lambda stream: stream in capturing)
+    monkeypatch.setattr(gpu, "ensure_context", lambda device: None)
+    queue = GpuQueue(0, "rank 0", lambda: None, rank=0)
+    queue._wake_watchdog = lambda: None   # no watchdog thread: what it would follow is kept
+    b = make_backend(names)
+    x = arr(1 << 20, 2)
+    call = b.all_reduce(x, ReduceOp.AVG)
+    assert type(call) is gpu.KernelLaunch
+    b.all_reduce(arr(1 << 21, 2), ReduceOp.SUM)(5)   # another operation's arguments differ...
+    events.clear()
+    seen.clear()
+    deadline = time.monotonic() + 60
+    before = queue.run(OpRecord("async", 1), [7], deadline, lambda stream: None, None, [])
+    events.clear()
+    first = queue.run(OpRecord("all_reduce", 2), [7], deadline, call, None, [], on=7)
+    second = queue.run(OpRecord("all_reduce", 3), [7], deadline, call, None, [], on=7)
+    assert events == [("wait", 7, before), ("launch", 7), ("record", first, 7),
+                      ("launch", 7), ("record", second, 7)]
+    assert first != second and [item[1] for item in queue._queued] == [before, first, second]
+    for kernel, _, stream, a in seen:     # ...but not this one's
+        assert kernel == "all_reduce_low_latency_float32_sum" and stream == 7
+        assert (a["inp"], a["out"], a["count"], a["scale"]) == (x.ptr, x.ptr, 2, 0.5)
+    capturing.add(9)
+    events.clear()
+    assert queue.run(OpRecord("all_reduce", 4), [9], deadline, call, None, [], on=9) == 0
+    assert events == [("launch", 9)]      # in the graph; the queue follows nothing of it
+    assert len(queue._queued) == 3
 
 
 @pytest.mark.parametrize("value", ["memops", "Kernels", "events"])

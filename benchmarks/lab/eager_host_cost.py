@@ -5,7 +5,10 @@ on the ipc and nccl backends and `dist.all_reduce` on anyccl's torch group, both
 NCCL group and symmetric-memory all_reduces; then an eager loop of 20000 calls with the caller
 retiring finished operations every 64 calls (gpu_queue.py) against the watchdog alone, with and
 without the garbage collector. Host time only: batches of 400 calls with the GPU drained between
-them (fewer than the launch queue holds), medians of 5 alternating rounds.
+them (fewer than the launch queue holds), medians of 5 alternating rounds. A one-kernel operation
+(what a cached plan replays) is also timed with one compiled driver call per step instead of one
+call for all (`gpu.queue_kernel_in_steps`). Last, the GPU's own time per call: calls captured
+into a CUDA graph and replayed.
 
     python3 benchmarks/lab/eager_host_cost.py
 """
@@ -53,20 +56,49 @@ def loop(comm, x, n: int = 20000) -> float:
     return took
 
 
+def graph_time(fn, n: int = 100, replays: int = 20) -> float:
+    """GPU us per call: `n` calls captured into one CUDA graph, replayed back to back."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        for _ in range(n):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / (n * replays)
+
+
 def main() -> None:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
     torch.cuda.set_device(0)
     dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
     core = gpu._core
-    rows: dict[tuple[str, bool | None], list[float]] = {}
+    rows: dict[tuple[str, bool | str | None], list[float]] = {}
 
-    def both_ways(name: str, fn) -> None:
+    one_call = gpu.queue_kernel
+
+    def both_ways(name: str, fn, steps: bool = False) -> None:
+        """Rounds of `fn` with the compiled calls and with the bindings (and, with `steps`, a
+        compiled call per step of a one-kernel operation instead of one call)."""
+        ways = (True, "steps", False) if steps else (True, False)
         for _ in range(ROUNDS):
-            for compiled in (True, False):
-                gpu._core = core if compiled else None
-                rows.setdefault((name, compiled), []).append(per_call(fn))
-        gpu._core = core
+            for way in ways:
+                gpu._core = core if way else None
+                gpu.queue_kernel = gpu.queue_kernel_in_steps if way == "steps" else one_call
+                rows.setdefault((name, way), []).append(per_call(fn))
+        gpu._core, gpu.queue_kernel = core, one_call
 
     stream, event, side = torch_stream(0), gpu.new_event(0), gpu.new_stream(0)
     both_ways("gpu.record", lambda: gpu.record(event, stream))
@@ -84,10 +116,11 @@ def main() -> None:
     os.environ.pop("ANYCCL_BACKEND")
     tiny = torch.ones(2, device="cuda")
     for backend, comm in comms.items():
-        both_ways(f"comm.all_reduce 8 B ({backend})", lambda c=comm: c.all_reduce(tiny))
+        both_ways(f"comm.all_reduce 8 B ({backend})", lambda c=comm: c.all_reduce(tiny),
+                  steps=True)
     for backend, group in groups.items():
         both_ways(f"dist.all_reduce 8 B, anyccl group ({backend})",
-                  lambda g=group: dist.all_reduce(tiny, group=g))
+                  lambda g=group: dist.all_reduce(tiny, group=g), steps=True)
     peers = {"dist.all_reduce 8 B, torch NCCL": lambda: dist.all_reduce(tiny)}
     try:
         import torch.distributed._symmetric_memory as symm
@@ -106,13 +139,27 @@ def main() -> None:
         rows[(name, None)] = [per_call(fn) for _ in range(ROUNDS)]
     print(f"# torch {torch.__version__}, {torch.cuda.get_device_name()}, 1 rank; host us per "
           f"call, batches of 400 with the GPU drained in between, median of {ROUNDS} rounds")
-    print("| call | compiled driver calls | cuda-bindings | peer |\n|---|---:|---:|---:|")
+    print("| call | compiled driver calls | compiled, a call per step | cuda-bindings | peer |\n"
+          "|---|---:|---:|---:|---:|")
 
     def cell(values: list[float] | None) -> str:
         return f"{statistics.median(values):.2f}" if values else ""
     for name in dict.fromkeys(k[0] for k in rows):
-        print(f"| {name} | {cell(rows.get((name, True)))} | {cell(rows.get((name, False)))} | "
-              f"{cell(rows.get((name, None)))} |")
+        print(f"| {name} | {cell(rows.get((name, True)))} | {cell(rows.get((name, 'steps')))} | "
+              f"{cell(rows.get((name, False)))} | {cell(rows.get((name, None)))} |")
+
+    print("\n# GPU us per call: 100 calls captured into a CUDA graph, replayed 20 times, median "
+          f"of {ROUNDS}")
+    print("| call | GPU us per call |\n|---|---:|")
+    captured = {f"comm.all_reduce 8 B ({b})": (lambda c=c: c.all_reduce(tiny))
+                for b, c in comms.items()}
+    captured.update({name: fn for name, fn in peers.items() if "one_shot" not in name})
+    for name, fn in captured.items():
+        try:
+            print(f"| {name} | {statistics.median(graph_time(fn) for _ in range(ROUNDS)):.2f} |")
+        except Exception as exc:  # noqa: BLE001 - what cannot be captured is said, not timed
+            print(f"| {name} | not captured: {type(exc).__name__}: {str(exc)[:120]} |")
+            torch.cuda.synchronize()
 
     variants = {"caller retires every 64": (64, True), "watchdog alone": (1 << 40, True),
                 "watchdog alone, gc off": (1 << 40, False)}

@@ -17,9 +17,18 @@
  *                                           (0: none), or minus the error code
  *   device()                                cuCtxGetDevice: the current context's device, or
  *                                           minus the error code (no current context: 201)
+ *   queue_kernel(stream, function, blocks, threads, params, event, after)
+ *                                           a replayed operation's driver calls in one: unless
+ *                                           `stream` is being captured (then it queues nothing
+ *                                           and returns 1), the stream waits for event `after`
+ *                                           (unless 0), the kernel is launched as by launch()
+ *                                           and `event` recorded after it; 0 on success, else
+ *                                           minus (CUresult * 4 + the failed step: 0 capture
+ *                                           query, 1 wait, 2 launch, 3 record)
  *
- * Every call but `capturing`, `context` and `device` returns the CUresult (0: success); the caller turns
- * a failure into an error that names the call. Handles and addresses are Python ints.
+ * Every call but `capturing`, `context`, `device` and `queue_kernel` returns the CUresult (0:
+ * success); the caller turns a failure into an error that names the call. Handles and addresses
+ * are Python ints.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -128,6 +137,25 @@ static PyObject *device(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     return PyLong_FromLong(rc ? -(long)rc : (long)ordinal);
 }
 
+static PyObject *queue_kernel(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    Handle h[7];
+    if (handles(args, nargs, 7, "queue_kernel", h) < 0) return NULL;
+    Handle stream = h[0], function = h[1], params = h[4], event = h[5], after = h[6];
+    unsigned blocks = (unsigned)(uintptr_t)h[2], threads = (unsigned)(uintptr_t)h[3];
+    int capture = 0;
+    CUresult rc = cu_capturing(stream, &capture);
+    if (rc) return PyLong_FromLong(-((long)rc * 4 + 0));
+    if (capture) return PyLong_FromLong(1);
+    if (after != NULL && (rc = cu_wait(stream, after, 0)))
+        return PyLong_FromLong(-((long)rc * 4 + 1));
+    Py_BEGIN_ALLOW_THREADS
+    rc = cu_launch(function, blocks, 1, 1, threads, 1, 1, 0, stream, (void **)params, NULL);
+    Py_END_ALLOW_THREADS
+    if (rc) return PyLong_FromLong(-((long)rc * 4 + 2));
+    if ((rc = cu_record(event, stream))) return PyLong_FromLong(-((long)rc * 4 + 3));
+    return PyLong_FromLong(0);
+}
+
 static PyMethodDef methods[] = {
     {"load", load, METH_NOARGS, "Open the CUDA driver library; False if it is missing."},
     {"launch", (PyCFunction)(void (*)(void))launch, METH_FASTCALL,
@@ -143,6 +171,9 @@ static PyMethodDef methods[] = {
      "context() -> the current context's address (0: none), or minus the CUresult"},
     {"device", (PyCFunction)(void (*)(void))device, METH_FASTCALL,
      "device() -> the current context's device ordinal, or minus the CUresult"},
+    {"queue_kernel", (PyCFunction)(void (*)(void))queue_kernel, METH_FASTCALL,
+     "queue_kernel(stream, function, blocks, threads, params, event, after) -> 0, 1 (the "
+     "stream is being captured: nothing queued), or minus (CUresult * 4 + failed step)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -7,6 +7,7 @@ a failure raises `CudaError` naming the call.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 import sys
@@ -345,8 +346,6 @@ def module_function(module: Any, name: str) -> Any:
 def _libcuda_launch() -> Any:
     """cuLaunchKernel straight from the driver library through ctypes: a launch costs ~1 us
     of host time this way, several times less than through the bindings' argument checks."""
-    import ctypes
-
     fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernel
     u, p = ctypes.c_uint, ctypes.c_void_p
     fn.argtypes = [p, u, u, u, u, u, u, u, p, p, p]
@@ -366,6 +365,53 @@ def launch(function: Any, blocks: int, threads: int, stream: int, params: int) -
                                params, None)
     if status:
         _check_driver(_drv().CUresult(status), "cuLaunchKernel")
+
+
+class KernelLaunch:
+    """One launch of a kernel whose argument block is its own: `args`, a ctypes structure the
+    kernel takes by value as its only parameter. Queuing it again writes nothing, so a cached
+    plan replays it in one driver call (`queue_kernel`); calling it launches it on `stream`."""
+
+    __slots__ = ("function", "blocks", "threads", "args", "_params", "params")
+
+    def __init__(self, function: Any, blocks: int, threads: int, args: ctypes.Structure) -> None:
+        self.function, self.blocks, self.threads, self.args = int(function), blocks, threads, args
+        self._params = (ctypes.c_void_p * 1)(ctypes.addressof(args))
+        self.params = ctypes.addressof(self._params)
+
+    def __call__(self, stream: int) -> None:
+        launch(self.function, self.blocks, self.threads, stream, self.params)
+
+
+_QUEUE_KERNEL_STEPS = ("cuStreamIsCapturing", "cuStreamWaitEvent", "cuLaunchKernel",
+                       "cuEventRecord")
+
+
+def queue_kernel(call: KernelLaunch, stream: int, event: int, after: int) -> bool:
+    """Queue `call` on `stream` after event `after` (0: no wait) and record `event` after it;
+    False, with nothing queued, if `stream` is being captured into a CUDA graph. One compiled
+    call where the CUDA core loaded."""
+    if _core is not None:
+        status = _core.queue_kernel(stream, call.function, call.blocks, call.threads,
+                                    call.params, event, after)
+        if status <= 0:
+            if status:
+                code, step = divmod(-status, 4)
+                _check_driver(_drv().CUresult(code), _QUEUE_KERNEL_STEPS[step])
+            return True
+        return False
+    return queue_kernel_in_steps(call, stream, event, after)
+
+
+def queue_kernel_in_steps(call: KernelLaunch, stream: int, event: int, after: int) -> bool:
+    """`queue_kernel` as one driver call after another (where the CUDA core is not built)."""
+    if is_capturing(stream):
+        return False
+    if after:
+        stream_wait(stream, after)
+    call(stream)
+    record(event, stream)
+    return True
 
 
 def relax_capture_mode() -> None:

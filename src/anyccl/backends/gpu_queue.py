@@ -112,6 +112,11 @@ class GpuQueue:
             self.raise_if_failed()
         gpu.ensure_context(self.device)  # the caller may be a thread new to CUDA
         if on is not None:  # a blocking call: right on the caller's stream
+            if type(enqueue) is gpu.KernelLaunch:  # one kernel: its driver calls in one
+                event = self._queue_kernel(enqueue, on)
+                if event:
+                    self._follow(record, event, deadline, keep, entries)
+                    return event
             if gpu.is_capturing(on):
                 return self._captured(on, enqueue, record, entries)
             stream = on
@@ -138,6 +143,27 @@ class GpuQueue:
             self._next_event = (self._next_event + 1) % _EVENT_RING
             gpu.record(event, stream)
             self._last_stream, self._last_event = stream, event
+        self._follow(record, event, deadline, keep, entries)
+        return event
+
+    def _queue_kernel(self, call: gpu.KernelLaunch, stream: int) -> int:
+        """`run` of one kernel right on `stream`, in one driver call: its event, or 0 when the
+        stream is being captured (nothing was queued; `run` takes its capture path)."""
+        with self.lock:
+            if stream in gpu.NULL_STREAMS:
+                gpu.use_device(self.device)  # a null stream is the current device's
+            event = self._events[self._next_event]
+            last = self._last_stream
+            after = self._last_event if last is not None and last != stream else 0
+            if not gpu.queue_kernel(call, stream, event, after):
+                return 0
+            self._next_event = (self._next_event + 1) % _EVENT_RING
+            self._last_stream, self._last_event = stream, event
+        return event
+
+    def _follow(self, record: OpRecord, event: int, deadline: float, keep: Any,
+                entries: list[dict]) -> None:
+        """Hand a queued operation to the watchdog (and retire finished ones every so often)."""
         for entry in entries:
             FlightRecorder.started(entry)
         queued = self._queued
@@ -152,7 +178,6 @@ class GpuQueue:
                 pass   # the operation is queued; the error fails the watchdog's look or a call
             finally:
                 self._retiring.release()
-        return event
 
     def _enqueue(self, enqueue: Enqueue, stream: int, record: OpRecord) -> None:
         try:

@@ -38,7 +38,7 @@ from ..gpu_queue import Enqueue
 from ..nccl import NcclBackend
 from ..registry import GpuContext
 from . import ce, compiler
-from .memory import STATUS_ERROR, THREADS, PeerMemory, describe_args
+from .memory import STATUS_ERROR, THREADS, KernelArgs, PeerMemory, describe_args
 
 _TYPES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16", BFLOAT16: "bfloat16"}
 _OPS = {ReduceOp.SUM: "sum", ReduceOp.AVG: "sum", ReduceOp.MIN: "min", ReduceOp.MAX: "max"}
@@ -200,6 +200,21 @@ class IpcBackend(QueuedGpuBackend):
     def _launch(self, kernel: str, blocks: int, stream: int) -> None:
         gpu.launch(self._kernels[kernel], blocks, THREADS, stream, self._params_address)
 
+    def _kernel(self, kernel: str, blocks: int, inp: int, out: int, count: int, *,
+                tile: int = 0, scale: float = 1.0, root: int = 0, ins: Sequence[int] = (),
+                outs: Sequence[int] = ()) -> gpu.KernelLaunch:
+        """One launch of `kernel` with its own copy of the argument block (the backend's, with
+        this launch's values): queuing it again writes nothing (a cached plan's replay is one
+        driver call)."""
+        a = KernelArgs.from_buffer_copy(self._args)
+        a.inp, a.out, a.count, a.scale, a.root = inp, out, count, scale, root
+        a.tile_bytes = tile or self.layout.tile_bytes
+        for q, ptr in enumerate(ins):
+            a.ins[q] = ptr
+        for q, ptr in enumerate(outs):
+            a.outs[q] = ptr
+        return gpu.KernelLaunch(self._kernels[kernel], blocks, THREADS, a)
+
     # ---- operations: each returns the function that queues it on a stream ------------------------
     def all_reduce(self, x: GpuArray, op: ReduceOp) -> Callable[[int], None]:
         dtype, kind = _TYPES.get(x.dtype), _OPS.get(op)
@@ -217,11 +232,14 @@ class IpcBackend(QueuedGpuBackend):
         if x.nbytes <= self.ll_bytes:   # small: one kernel of data+flag words
             words, ll = -(-x.nbytes // 4), f"all_reduce_low_latency_{dtype}_{kind}"
             blocks = max(1, min(self.max_blocks, -(-words // THREADS)))
-
-            def small(stream: int) -> None:
-                a.scale, a.inp, a.out, a.count = scale, ptr, ptr, total
-                self._launch(ll, blocks, stream)
-            return small
+            return self._kernel(ll, blocks, ptr, ptr, total, scale=scale)
+        if total <= one_shot:   # one kernel: every rank's piece is the whole array
+            blocks, tile = self._tiling(x.nbytes)
+            return self._kernel(one, blocks, ptr, ptr, total, tile=tile, scale=scale,
+                                ins=[ptr] * n)
+        if total <= slot * n:   # one kernel of two shots
+            blocks, tile = self._tiling(-(-total // n) * size)
+            return self._kernel(two, blocks, ptr, ptr, total, tile=tile, scale=scale)
 
         def enqueue(stream: int) -> None:
             a.scale = scale
@@ -287,6 +305,10 @@ class IpcBackend(QueuedGpuBackend):
         blocks, tile) of `launches`, worked out here so that queuing an operation again (a
         cached plan) only writes the kernels' arguments and launches. `pointers` go to
         outs (gathers) or ins."""
+        if len(launches) == 1:
+            inp, out, targets, count, blocks, tile = launches[0]
+            return self._kernel(kernel, blocks, inp, out, count, tile=tile, scale=scale,
+                                root=root, **{"outs" if gathers else "ins": targets})
         a, function, params = self._args, self._kernels[kernel], self._params_address
         launch = gpu.launch
 
@@ -301,7 +323,7 @@ class IpcBackend(QueuedGpuBackend):
         return enqueue
 
     def barrier(self) -> Callable[[int], None]:
-        return lambda stream: self._launch("barrier", 1, stream)
+        return self._kernel("barrier", 1, 0, 0, 0)
 
     def reduce(self, x: GpuArray, root: int, op: ReduceOp) -> Callable[[int], None]:
         return self.nccl.reduce(x, root, op)
