@@ -5,6 +5,7 @@ GPU, answering every call as NVIDIA's bindings do (gpu.py uses it in their place
 from __future__ import annotations
 
 import ctypes
+import threading
 import time
 
 import pytest
@@ -109,20 +110,29 @@ def test_on_a_gpu_a_kernel_is_queued_after_an_event_and_recorded_in_one_call():
         gpu.wait_value(blocked, device_ptr, 1)     # `blocked` waits for the host's word
         gpu.record(opened, blocked)
         call = gpu.KernelLaunch(function, 1, 1, _Put(device_ptr + 4, 7))
-        assert gpu.queue_kernel(call, stream, done, opened)
+        assert gpu.queue_kernel(call, stream, done, opened, 0)
         time.sleep(0.05)
         assert out.value == 0 and not gpu.event_done(done)   # it waits for `opened`
         gate.value = 1
         gpu.synchronize_stream(stream)
         assert out.value == 7 and gpu.event_done(done)       # ran, then its event
+        # a thread that never used CUDA: it gets the device's context, then the kernel runs
+        out.value = 0
+        queued: list[bool] = []
+        thread = threading.Thread(target=lambda: queued.append(
+            gpu.queue_kernel(call, stream, done, 0, 0)))
+        thread.start()
+        thread.join()
+        gpu.synchronize_stream(stream)
+        assert queued == [True] and out.value == 7
         # a captured stream: nothing queued, the caller captures it its own way
         side = torch.cuda.Stream()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=side):
-            assert not gpu.queue_kernel(call, side.cuda_stream, done, 0)
+            assert not gpu.queue_kernel(call, side.cuda_stream, done, 0, 0)
         # a failed step is an error that names its driver call
         with pytest.raises(gpu.CudaError, match="cuLaunchKernel failed"):
-            gpu.queue_kernel(gpu.KernelLaunch(0, 1, 1, _Put()), stream, done, 0)
+            gpu.queue_kernel(gpu.KernelLaunch(0, 1, 1, _Put()), stream, done, 0, 0)
     finally:
         gpu.destroy_event(opened)
         gpu.destroy_event(done)

@@ -262,16 +262,16 @@ def test_a_blocking_call_is_queued_on_the_callers_stream_without_blocking_the_ho
 @contextlib.contextmanager
 def _as_torch_tensors() -> Iterator[None]:
     """Have plans take FakeGpuArrays for torch CUDA tensors on the default stream."""
-    from anyccl import communicator, plans
+    from anyccl import plans
 
-    saved = plans.cuda_tensor_key, communicator.torch_stream
+    saved = plans.cuda_tensor_key, plans.torch_stream_function
     plans.cuda_tensor_key = lambda x: ((x.a.ctypes.data, x.a.size, x.a.dtype.str)
                                        if isinstance(x, FakeGpuArray) and not x.stream else None)
-    communicator.torch_stream = lambda device: 0
+    plans.torch_stream_function = lambda: (lambda device: 0)
     try:
         yield
     finally:
-        plans.cuda_tensor_key, communicator.torch_stream = saved
+        plans.cuda_tensor_key, plans.torch_stream_function = saved
 
 
 def check_plans(comm) -> dict[str, Any]:

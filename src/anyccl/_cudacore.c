@@ -19,12 +19,14 @@
  *                                           minus the error code (no current context: 201)
  *   queue_kernel(stream, function, blocks, threads, params, event, after)
  *                                           a replayed operation's driver calls in one: unless
- *                                           `stream` is being captured (then it queues nothing
- *                                           and returns 1), the stream waits for event `after`
- *                                           (unless 0), the kernel is launched as by launch()
- *                                           and `event` recorded after it; 0 on success, else
- *                                           minus (CUresult * 4 + the failed step: 0 capture
- *                                           query, 1 wait, 2 launch, 3 record)
+ *                                           the thread has no current context (then it queues
+ *                                           nothing and returns 2) or `stream` is being
+ *                                           captured (nothing queued, returns 1), the stream
+ *                                           waits for event `after` (unless 0), the kernel is
+ *                                           launched as by launch() and `event` recorded after
+ *                                           it; 0 on success, else minus (CUresult * 4 + the
+ *                                           failed step: 0 capture query, 1 wait, 2 launch,
+ *                                           3 record)
  *
  * Every call but `capturing`, `context`, `device` and `queue_kernel` returns the CUresult (0:
  * success); the caller turns a failure into an error that names the call. Handles and addresses
@@ -142,6 +144,8 @@ static PyObject *queue_kernel(PyObject *self, PyObject *const *args, Py_ssize_t 
     if (handles(args, nargs, 7, "queue_kernel", h) < 0) return NULL;
     Handle stream = h[0], function = h[1], params = h[4], event = h[5], after = h[6];
     unsigned blocks = (unsigned)(uintptr_t)h[2], threads = (unsigned)(uintptr_t)h[3];
+    Handle context = NULL;
+    if (cu_context(&context) || context == NULL) return PyLong_FromLong(2);
     int capture = 0;
     CUresult rc = cu_capturing(stream, &capture);
     if (rc) return PyLong_FromLong(-((long)rc * 4 + 0));
@@ -173,7 +177,8 @@ static PyMethodDef methods[] = {
      "device() -> the current context's device ordinal, or minus the CUresult"},
     {"queue_kernel", (PyCFunction)(void (*)(void))queue_kernel, METH_FASTCALL,
      "queue_kernel(stream, function, blocks, threads, params, event, after) -> 0, 1 (the "
-     "stream is being captured: nothing queued), or minus (CUresult * 4 + failed step)"},
+     "stream is being captured: nothing queued), 2 (no current context: nothing queued), or "
+     "minus (CUresult * 4 + failed step)"},
     {NULL, NULL, 0, NULL},
 };
 

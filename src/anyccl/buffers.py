@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import sys
-from typing import Any, Union
+from typing import Any, Callable, Union
 
 import ml_dtypes
 import numpy as np
@@ -205,11 +205,16 @@ def _torch_dtype(t: Any, name: str) -> np.dtype:
 
 def torch_stream(device: int) -> int:
     """The handle of torch's current CUDA stream on `device` (0: the legacy default stream)."""
+    return torch_stream_function()(device)
+
+
+def torch_stream_function() -> Callable[[int], int]:
+    """`torch_stream` itself, at its cheapest: torch's own lookup where it has one."""
     torch = _torch_module()
-    raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # the cheap lookup
+    raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
     if raw_stream is None:
-        return torch.cuda.current_stream(device).cuda_stream
-    return raw_stream(device)
+        return lambda device: torch.cuda.current_stream(device).cuda_stream
+    return raw_stream
 
 
 def _from_torch(t: Any, name: str) -> GpuArray:

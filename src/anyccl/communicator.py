@@ -31,7 +31,6 @@ from .buffers import (
     Pieces,
     current_stream,
     overlaps,
-    torch_stream,
 )
 from .engine import Engine
 from .errors import (
@@ -43,7 +42,7 @@ from .errors import (
 )
 from .gpu_dispatch import GpuDispatch
 from .ops import COLLECTIVES, ReduceOp
-from .plans import Plan, Plans
+from .plans import Plans
 from .store import Store
 from .trace import ArgsText, FlightRecorder, OpRecord, flight_directory, format_bytes
 from .work import GpuWork, Work
@@ -164,7 +163,7 @@ class Communicator:
             if not (async_op or self.debug or stream is not None):  # the next such call: a plan
                 if self._plans is None:
                     self._plans = Plans()
-                self._plans.keep(name, args, nbytes, enqueue, gpu_arrays)
+                self._plans.keep(name, args, nbytes, enqueue, gpu_arrays, gpu_backend.runner())
             return work
         if not async_op and signature is None and self._engine.run_now(self._run_host, record,
                                                                        entry, call):
@@ -197,30 +196,26 @@ class Communicator:
 
     def _replayed(self, tag: tuple, tensors: tuple, async_op: bool, stream: Any) -> bool:
         """Whether this call was a blocking GPU call on arrays an earlier call checked, now
-        replayed from its cached plan (plans.py); False: it takes the full path."""
+        replayed from its cached plan (plans.py): queued on the caller's current stream with
+        its own record, flight-recorder entry and deadline. False: it takes the full path."""
         plans = self._plans
         if plans is None or async_op or stream is not None:
             return False
         plan = plans.find(tag, tensors)
         if plan is None:
             return False
-        self._replay(plan)
-        return True
-
-    def _replay(self, plan: Plan) -> None:
-        """Queue a cached plan on the caller's current stream, with its own record, entry and
-        deadline."""
         self._seq += 1
         record = OpRecord(plan.name, self._seq, plan.args, plan.nbytes)
         entry = self.flight_recorder.queued(record)
-        stream = torch_stream(plan.device)
+        stream = plan.current_stream(plan.device)
         try:
-            self._gpu_side.gpu.run(record, (stream,), record.issued_at + self.timeout_s,  # type: ignore[union-attr]
-                                   plan.enqueue, None, [entry], stream)
+            plan.run(record, (stream,), record.issued_at + self.timeout_s, plan.enqueue, None,
+                     [entry], stream)
         except BaseException as exc:
             FlightRecorder.ended(entry, exc)
             self._post_mortem(exc)
             raise
+        return True
 
     def _host_task(self, record: OpRecord, entry: list, signature: np.ndarray | None,
                    call: Callable[[Any], Any] | None) -> Callable[[Work | None], None]:

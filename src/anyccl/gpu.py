@@ -387,24 +387,34 @@ _QUEUE_KERNEL_STEPS = ("cuStreamIsCapturing", "cuStreamWaitEvent", "cuLaunchKern
                        "cuEventRecord")
 
 
-def queue_kernel(call: KernelLaunch, stream: int, event: int, after: int) -> bool:
+def queue_kernel(call: KernelLaunch, stream: int, event: int, after: int, device: int) -> bool:
     """Queue `call` on `stream` after event `after` (0: no wait) and record `event` after it;
-    False, with nothing queued, if `stream` is being captured into a CUDA graph. One compiled
-    call where the CUDA core loaded."""
+    False, with nothing queued, if `stream` is being captured into a CUDA graph. A thread with
+    no current context gets `device`'s first (`ensure_context`). One compiled call where the
+    CUDA core loaded."""
     if _core is not None:
         status = _core.queue_kernel(stream, call.function, call.blocks, call.threads,
                                     call.params, event, after)
+        if status == 2:   # a thread new to CUDA
+            ensure_context(device)
+            status = _core.queue_kernel(stream, call.function, call.blocks, call.threads,
+                                        call.params, event, after)
         if status <= 0:
             if status:
                 code, step = divmod(-status, 4)
                 _check_driver(_drv().CUresult(code), _QUEUE_KERNEL_STEPS[step])
             return True
+        if status == 2:
+            raise CudaError(f"no CUDA context is current on this thread after making device "
+                            f"{device}'s current")
         return False
-    return queue_kernel_in_steps(call, stream, event, after)
+    return queue_kernel_in_steps(call, stream, event, after, device)
 
 
-def queue_kernel_in_steps(call: KernelLaunch, stream: int, event: int, after: int) -> bool:
+def queue_kernel_in_steps(call: KernelLaunch, stream: int, event: int, after: int,
+                          device: int) -> bool:
     """`queue_kernel` as one driver call after another (where the CUDA core is not built)."""
+    ensure_context(device)
     if is_capturing(stream):
         return False
     if after:

@@ -19,11 +19,12 @@ call runs, so a blocking call needs no reference of its own).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import sys
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from .backends.gpu_queue import Enqueue
-from .buffers import GpuArray, cuda_tensor_key
+from .buffers import GpuArray, cuda_tensor_key, torch_stream_function
 from .ops import ReduceOp
 from .trace import ArgsText
 
@@ -33,14 +34,17 @@ _TAG_TYPES = (int, str, ReduceOp)   # the plain values an argument may be to tak
 
 class Plan:
     """What the first blocking call of a key built: the operation's name, argument text and
-    size for its op record, the function that queues it on a stream, and its device."""
+    size for its op record, the function that queues it on a stream, its device, and the
+    functions a replay calls: `run` (the GPU backend's) and `current_stream` (torch's current
+    stream on a device, as a handle)."""
 
-    __slots__ = ("name", "args", "nbytes", "enqueue", "device")
+    __slots__ = ("name", "args", "nbytes", "enqueue", "device", "run", "current_stream")
 
     def __init__(self, name: str, args: ArgsText, nbytes: int, enqueue: Enqueue,
-                 device: int) -> None:
+                 device: int, run: Callable[..., int]) -> None:
         self.name, self.args, self.nbytes = name, args, nbytes
-        self.enqueue, self.device = enqueue, device
+        self.enqueue, self.device, self.run = enqueue, device, run
+        self.current_stream = torch_stream_function()
 
 
 class Plans:
@@ -50,6 +54,7 @@ class Plans:
     def __init__(self) -> None:
         self._plans: dict[tuple, Plan] = {}
         self._pending: tuple | None = None
+        self._tensor: Any = ()   # torch.Tensor once a plan exists: found inline then
 
     def __len__(self) -> int:
         return len(self._plans)
@@ -63,7 +68,16 @@ class Plans:
             if type(value) not in _TAG_TYPES:  # bool, NumPy ints, other spellings: no plan
                 return None
         key = tag
+        tensor = self._tensor
         for t in tensors:
+            if isinstance(t, tensor):   # the common case: cuda_tensor_key, inline
+                try:
+                    if t.is_neg() or not t.is_contiguous():
+                        return None
+                    key += (t.data_ptr(), t.numel(), t.dtype)
+                except RuntimeError:    # sparse and other layouts without a data pointer
+                    return None
+                continue
             if t is None:               # a root-only argument on another rank
                 key += (None,)
                 continue
@@ -85,15 +99,18 @@ class Plans:
         return plan
 
     def keep(self, name: str, args: ArgsText, nbytes: int, enqueue: Enqueue,
-             arrays: Sequence[GpuArray]) -> None:
+             arrays: Sequence[GpuArray], run: Callable[..., int]) -> None:
         """Store the plan of the call whose full path is running now, if `find` saw that call
-        miss (the pending key names the same operation), and release its arrays' owners."""
+        miss (the pending key names the same operation), and release its arrays' owners;
+        `run` is the GPU backend's."""
         key, self._pending = self._pending, None
         if key is None or key[0] != name or arrays[0].dtype.kind == "c":
             return  # (complex: a conjugate view has the same key as its tensor)
         if len(self._plans) >= _LIMIT:
             self._plans.clear()
-        self._plans[key] = Plan(name, args, nbytes, enqueue, arrays[0].device)
+        self._plans[key] = Plan(name, args, nbytes, enqueue, arrays[0].device, run)
+        torch = sys.modules.get("torch")
+        self._tensor = torch.Tensor if torch is not None else ()
         for a in arrays:
             if isinstance(a.owner, list):   # torch's: one holder shared by an array's pieces
                 a.owner.clear()

@@ -18,7 +18,7 @@ next call.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..buffers import GpuArray
@@ -81,6 +81,11 @@ class GpuBackend(ABC):
         for blocking calls) and return the event that marks its end; `keep` stays alive and
         the flight recorder's `entries` are updated until then."""
 
+    def runner(self) -> Callable[..., int]:
+        """`run` itself, for callers that queue the same operation many times (cached plans):
+        the function `run` hands its calls to, where it only hands them on."""
+        return self.run
+
     @abstractmethod
     def host_wait(self, event: int, record: OpRecord, deadline: float) -> None:
         """Block the host until `event`; TimeoutError at `deadline`, or the backend's error."""
@@ -120,6 +125,9 @@ class QueuedGpuBackend(GpuBackend):
     def run(self, record: OpRecord, after: Sequence[int], deadline: float, enqueue: Enqueue,
             keep: Any, entries: list[dict], on: int | None = None) -> int:
         return self.queue.run(record, after, deadline, enqueue, keep, entries, on)
+
+    def runner(self) -> Callable[..., int]:
+        return self.queue.run
 
     def host_wait(self, event: int, record: OpRecord, deadline: float) -> None:
         self.queue.host_wait(event, record, deadline)

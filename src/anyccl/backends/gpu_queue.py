@@ -88,16 +88,23 @@ class GpuQueue:
         self._reported = False
         self._health: list[Health] = []
         self._aborts: list[Callable[[], None]] = []
+        self._alarm: Any = None                  # (words, index) of the transport's alarm
 
     def watch(self, health: Health | None = None,
-              abort: Callable[[], None] | None = None) -> None:
+              abort: Callable[[], None] | None = None,
+              alarm: tuple[Any, int] | None = None) -> None:
         """Have the watchdog call `health(record)` at its health polls (an error it returns
         aborts the queue) and `abort()` when the queue is aborted, the last added first, under
-        `lock` (abort actions must not wait for work queued on the GPU)."""
+        `lock` (abort actions must not wait for work queued on the GPU). `alarm`, (words,
+        index): a host word the transport's kernels set when they end an operation early (a
+        ctypes array over host-mapped memory); every call looks at it and, when it is set,
+        runs the health checks at once instead of at the watchdog's next poll."""
         if health is not None:
             self._health.append(health)
         if abort is not None:
             self._aborts.append(abort)
+        if alarm is not None:
+            self._alarm = alarm
 
     # ---- queuing -----------------------------------------------------------------------------
     def run(self, record: OpRecord, after: Sequence[int], deadline: float, enqueue: Enqueue,
@@ -108,15 +115,16 @@ class GpuQueue:
         (async operations, which may overlap the caller's later work). on=stream: right on the
         caller's stream (blocking calls: already ordered both ways, no extra sync). Either way
         it also follows the previous operation of this queue, wherever that was queued."""
-        if self.failure is not None:
+        alarm = self._alarm
+        if self.failure is not None or alarm is not None and alarm[0][alarm[1]]:
             self.raise_if_failed()
+        if on is not None and type(enqueue) is gpu.KernelLaunch:  # its driver calls in one
+            event = self._queue_kernel(enqueue, on)
+            if event:
+                self._follow(record, event, deadline, keep, entries)
+                return event
         gpu.ensure_context(self.device)  # the caller may be a thread new to CUDA
         if on is not None:  # a blocking call: right on the caller's stream
-            if type(enqueue) is gpu.KernelLaunch:  # one kernel: its driver calls in one
-                event = self._queue_kernel(enqueue, on)
-                if event:
-                    self._follow(record, event, deadline, keep, entries)
-                    return event
             if gpu.is_capturing(on):
                 return self._captured(on, enqueue, record, entries)
             stream = on
@@ -155,7 +163,7 @@ class GpuQueue:
             event = self._events[self._next_event]
             last = self._last_stream
             after = self._last_event if last is not None and last != stream else 0
-            if not gpu.queue_kernel(call, stream, event, after):
+            if not gpu.queue_kernel(call, stream, event, after, self.device):
                 return 0
             self._next_event = (self._next_event + 1) % _EVENT_RING
             self._last_stream, self._last_event = stream, event
@@ -208,7 +216,15 @@ class GpuQueue:
 
     def raise_if_failed(self) -> None:
         """Raise the error that aborted the queue: itself the first time, then as
-        CommunicatorClosedError."""
+        CommunicatorClosedError. With the alarm word set, the health checks run first (the
+        record they name is the oldest queued operation's)."""
+        alarm = self._alarm
+        if self.failure is None and alarm is not None and alarm[0][alarm[1]]:
+            queued = self._queued
+            problem = self.check_health(queued[0][_RECORD] if queued else
+                                        OpRecord("(last operation)", 0))
+            if problem is not None:
+                self.abort(problem)
         failure = self.failure
         if failure is None:
             return

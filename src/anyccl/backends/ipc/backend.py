@@ -23,7 +23,7 @@ import ctypes
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import numpy as np
 
@@ -34,7 +34,6 @@ from ...ops import ReduceOp
 from ...store import Store
 from ...trace import OpRecord
 from ..gpu_base import QueuedGpuBackend
-from ..gpu_queue import Enqueue
 from ..nccl import NcclBackend
 from ..registry import GpuContext
 from . import ce, compiler
@@ -96,7 +95,6 @@ class IpcBackend(QueuedGpuBackend):
         self.rank, self.size, self.device = nccl.rank, nccl.size, nccl.device
         self.memory = memory
         self.layout = memory.layout
-        self._status = memory.status
         self._kernels = compiler.kernels(self.device)
         self._args = describe_args(memory)
         self._params = (ctypes.c_void_p * 1)(ctypes.addressof(self._args))
@@ -117,7 +115,8 @@ class IpcBackend(QueuedGpuBackend):
         self._ce = ce.CopyEngineAllReduce(memory, self.device)
         self._side: list[tuple[int, int]] = []   # (stream, event) for batched messages
         self._fork = gpu.new_event(self.device)
-        nccl.queue.watch(health=self._health, abort=memory.aborted)
+        nccl.queue.watch(health=self._health, abort=memory.aborted,
+                         alarm=(memory.status, STATUS_ERROR))
 
     @classmethod
     def create(cls, store: Store, key: str, rank: int, size: int, device: int, label: str,
@@ -150,25 +149,7 @@ class IpcBackend(QueuedGpuBackend):
         """"ipc" (every op the kernels serve runs on them) or "auto" (the measured routes)."""
         return self.policy
 
-    # ---- the queue: NCCL's -----------------------------------------------------------------------
-    def run(self, record: OpRecord, after: Sequence[int], deadline: float, enqueue: Enqueue,
-            keep: Any, entries: list[dict], on: int | None = None) -> int:
-        if self._status[STATUS_ERROR]:  # a kernel ended an operation early (one word: cheap)
-            self.raise_if_failed()
-        return self.queue.run(record, after, deadline, enqueue, keep, entries, on)
-
-    def host_wait(self, event: int, record: OpRecord, deadline: float) -> None:
-        self.queue.host_wait(event, record, deadline)
-        self.raise_if_failed()
-
-    def raise_if_failed(self) -> None:
-        """The error a kernel reported (it ended its operation early), else the queue's."""
-        if self.queue.failure is None and self.memory.error()[0]:
-            problem = self._health(OpRecord("recv", 0))
-            if problem is not None:
-                self.queue.abort(problem)
-        self.queue.raise_if_failed()
-
+    # ---- the queue: NCCL's, with the kernels' status word as its alarm ---------------------------
     def _health(self, record: OpRecord) -> BaseException | None:
         code, peer, expected, got = self.memory.error()
         if not code:
