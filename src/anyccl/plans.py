@@ -64,7 +64,7 @@ class Plans:
         given) on `tensors` (each a tensor, a list of them or None), or None (then the call
         must take the full path)."""
         self._pending = None
-        for value in tag[1:]:
+        for value in tag:   # (the name, a str, passes)
             if type(value) not in _TAG_TYPES:  # bool, NumPy ints, other spellings: no plan
                 return None
         key = tag

@@ -118,11 +118,34 @@ class GpuQueue:
         alarm = self._alarm
         if self.failure is not None or alarm is not None and alarm[0][alarm[1]]:
             self.raise_if_failed()
+        event = 0
         if on is not None and type(enqueue) is gpu.KernelLaunch:  # its driver calls in one
             event = self._queue_kernel(enqueue, on)
-            if event:
-                self._follow(record, event, deadline, keep, entries)
-                return event
+        if not event:
+            event = self._queue(record, after, enqueue, entries, on)
+            if not event:
+                return 0   # captured into a CUDA graph: nothing to follow
+        # the watchdog follows it from here; every so often the caller retires finished ones
+        for entry in entries:
+            FlightRecorder.started(entry)
+        queued = self._queued
+        was_empty = not queued
+        queued.append((record, event, deadline, keep, entries))
+        if was_empty:
+            self._wake_watchdog()
+        elif not len(queued) % _RETIRE_EVERY and self._retiring.acquire(False):
+            try:   # (never waits for the watchdog: it is retiring them already)
+                self._retire()
+            except gpu.CudaError:
+                pass   # the operation is queued; the error fails the watchdog's look or a call
+            finally:
+                self._retiring.release()
+        return event
+
+    def _queue(self, record: OpRecord, after: Sequence[int], enqueue: Enqueue,
+               entries: list[dict], on: int | None) -> int:
+        """`run`'s queuing, any operation: its event, or 0 when it was captured into the CUDA
+        graph being captured on stream `on` (its flight-recorder entries are then done)."""
         gpu.ensure_context(self.device)  # the caller may be a thread new to CUDA
         if on is not None:  # a blocking call: right on the caller's stream
             if gpu.is_capturing(on):
@@ -151,12 +174,11 @@ class GpuQueue:
             self._next_event = (self._next_event + 1) % _EVENT_RING
             gpu.record(event, stream)
             self._last_stream, self._last_event = stream, event
-        self._follow(record, event, deadline, keep, entries)
         return event
 
     def _queue_kernel(self, call: gpu.KernelLaunch, stream: int) -> int:
-        """`run` of one kernel right on `stream`, in one driver call: its event, or 0 when the
-        stream is being captured (nothing was queued; `run` takes its capture path)."""
+        """`_queue` of one kernel right on `stream`, in one driver call: its event, or 0 when
+        the stream is being captured (nothing was queued; `_queue` captures it)."""
         with self.lock:
             if stream in gpu.NULL_STREAMS:
                 gpu.use_device(self.device)  # a null stream is the current device's
@@ -168,24 +190,6 @@ class GpuQueue:
             self._next_event = (self._next_event + 1) % _EVENT_RING
             self._last_stream, self._last_event = stream, event
         return event
-
-    def _follow(self, record: OpRecord, event: int, deadline: float, keep: Any,
-                entries: list[dict]) -> None:
-        """Hand a queued operation to the watchdog (and retire finished ones every so often)."""
-        for entry in entries:
-            FlightRecorder.started(entry)
-        queued = self._queued
-        was_empty = not queued
-        queued.append((record, event, deadline, keep, entries))
-        if was_empty:
-            self._wake_watchdog()
-        elif not len(queued) % _RETIRE_EVERY and self._retiring.acquire(False):
-            try:   # (never waits for the watchdog: it is retiring them already)
-                self._retire()
-            except gpu.CudaError:
-                pass   # the operation is queued; the error fails the watchdog's look or a call
-            finally:
-                self._retiring.release()
 
     def _enqueue(self, enqueue: Enqueue, stream: int, record: OpRecord) -> None:
         try:
