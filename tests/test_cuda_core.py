@@ -30,12 +30,19 @@ def test_wrong_argument_counts_are_refused_by_name():
         _cudacore.record(1)
 
 
-@pytest.mark.gpu
-def test_on_a_gpu_each_call_answers_as_the_bindings_do():
+@pytest.fixture
+def torch_on_gpu():
+    """torch, with GPU 0 current, and the compiled core serving anyccl's driver calls."""
     torch = pytest.importorskip("torch")
     assert _cudacore.load() and gpu._core is _cudacore
     torch.cuda.set_device(0)
     torch.cuda.init()
+    return torch
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_each_call_answers_as_the_bindings_do(torch_on_gpu):
+    torch = torch_on_gpu
     driver = gpu._drv()
     stream, event, done = gpu.new_stream(0), gpu.new_event(0), gpu.new_event(0)
     try:
@@ -91,13 +98,10 @@ extern "C" __global__ void put(Put a) { *(volatile unsigned*)a.word = a.value; }
 
 
 @pytest.mark.gpu
-def test_on_a_gpu_a_kernel_is_queued_after_an_event_and_recorded_in_one_call():
-    torch = pytest.importorskip("torch")
+def test_on_a_gpu_a_kernel_is_queued_after_an_event_and_recorded_in_one_call(torch_on_gpu):
     from anyccl.backends.ipc import compiler
 
-    assert _cudacore.load() and gpu._core is _cudacore
-    torch.cuda.set_device(0)
-    torch.cuda.init()
+    torch = torch_on_gpu
     major, minor = gpu.compute_capability(0)
     function = gpu.module_function(gpu.load_module(compiler._compile(_PUT, f"sm_{major}{minor}")),
                                    "put")

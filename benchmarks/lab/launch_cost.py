@@ -9,9 +9,9 @@ in between, median of 5 rounds).
 
 import ctypes
 import statistics
-import time
 
 import torch
+from eager_host_cost import per_call  # (this folder: scripts run from it find each other)
 
 import anyccl
 from anyccl import gpu
@@ -36,21 +36,6 @@ class Mid(ctypes.Structure):
 
 class Small(ctypes.Structure):
     _fields_ = [("p", ctypes.c_uint64)]
-
-
-def per_call(fn, n: int = 400, batches: int = 20) -> float:
-    """Host us per call: batches of `n` calls, the GPU drained in between."""
-    for _ in range(50):
-        fn()
-    total = 0.0
-    for _ in range(batches):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(n):
-            fn()
-        total += time.perf_counter() - t
-    torch.cuda.synchronize()
-    return total / (n * batches) * 1e6
 
 
 def main() -> None:
@@ -83,7 +68,7 @@ def main() -> None:
     rows: dict[str, list[float]] = {}
     for _ in range(5):
         for name, fn in calls.items():
-            rows.setdefault(name, []).append(per_call(fn))
+            rows.setdefault(name, []).append(per_call(fn, batches=20))
     print(f"# {torch.cuda.get_device_name()}, host us per call, median of 5 rounds\n"
           "| call | us |\n|---|---:|")
     for name, values in rows.items():
