@@ -18,7 +18,7 @@ from anyccl.backends.ipc import backend as ipc
 from anyccl.backends.ipc import compiler
 from anyccl.backends.ipc.memory import TILE_BYTES, KernelArgs, Layout
 from anyccl.buffers import BFLOAT16, GpuArray
-from anyccl.errors import InvalidArgumentError
+from anyccl.errors import AnycclError, CommunicatorClosedError, InvalidArgumentError
 from anyccl.trace import OpRecord
 
 
@@ -209,6 +209,32 @@ def test_a_one_kernel_operation_is_queued_in_one_step_after_the_queues_last_oper
     assert queue.run(OpRecord("all_reduce", 4), [9], deadline, call, None, [], on=9) == 0
     assert events == [("launch", 9)]      # in the graph; the queue follows nothing of it
     assert len(queue._queued) == 3
+
+
+def test_a_kernel_that_ended_early_fails_the_next_call_before_it_queues(launches, monkeypatch):
+    """The ipc kernels' status word is the queue's alarm: once a kernel set it (a message with
+    the wrong tag), the next call runs the health checks at once, raises what they found and
+    queues nothing; later calls say the communicator was aborted on it."""
+    seen, names, events = launches
+    monkeypatch.setattr(gpu, "_core", None)
+    monkeypatch.setattr(gpu, "is_capturing", lambda stream: False)
+    monkeypatch.setattr(gpu, "ensure_context", lambda device: None)
+    words = (ctypes.c_uint64 * 8)()
+    aborted = []
+    queue = GpuQueue(0, "rank 0", lambda: None, rank=0)
+    queue._wake_watchdog = lambda: None
+    queue.watch(health=lambda record: AnycclError(f"{record}: the message carries tag 3")
+                if words[1] else None, abort=lambda: aborted.append(True), alarm=(words, 1))
+    call = make_backend(names).all_reduce(arr(1 << 20, 2), ReduceOp.SUM)
+    deadline = time.monotonic() + 60
+    queue.run(OpRecord("recv", 1), [7], deadline, call, None, [], on=7)
+    assert len(seen) == 1 and not aborted
+    words[1] = 1                                     # the kernel ended its operation early
+    with pytest.raises(AnycclError, match=r"recv\(\) #1: the message carries tag 3"):
+        queue.run(OpRecord("all_reduce", 2), [7], deadline, call, None, [], on=7)
+    assert len(seen) == 1 and aborted == [True]     # nothing more queued; kernels told to stop
+    with pytest.raises(CommunicatorClosedError, match="aborted on an earlier error"):
+        queue.run(OpRecord("all_reduce", 3), [7], deadline, call, None, [], on=7)
 
 
 @pytest.mark.parametrize("value", ["memops", "Kernels", "events"])
