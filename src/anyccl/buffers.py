@@ -9,6 +9,7 @@ writability, dtype, device) and name the argument when they refuse.
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 from typing import Any, Callable, Union
@@ -208,8 +209,10 @@ def torch_stream(device: int) -> int:
     return torch_stream_function()(device)
 
 
+@functools.cache
 def torch_stream_function() -> Callable[[int], int]:
-    """`torch_stream` itself, at its cheapest: torch's own lookup where it has one."""
+    """`torch_stream` itself, at its cheapest: torch's own lookup where it has one (looked up
+    once; only called where torch is imported)."""
     torch = _torch_module()
     raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
     if raw_stream is None:

@@ -392,23 +392,18 @@ def queue_kernel(call: KernelLaunch, stream: int, event: int, after: int, device
     False, with nothing queued, if `stream` is being captured into a CUDA graph. A thread with
     no current context gets `device`'s first (`ensure_context`). One compiled call where the
     CUDA core loaded."""
-    if _core is not None:
-        status = _core.queue_kernel(stream, call.function, call.blocks, call.threads,
-                                    call.params, event, after)
-        if status == 2:   # a thread new to CUDA
-            ensure_context(device)
-            status = _core.queue_kernel(stream, call.function, call.blocks, call.threads,
-                                        call.params, event, after)
-        if status <= 0:
-            if status:
-                code, step = divmod(-status, 4)
-                _check_driver(_drv().CUresult(code), _QUEUE_KERNEL_STEPS[step])
-            return True
-        if status == 2:
-            raise CudaError(f"no CUDA context is current on this thread after making device "
-                            f"{device}'s current")
-        return False
-    return queue_kernel_in_steps(call, stream, event, after, device)
+    if _core is None:
+        return queue_kernel_in_steps(call, stream, event, after, device)
+    status = _core.queue_kernel(stream, call.function, call.blocks, call.threads, call.params,
+                                event, after)
+    if status <= 0:
+        if status:
+            code, step = divmod(-status, 4)
+            _check_driver(_drv().CUresult(code), _QUEUE_KERNEL_STEPS[step])
+        return True
+    if status == 2:   # a thread new to CUDA: its first operation the long way, which gives it one
+        return queue_kernel_in_steps(call, stream, event, after, device)
+    return False
 
 
 def queue_kernel_in_steps(call: KernelLaunch, stream: int, event: int, after: int,
