@@ -28,6 +28,19 @@ def test_wrong_argument_counts_are_refused_by_name():
         _cudacore.launch(1, 2)
     with pytest.raises(TypeError, match=r"record\(\) takes 2 arguments \(1 given\)"):
         _cudacore.record(1)
+    with pytest.raises(TypeError, match=r"follow\(\) takes 3 arguments \(2 given\)"):
+        _cudacore.follow(1, 2)
+
+
+def test_without_the_core_follow_records_then_waits(monkeypatch):
+    calls = []
+    monkeypatch.setattr(gpu, "_core", None)
+    monkeypatch.setattr(gpu, "record", lambda event, stream: calls.append(("record", event,
+                                                                           stream)))
+    monkeypatch.setattr(gpu, "stream_wait", lambda stream, event: calls.append(("wait", stream,
+                                                                                event)))
+    gpu.follow(stream=11, event=22, after=33)
+    assert calls == [("record", 22, 33), ("wait", 11, 22)]
 
 
 @pytest.fixture
@@ -45,6 +58,7 @@ def test_on_a_gpu_each_call_answers_as_the_bindings_do(torch_on_gpu):
     torch = torch_on_gpu
     driver = gpu._drv()
     stream, event, done = gpu.new_stream(0), gpu.new_event(0), gpu.new_event(0)
+    followed, done_later = gpu.new_event(0), gpu.new_event(0)
     try:
         assert _cudacore.context() == int(driver.cuCtxGetCurrent()[1])
         assert _cudacore.device() == gpu.current_device() == int(gpu._rt().cudaGetDevice()[1])
@@ -60,11 +74,16 @@ def test_on_a_gpu_each_call_answers_as_the_bindings_do(torch_on_gpu):
             other = gpu.new_stream(0)
             gpu.stream_wait(other, event)      # `other` now waits too
             gpu.record(done, other)
-            assert not gpu.event_done(done)
+            later = gpu.new_stream(0)
+            gpu.follow(later, followed, stream)   # record and wait in one call
+            gpu.record(done_later, later)
+            assert not gpu.event_done(done) and not gpu.event_done(done_later)
             word.value = 1
             gpu.synchronize_stream(other)
-            assert gpu.event_done(event) and gpu.event_done(done)
+            gpu.synchronize_stream(later)
+            assert gpu.event_done(event) and gpu.event_done(done) and gpu.event_done(done_later)
             gpu.destroy_stream(other)
+            gpu.destroy_stream(later)
         finally:
             gpu.host_free(host)
         # capture status, as torch's graph capture sees it
@@ -79,9 +98,11 @@ def test_on_a_gpu_each_call_answers_as_the_bindings_do(torch_on_gpu):
         # a failed call is an error that names it
         with pytest.raises(gpu.CudaError, match="cuLaunchKernel failed"):
             gpu.launch(0, 1, 32, stream, 0)
+        with pytest.raises(gpu.CudaError, match="cuEventRecord failed"):
+            gpu.follow(stream, 0, stream)
     finally:
-        gpu.destroy_event(event)
-        gpu.destroy_event(done)
+        for e in (event, done, followed, done_later):
+            gpu.destroy_event(e)
         gpu.destroy_stream(stream)
 
 

@@ -10,6 +10,11 @@
  *                                           GIL is released: a full launch queue blocks)
  *   record(event, stream)                   cuEventRecord
  *   stream_wait(stream, event)              cuStreamWaitEvent
+ *   follow(stream, event, after)            work queued on `stream` from now on waits for the
+ *                                           work queued on stream `after` so far: cuEventRecord
+ *                                           of `event` on `after`, then cuStreamWaitEvent; 0 on
+ *                                           success, else minus (CUresult * 2 + the failed step:
+ *                                           0 record, 1 wait)
  *   query(event)                            cuEventQuery
  *   capturing(stream)                       cuStreamIsCapturing: the capture status (0: none),
  *                                           or minus the error code
@@ -28,7 +33,7 @@
  *                                           failed step: 0 capture query, 1 wait, 2 launch,
  *                                           3 record)
  *
- * Every call but `capturing`, `context`, `device` and `queue_kernel` returns the CUresult (0:
+ * Every call but `follow`, `capturing`, `context`, `device` and `queue_kernel` returns the CUresult (0:
  * success); the caller turns a failure into an error that names the call. Handles and addresses
  * are Python ints.
  */
@@ -109,6 +114,15 @@ static PyObject *stream_wait(PyObject *self, PyObject *const *args, Py_ssize_t n
     return PyLong_FromLong(cu_wait(h[0], h[1], 0));
 }
 
+static PyObject *follow(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    Handle h[3];
+    if (handles(args, nargs, 3, "follow", h) < 0) return NULL;
+    CUresult rc = cu_record(h[1], h[2]);
+    if (rc) return PyLong_FromLong(-((long)rc * 2 + 0));
+    if ((rc = cu_wait(h[0], h[1], 0))) return PyLong_FromLong(-((long)rc * 2 + 1));
+    return PyLong_FromLong(0);
+}
+
 static PyObject *query(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     Handle h[1];
     if (handles(args, nargs, 1, "query", h) < 0) return NULL;
@@ -168,6 +182,8 @@ static PyMethodDef methods[] = {
      "record(event, stream) -> CUresult"},
     {"stream_wait", (PyCFunction)(void (*)(void))stream_wait, METH_FASTCALL,
      "stream_wait(stream, event) -> CUresult"},
+    {"follow", (PyCFunction)(void (*)(void))follow, METH_FASTCALL,
+     "follow(stream, event, after) -> 0, or minus (CUresult * 2 + failed step)"},
     {"query", (PyCFunction)(void (*)(void))query, METH_FASTCALL, "query(event) -> CUresult"},
     {"capturing", (PyCFunction)(void (*)(void))capturing, METH_FASTCALL,
      "capturing(stream) -> capture status, or minus the CUresult"},

@@ -206,6 +206,19 @@ def stream_wait(stream: int, event: int) -> None:
         _check(_rt().cudaStreamWaitEvent(stream, event, 0), "cudaStreamWaitEvent")
 
 
+def follow(stream: int, event: int, after: int) -> None:
+    """Work queued on `stream` from now on waits for the work queued on stream `after` so far
+    (through `event`, recorded on `after`; no host block): one compiled call where it is built."""
+    if _core is None:
+        record(event, after)
+        stream_wait(stream, event)
+        return
+    status = _core.follow(stream, event, after)
+    if status:
+        failed, step = divmod(-status, 2)
+        _check_driver(_drv().CUresult(failed), ("cuEventRecord", "cuStreamWaitEvent")[step])
+
+
 _NOT_READY = 600  # CUDA_ERROR_NOT_READY
 
 

@@ -36,24 +36,31 @@ from torch._C._distributed_c10d import _create_work_from_future
 from . import gpu, settings
 from .algorithms.uneven import split_elements
 from .bootstrap import C10dStore, join
-from .buffers import torch_stream
+from .buffers import torch_stream_function
 from .communicator import Communicator
 from .errors import UnsupportedError
 from .ops import ReduceOp
 
 NAME = "anyccl"
+_Future = torch._C.Future
+_NO_DEVICES: list[torch.device] = []
 
 _OPS = {"SUM": ReduceOp.SUM, "AVG": ReduceOp.AVG, "PRODUCT": ReduceOp.PROD,
         "MIN": ReduceOp.MIN, "MAX": ReduceOp.MAX, "BAND": ReduceOp.BAND, "BOR": ReduceOp.BOR,
         "BXOR": ReduceOp.BXOR}
+_RED_OP_TYPE = dist.ReduceOp.RedOpType
+_BY_TYPE = {getattr(_RED_OP_TYPE, name): op for name, op in _OPS.items()}
 
 
 def _reduce_op(opts: Any) -> ReduceOp:
     """anyccl's op for the c10d ReduceOp in `opts` (its `.op` enum has the name)."""
     raw = getattr(opts, "reduceOp", None)
-    name = getattr(getattr(raw, "op", raw), "name", "SUM") if raw is not None else "SUM"
-    found = _OPS.get(name)
+    if raw is None:
+        return ReduceOp.SUM
+    kind = getattr(raw, "op", raw)
+    found = _BY_TYPE.get(kind) if type(kind) is _RED_OP_TYPE else None
     if found is None:
+        name = getattr(kind, "name", kind)
         raise UnsupportedError(f"the anyccl process group has no {name} reduction (torch's "
                                f"{name} is refused by name; use SUM, AVG, PRODUCT, MIN, MAX or "
                                f"a bitwise op)")
@@ -64,8 +71,14 @@ def _done(result: Any, tensors: list[torch.Tensor]) -> Any:
     """A Work whose future holds `result`; for CUDA tensors its event records the current
     stream, where the operation was queued, so that consumers wait on the GPU, not the host."""
     devices = sorted({t.device for t in tensors if t.is_cuda}, key=str)
-    future: torch.futures.Future = torch.futures.Future(devices=devices) if devices else \
-        torch.futures.Future()
+    return _completed(devices, result)
+
+
+def _completed(devices: list[torch.device], result: Any) -> Any:
+    """A Work whose future, for `devices` (none: a CPU future), is complete with `result` (its
+    events record the devices' current streams). torch's own future type, without the Python
+    subclass's constructor: this runs once per operation."""
+    future = _Future(devices)
     future.set_result(result)
     return _create_work_from_future(future)
 
@@ -112,11 +125,12 @@ class _BackendView:
 
 
 class _SideStream:
-    """A process group's own stream on one device, with the raw handles its operations use:
-    the stream, torch's (id, device index, device type) for it, and an event to order it after
-    the caller's stream."""
+    """A process group's own stream on one device, with what its operations use each time: the
+    stream, torch's (id, device index, device type) for it, its raw handle, an event to order
+    it after the caller's stream, the device list of the operations' futures, and torch's
+    lookup of the current raw stream."""
 
-    __slots__ = ("stream", "ids", "handle", "_event", "event")
+    __slots__ = ("stream", "ids", "handle", "_event", "event", "devices", "caller")
 
     def __init__(self, index: int) -> None:
         self.stream = torch.cuda.Stream(index)
@@ -125,6 +139,8 @@ class _SideStream:
         self._event = torch.cuda.Event()  # torch owns it; made on this device by a record
         self._event.record(self.stream)
         self.event = self._event.cuda_event
+        self.devices = [torch.device("cuda", index)]
+        self.caller = torch_stream_function()
 
 
 def _use_device(index: int) -> int | None:
@@ -139,10 +155,10 @@ def _use_device(index: int) -> int | None:
     return current
 
 
-def _set_stream(ids: tuple[int, int, int]) -> None:
-    """Make the stream torch knows as `ids` (stream id, device index, device type) current on
-    its device: torch.cuda.set_stream's own step, without building a Stream object."""
-    torch._C._cuda_setStream(stream_id=ids[0], device_index=ids[1], device_type=ids[2])
+# torch.cuda.set_stream's own step, without building a Stream object: make the stream torch
+# knows as (stream id, device index, device type) current on its device (CUDA builds only)
+_set_stream = getattr(torch._C, "_cuda_setStream", None)
+_get_stream = getattr(torch._C, "_cuda_getCurrentStream", None)
 
 
 class ProcessGroup(dist.ProcessGroup):
@@ -161,27 +177,37 @@ class ProcessGroup(dist.ProcessGroup):
         after the work on the caller's current stream; every CUDA tensor is marked as used
         there (the caching allocator then keeps its memory until the operation is done).
         Streams are switched through their raw handles: torch's `wait_stream` and stream
-        context cost more host time than the operation itself."""
-        device = next((t.device for t in tensors if t.is_cuda), None)
-        if device is None:
+        context cost more host time than the operation itself (this runs once per DDP bucket,
+        on autograd's thread)."""
+        index = -1
+        for t in tensors:
+            if t.is_cuda:
+                index = t.get_device()
+                break
+        if index < 0:
             call()
-            return _done(result, [])
-        restore = _use_device(device.index)
-        side = self._sides.get(device.index)
+            return _completed(_NO_DEVICES, result)
+        restore = _use_device(index)
+        side = self._sides.get(index)
         if side is None:
-            side = self._sides[device.index] = _SideStream(device.index)
-        gpu.record(side.event, torch_stream(device.index))  # after the caller's work so far
-        gpu.stream_wait(side.handle, side.event)
-        previous = torch._C._cuda_getCurrentStream(device.index)
-        _set_stream(side.ids)
+            side = self._sides[index] = _SideStream(index)
+        gpu.follow(side.handle, side.event, side.caller(index))  # after the caller's work so far
+        previous = _get_stream(index)
+        _set_stream(*side.ids)
         try:
             call()
+            stream = side.stream
+            devices = side.devices
             for t in tensors:
                 if t.is_cuda:
-                    t.record_stream(side.stream)
-            return _done(result, tensors)
+                    t.record_stream(stream)
+                    if t.get_device() != index:
+                        devices = None
+            if devices is None:   # tensors of several devices: let anyccl's error name them
+                return _done(result, tensors)
+            return _completed(devices, result)
         finally:
-            _set_stream(previous)
+            _set_stream(*previous)
             if restore is not None:
                 gpu.set_device(restore)
 
@@ -327,7 +353,7 @@ class ProcessGroup(dist.ProcessGroup):
 
     def barrier(self, opts: Any = None) -> Any:
         self.comm.barrier()
-        return _done(None, [])
+        return _completed(_NO_DEVICES, None)
 
     # ---- messages ------------------------------------------------------------------------------
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> Any:
@@ -352,7 +378,7 @@ class ProcessGroup(dist.ProcessGroup):
         pass
 
     def _end_coalescing(self, device: torch.device) -> Any:
-        return _done(None, [])
+        return _completed(_NO_DEVICES, None)
 
     def shutdown(self) -> None:
         self._close()
