@@ -109,9 +109,9 @@ class FakeDevice:
         self.memory[buffer.ctypes.data] = buffer
         return buffer.ctypes.data
 
-    def free(self, ptr: int, stream: int = 0) -> None:
-        if stream:  # stream-ordered: freed once the work queued before is done
-            self.stream(stream).submit(lambda: self.memory.pop(ptr, None))
+    def free(self, ptr: int, stream: int | None = None) -> None:
+        if stream is not None:  # stream-ordered (the default stream too): once the work
+            self.stream(stream).submit(lambda: self.memory.pop(ptr, None))  # before is done
         else:
             self.memory.pop(ptr, None)
 

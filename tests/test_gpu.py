@@ -535,3 +535,56 @@ def check_calls_from_a_thread_new_to_cuda(comm):
 def test_calls_from_a_thread_that_never_used_cuda_work(backend, world):
     env = {**GPU_ENV, "ANYCCL_BACKEND": f"cpu:shm,cuda:{backend}"}
     assert all(run_ranks(check_calls_from_a_thread_new_to_cuda, world, env=env, deadline_s=120))
+
+
+def check_uneven_forms_of_cuda_tensors(comm):
+    """all_to_all with split sizes and all_gather, gather and scatter with a size per rank, on
+    torch CUDA tensors: blocking on a side stream whose input a kernel just wrote, async, and
+    with stream=; values against what each must give."""
+    import torch
+
+    n, r = comm.size, comm.rank
+    device = torch.device("cuda", comm.device)
+    sends = [(r + 2 * j) % 4 for j in range(n)]            # zeros included
+    receives = [(j + 2 * r) % 4 for j in range(n)]
+    want = torch.cat([torch.full(((j + 2 * r) % 4,), 100.0 * j + r) for j in range(n)])
+    side = torch.cuda.Stream(device)
+    results = []
+    with torch.cuda.stream(side):
+        inp = torch.cat([torch.full((c,), 100.0 * r + j, device=device)
+                         for j, c in enumerate(sends)]) * 1
+        out = torch.full((sum(receives),), -1.0, device=device)
+        comm.all_to_all(out, inp, out_splits=receives, in_splits=sends)
+        results.append(out * 1)
+        out = torch.full((sum(receives),), -1.0, device=device)
+        comm.all_to_all(out, inp, out_splits=receives, in_splits=sends, async_op=True).wait()
+        results.append(out * 1)
+    out = torch.full((sum(receives),), -1.0, device=device)
+    comm.all_to_all(out, inp, out_splits=receives, in_splits=sends, stream=side)
+    side.synchronize()
+    results.append(out)
+    right = [torch.equal(x.cpu(), want) for x in results]
+    size = lambda j: 2 * j + 1  # noqa: E731 - rank j's size
+    mine = torch.arange(size(r), device=device, dtype=torch.float32) + 100 * r
+    gathered = [torch.full((size(j),), -1.0, device=device) for j in range(n)]
+    comm.all_gather(gathered, mine)
+    at_root = [torch.full((size(j),), -1.0, device=device) for j in range(n)] if r == 0 else None
+    comm.gather(mine, at_root, 0, uneven=True)
+    got = torch.full((size(r),), -1.0, device=device)
+    chunks = [torch.full((size(j),), 10.0 * j, device=device) for j in range(n)] \
+        if r == n - 1 else None
+    comm.scatter(got, chunks, n - 1, uneven=True)
+    expected = [(torch.arange(size(j), dtype=torch.float32) + 100 * j) for j in range(n)]
+    right.append(all(torch.equal(g.cpu(), e) for g, e in zip(gathered, expected)))
+    right.append(r != 0 or all(torch.equal(g.cpu(), e) for g, e in zip(at_root, expected)))
+    right.append(torch.equal(got.cpu(), torch.full((size(r),), 10.0 * r)))
+    return right
+
+
+@pytest.mark.parametrize("backend", ["nccl", "ipc"])
+@pytest.mark.parametrize("world", world_sizes()[:2])
+def test_uneven_forms_of_cuda_tensors_on_every_gpu_backend(backend, world):
+    env = {**GPU_ENV, "ANYCCL_BACKEND": f"cpu:shm,cuda:{backend}"}
+    for r, right in enumerate(run_ranks(check_uneven_forms_of_cuda_tensors, world, env=env,
+                                        deadline_s=120)):
+        assert all(right), (r, right)

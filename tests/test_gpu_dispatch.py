@@ -211,6 +211,103 @@ def test_gpu_messages_run_through_the_gpu_path():
     assert all(run_ranks(check_messages, 2, env=SETUP))
 
 
+# ---- the uneven ("v") forms on GPU arrays -----------------------------------------------------
+def check_uneven_forms(comm) -> dict[str, Any]:
+    from anyccl import gpu
+
+    n, r = comm.size, comm.rank
+    sends = [(r + 2 * j) % 4 for j in range(n)]          # zeros included
+    receives = [(j + 2 * r) % 4 for j in range(n)]
+    inp = np.concatenate([np.full(c, 100.0 * r + j) for j, c in enumerate(sends)])
+    blocking, on_stream, later = (np.full(sum(receives), -1.0) for _ in range(3))
+    allocations = len(DEVICE.memory)
+    comm.all_to_all(FakeGpuArray(blocking), FakeGpuArray(inp), out_splits=receives,
+                    in_splits=sends)
+    stream = gpu.new_stream(0)
+    slow = np.zeros(inp.size)    # a slow producer writes the input on the caller's stream
+    launch(DEVICE, stream, lambda: (time.sleep(0.2), slow.__setitem__(slice(None), inp)))
+    comm.all_to_all(FakeGpuArray(on_stream), FakeGpuArray(slow), stream=stream,
+                    out_splits=receives, in_splits=sends)
+    work = comm.all_to_all(FakeGpuArray(later), FakeGpuArray(inp), async_op=True,
+                           out_splits=receives, in_splits=sends)
+    work.wait()
+    size = lambda j: 2 * j + 1  # noqa: E731 - rank j's size in the v forms
+    mine = np.arange(size(r), dtype=np.float32) + 100 * r
+    gathered = [np.full(size(j), -1, np.float32) for j in range(n)]
+    comm.all_gather([FakeGpuArray(g) for g in gathered], FakeGpuArray(mine))
+    at_root = [np.full(size(j), -1, np.float32) for j in range(n)] if r == n - 1 else None
+    comm.gather(FakeGpuArray(mine), [FakeGpuArray(g) for g in at_root] if at_root else None,
+                n - 1, uneven=True)
+    out = np.full(size(r), -1, np.float32)
+    chunks = [np.full(size(j), 10.0 * j, np.float32) for j in range(n)] if r == 0 else None
+    comm.scatter(FakeGpuArray(out), [FakeGpuArray(c) for c in chunks] if chunks else None, 0,
+                 uneven=True)
+    gpu.synchronize_stream(stream)
+    _landed()
+    scratch_left = len(DEVICE.memory) - allocations
+    refused, untouched = [], np.full(sum(receives), -1.0)
+    bad = list(receives)
+    if r == 0:   # rank 0 expects one element from itself and none from rank 1: all ranks raise
+        bad[0], bad[1] = bad[0] + 1, bad[1] - 1
+    for call in (lambda: comm.all_to_all(FakeGpuArray(untouched), FakeGpuArray(inp),
+                                         out_splits=bad, in_splits=sends),
+                 lambda: comm.all_to_all(FakeGpuArray(untouched), inp, out_splits=receives,
+                                         in_splits=sends)):
+        try:
+            call()
+        except anyccl.AnycclError as exc:
+            refused.append(str(exc))
+    _landed()
+    return {"a2a": (blocking, on_stream, later), "gathered": gathered, "at_root": at_root,
+            "out": out, "scratch_left": scratch_left, "refused": refused,
+            "untouched": bool((untouched == -1).all())}
+
+
+@pytest.mark.parametrize("world_size", (2, 3))
+def test_uneven_forms_of_gpu_arrays_move_every_piece_in_stream_order(world_size):
+    n = world_size
+    for r, got in enumerate(run_ranks(check_uneven_forms, n, env=SETUP)):
+        expected = np.concatenate([np.full((j + 2 * r) % 4, 100.0 * j + r) for j in range(n)])
+        for way, out in zip(("blocking", "stream=", "async"), got["a2a"]):
+            assert (out == expected).all(), (r, way, out, expected)
+        sizes = [2 * j + 1 for j in range(n)]
+        pieces = [np.arange(s, dtype=np.float32) + 100 * j for j, s in enumerate(sizes)]
+        assert all((g == p).all() for g, p in zip(got["gathered"], pieces)), got["gathered"]
+        if r == n - 1:
+            assert all((g == p).all() for g, p in zip(got["at_root"], pieces)), got["at_root"]
+        assert (got["out"] == 10.0 * r).all() and got["out"].size == sizes[r]
+        assert got["scratch_left"] == 0, "padded buffers were not given back"
+        assert "split sizes of the ranks do not match" in got["refused"][0], got["refused"]
+        assert "out is a GPU array but inp is in host memory" in got["refused"][1], got["refused"]
+        assert got["untouched"], "a refused all_to_all wrote its output"
+
+
+def check_uneven_calls_leave_no_plan(comm) -> tuple[list[bool], int]:
+    """Repeated blocking uneven calls on the same arrays, with plans being kept: each is right
+    (its queued function holds scratch of its own, given back after one use: never a plan)."""
+    n, r = comm.size, comm.rank
+    mine = np.full(r + 1, float(r), np.float32)
+    outs = [np.zeros(j + 1, np.float32) for j in range(n)]
+    right = []
+    with _as_torch_tensors():
+        comm.all_reduce(FakeGpuArray(np.zeros(2, np.float32)))  # plans are kept from now on
+        before = len(comm._plans)
+        for step in range(3):
+            mine[...] = r + 10 * step
+            comm.all_gather([FakeGpuArray(o) for o in outs], FakeGpuArray(mine))
+            _landed()
+            right.append(all((o == j + 10 * step).all() for j, o in enumerate(outs)))
+        planned = len(comm._plans) - before
+        comm._plans.forget()   # the ranks' communicator serves the next tests
+        return right, planned
+
+
+def test_repeated_uneven_gpu_calls_take_the_full_path_each_time():
+    for right, planned in run_ranks(check_uneven_calls_leave_no_plan, 2, env=SETUP):
+        assert right == [True] * 3, right
+        assert planned == 0
+
+
 # ---- ordering --------------------------------------------------------------------------------
 def check_async_ordering(comm) -> tuple[bool, bool, bool]:
     from anyccl import gpu

@@ -13,7 +13,13 @@ import numpy as np
 import pytest
 from harness import run_ranks
 from reference import assert_matches, make_input, reduce_reference, valid_ops
-from test_gpu import to_gpu, to_host, two_gpus, world_sizes
+from test_gpu import (
+    check_uneven_forms_of_cuda_tensors,
+    to_gpu,
+    to_host,
+    two_gpus,
+    world_sizes,
+)
 
 from anyccl import ReduceOp
 
@@ -103,3 +109,10 @@ def check_staged_stream_order(comm) -> bool:
 @two_gpus()
 def test_staged_calls_follow_the_callers_stream_on_two_gpus():
     assert all(run_ranks(check_staged_stream_order, 2, env=STAGED_ENV, backend="mpi"))
+
+
+@pytest.mark.parametrize("world", (1, 2))   # ranks may share a GPU here: the wire is MPI's
+def test_uneven_forms_of_staged_cuda_tensors(world):
+    for r, right in enumerate(run_ranks(check_uneven_forms_of_cuda_tensors, world,
+                                        env=STAGED_ENV, deadline_s=120, backend="mpi")):
+        assert all(right), (r, right)

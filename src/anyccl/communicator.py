@@ -21,6 +21,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from . import gpu
+from .algorithms import uneven
 from .arguments import Arguments
 from .backends.base import Backend
 from .backends.gpu_base import GpuBackend
@@ -38,7 +39,6 @@ from .errors import (
     CollectiveMismatchError,
     PeerLostError,
     TimeoutError,
-    UnsupportedError,
 )
 from .gpu_dispatch import GpuDispatch
 from .ops import COLLECTIVES, ReduceOp
@@ -133,10 +133,12 @@ class Communicator:
     def _collective(self, name: str, args: ArgsText, nbytes: int, call: Callable[[Any], Any],
                     async_op: bool, *, like: Array | None = None, root: int = -1,
                     op: ReduceOp | None = None, arrays: Sequence[tuple[str, Array]] = (),
-                    stream: Any = None) -> Work | None:
+                    stream: Any = None, replayable: bool = True) -> Work | None:
         """Run collective `name` in issue order: `call(backend)` runs it on the host backend, or
         returns the function that queues it on the GPU backend. `like` (the array whose dtype
-        and size every rank must agree on), `root` and `op` are what debug mode compares."""
+        and size every rank must agree on), `root` and `op` are what debug mode compares.
+        replayable=False: a blocking GPU call leaves no plan (its queued function holds
+        buffers of its own, used once)."""
         on_gpu = self._gpu_side.on_gpu(name, arrays, stream)
         enqueue = None
         if on_gpu:
@@ -160,7 +162,7 @@ class Communicator:
                                   lambda: Work(record, self.rank))
             gpu_arrays = [a for _, a in arrays]
             work = self._gpu_side.queue(record, [entry], enqueue, gpu_arrays, async_op, stream)
-            if not (async_op or self.debug or stream is not None):  # the next such call: a plan
+            if replayable and not (async_op or self.debug or stream is not None):  # a plan
                 if self._plans is None:
                     self._plans = Plans()
                 self._plans.keep(name, args, nbytes, enqueue, gpu_arrays, gpu_backend.runner())
@@ -538,11 +540,11 @@ class Communicator:
         outs = self._check.pieces("all_gather", out, "out", x, writable=True,
                                   sizes_may_differ=self.size > 1)
         if any(o.size != x.size for o in outs):
-            from .algorithms.uneven import all_gather_v
-
-            self._host_only("all_gather", x, *outs)
-            return self._run_uneven("all_gather", lambda: all_gather_v(self, outs, x), x,
-                                    async_op, stream)
+            arrays = [("tensor", x), *_named("out", outs)]
+            self._gpu_side.on_gpu("all_gather", arrays, stream)
+            sizes, piece = uneven.agree_sizes(self, x.size, [o.size for o in outs], "all_gather")
+            return self._uneven("all_gather", arrays, lambda new: uneven.all_gather_v(
+                self.size, outs, x, sizes, piece, new), x, async_op, stream)
         self._check.others_disjoint("all_gather", outs, "out", x, "tensor")
         return self._collective("all_gather", _about(x), x.nbytes * self.size,
                                 lambda b: b.all_gather(outs, x), async_op, like=x,
@@ -560,10 +562,8 @@ class Communicator:
         x = self._check.array("gather", tensor, "tensor", writable=False)
         dst = self._check.peer("gather", dst, "dst")
         if uneven:
-            from .algorithms.uneven import gather_v
-
-            return self._rooted_uneven("gather", gather_v, x, out_list, "out_list", dst, "dst",
-                                       True, async_op, stream)
+            return self._rooted_uneven("gather", x, out_list, "out_list", dst, "dst", True,
+                                       async_op, stream)
         outs = self._check.root_pieces("gather", out_list, "out_list", x, dst, "dst", writable=True)
         return self._collective("gather", _about(x, ", dst={}", dst), x.nbytes * self.size,
                                 lambda b: b.gather(x, outs, dst), async_op, like=x, root=dst,
@@ -582,10 +582,8 @@ class Communicator:
         x = self._check.array("scatter", out, "out", writable=True)
         src = self._check.peer("scatter", src, "src")
         if uneven:
-            from .algorithms.uneven import scatter_v
-
-            return self._rooted_uneven("scatter", scatter_v, x, chunks, "chunks", src, "src",
-                                       False, async_op, stream)
+            return self._rooted_uneven("scatter", x, chunks, "chunks", src, "src", False,
+                                       async_op, stream)
         pieces = self._check.root_pieces("scatter", chunks, "chunks", x, src, "src", writable=False)
         self._check.others_disjoint("scatter", pieces or [], "chunks", x, "out")
         return self._collective("scatter", _about(x, ", src={}", src), x.nbytes * self.size,
@@ -616,8 +614,8 @@ class Communicator:
         size, or single arrays split evenly into `size` pieces. out may be inp (in place).
 
         Uneven: with `in_splits` (elements this rank sends to each rank) and `out_splits`
-        (elements it receives from each), `out` and `inp` are single host arrays cut at those
-        counts, which every pair of ranks must agree on (all ranks raise if not)."""
+        (elements it receives from each), `out` and `inp` are single arrays (host or GPU) cut
+        at those counts, which every pair of ranks must agree on (all ranks raise if not)."""
         if out_splits is not None or in_splits is not None:
             return self._all_to_all_uneven(out, inp, out_splits, in_splits, async_op, stream)
         if self._replayed(("all_to_all",), (out, inp), async_op, stream):
@@ -646,15 +644,11 @@ class Communicator:
 
     def _all_to_all_uneven(self, out: Any, inp: Any, out_splits: Any, in_splits: Any,
                            async_op: bool, stream: Any) -> Work | None:
-        from .algorithms import uneven
-
         self._check_open("all_to_all")
         x = self._check.array("all_to_all", inp, "inp", writable=False)
         y = self._check.array("all_to_all", out, "out", writable=True)
-        if isinstance(x, GpuArray) or isinstance(y, GpuArray) or stream is not None:
-            raise self._check.fail("all_to_all", "split sizes are supported on host arrays "
-                                   "only so far; GPU arrays take even pieces",
-                                   UnsupportedError)
+        arrays = [("inp", x), ("out", y)]
+        self._gpu_side.on_gpu("all_to_all", arrays, stream)
         if x.dtype != y.dtype:
             raise self._check.fail("all_to_all", f"out has dtype {y.dtype.name} but inp has "
                                    f"{x.dtype.name}")
@@ -666,40 +660,52 @@ class Communicator:
                                     in_splits, "in_splits", x.size, "inp")
         receives = uneven.check_splits(self.rank, n, [y.size // n] * n if out_splits is None
                                        else out_splits, "out_splits", y.size, "out")
-        return self._run_uneven("all_to_all", lambda: uneven.all_to_all_v(self, y, x, receives,
-                                                                            sends),
-                                 x, async_op, stream)
+        piece = uneven.agree_all_to_all(self, receives, sends)
+        return self._uneven("all_to_all", arrays, lambda new: uneven.all_to_all_v(
+            n, y, x, receives, sends, piece, new), x, async_op, stream)
 
-    # ---- the uneven ("v") forms: host arrays, built from even collectives -------------------
-    def _host_only(self, op: str, *arrays: Array) -> None:
-        if any(isinstance(a, GpuArray) for a in arrays):
-            raise self._check.fail(op, "arrays of different sizes per rank are supported on "
-                                       "host arrays only so far", UnsupportedError)
-
-    def _rooted_uneven(self, op: str, algorithm: Callable[[Any, Array, Any, int], None],
-                       x: Array, pieces: Any, name: str, root: int, root_name: str,
-                       writable: bool, async_op: bool, stream: Any) -> Work | None:
-        """gather/scatter with a size per rank: `pieces` (the root's list, None elsewhere)
-        checked, then `algorithm(comm, x, pieces, root)` (uneven.gather_v or scatter_v)."""
+    # ---- the uneven ("v") forms: one even collective on padded buffers (algorithms/uneven) --
+    def _rooted_uneven(self, op: str, x: Array, pieces: Any, name: str, root: int,
+                       root_name: str, writable: bool, async_op: bool,
+                       stream: Any) -> Work | None:
+        """gather (writable pieces) or scatter with a size per rank: `pieces` (the root's list,
+        None elsewhere) checked, the sizes agreed, then the data moved."""
         checked = self._check.root_pieces(op, pieces, name, x, root, root_name,
                                           writable=writable, sizes_may_differ=True)
-        self._host_only(op, x, *(checked or []))
-        return self._run_uneven(op, lambda: algorithm(self, x, checked, root), x, async_op,
-                                stream)
+        arrays = [("tensor" if writable else "out", x), *_named(name, checked or [])]
+        self._gpu_side.on_gpu(op, arrays, stream)
+        sizes, piece = uneven.agree_sizes(self, x.size, [p.size for p in checked]
+                                          if checked is not None else None, op)
+        layout = uneven.gather_v if writable else uneven.scatter_v
+        return self._uneven(op, arrays, lambda new: layout(self.size, self.rank, x, checked,
+                                                           root, sizes, piece, new),
+                            x, async_op, stream)
 
-    def _run_uneven(self, op: str, run: Callable[[], None], x: Array, async_op: bool,
-                    stream: Any) -> Work | None:
-        """Run an uneven collective (its even collectives in issue order); async_op=True gets a
-        Work that is already complete."""
-        if stream is not None:
-            raise self._check.fail(op, "stream= applies to GPU arrays only; uneven sizes are "
-                                       "supported on host arrays")
-        run()
-        if not async_op:
-            return None
-        work = Work(OpRecord(op, self._seq, "uneven sizes", x.nbytes), self.rank)
-        work.complete()
-        return work
+    def _uneven(self, op: str, arrays: list[tuple[str, Array]],
+                layout: Callable[[uneven.NewBuffer], uneven.Padded], x: Array, async_op: bool,
+                stream: Any) -> Work | None:
+        """Move an uneven collective's data once the ranks agreed on its sizes: `layout(new)`
+        lays it out on padded buffers that `new` makes like `x`. Host arrays: at once, through
+        this communicator's even collectives (async_op=True gets a Work already complete). GPU
+        arrays: one operation queued like any GPU collective (stream=, async Works, deadlines),
+        its scratch allocated in the order of the stream it runs after."""
+        if not isinstance(x, GpuArray):
+            layout(uneven.host_scratch(x)).run_on_host(self)
+            if not async_op:
+                return None
+            work = Work(OpRecord(op, self._seq, "uneven sizes", x.nbytes), self.rank)
+            work.complete()
+            return work
+        after = gpu.stream_pointer(stream) if stream is not None else x.stream
+        if after is None:   # no stream to order after (JAX): scratch made ready on the host
+            padded = layout(uneven.gpu_scratch(x, 0))
+            gpu.synchronize_stream(0)
+        else:
+            padded = layout(uneven.gpu_scratch(x, after))
+        like = padded.scratch[0] if padded.scratch else None
+        return self._collective(op, _about(x, ", uneven sizes"), x.nbytes,
+                                padded.queue_on_gpu, async_op, like=like, arrays=arrays,
+                                stream=stream, replayable=False)
 
     def barrier(self, async_op: bool = False) -> Work | None:
         """Return once every rank of the communicator has called barrier (host arrays' work

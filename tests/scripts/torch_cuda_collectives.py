@@ -1,7 +1,8 @@
 """torch.distributed on the "anyccl" backend with CUDA tensors, as Lightning starts it
 (`init_process_group(..., device_id=...)`): each collective on a non-default stream whose input
 a kernel has just written, its result read by the next kernel on that stream, blocking and
-async_op=True; every rank checks its values against what the collective must give.
+async_op=True, uneven all_to_all_single and all_gather among them; every rank checks its values
+against what the collective must give.
 
     python tests/scripts/torch_cuda_collectives.py WORLD_SIZE PORT
 """
@@ -50,6 +51,20 @@ def check(rank: int, world_size: int) -> None:
         dist.all_to_all_single(a, torch.arange(world_size * 2.0, device=device) + 100 * rank)
         assert a.tolist() == [100.0 * r + 2 * rank + k for r in range(world_size)
                               for k in range(2)], a
+
+        # uneven: all_to_all_single with rows per pair of ranks, all_gather of a size per rank
+        sends = [(rank + 2 * j) % 3 + 1 for j in range(world_size)]
+        receives = [(j + 2 * rank) % 3 + 1 for j in range(world_size)]
+        rows = torch.cat([torch.full((c, 2), 100.0 * rank + j, device=device)
+                          for j, c in enumerate(sends)])
+        got = torch.empty(sum(receives), 2, device=device)
+        dist.all_to_all_single(got, rows * 1, receives, sends)   # its input just written
+        want = torch.cat([torch.full((c, 2), 100.0 * j + rank) for j, c in enumerate(receives)])
+        assert torch.equal((got * 1).cpu(), want), (rank, got)
+        parts = [torch.empty(j + 1, device=device) for j in range(world_size)]
+        dist.all_gather(parts, torch.arange(rank + 1.0, device=device))
+        assert [p.tolist() for p in parts] == [[float(k) for k in range(j + 1)]
+                                               for j in range(world_size)], parts
     torch.cuda.synchronize(device)
 
     # from a thread that never touched CUDA (its first CUDA call is the collective), as torch's

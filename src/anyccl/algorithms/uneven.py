@@ -1,26 +1,36 @@
-"""The uneven ("v") collectives, built from a communicator's even ones so that they run on
-every host backend alike: all_to_all with a different number of elements for every pair of ranks
-(torch's all_to_all_single with split sizes, MPI's Alltoallv), and all_gather, gather and scatter
-with a different size per rank (MPI's Allgatherv, Gatherv, Scatterv). The last three learn every
-rank's size with one small all_gather, check it against the lists, and move padded pieces.
+"""The uneven ("v") collectives, built from even ones so that they run on every backend alike,
+host and GPU: all_to_all with a different number of elements for every pair of ranks (torch's
+all_to_all_single with split sizes, MPI's Alltoallv), and all_gather, gather and scatter with a
+different size per rank (MPI's Allgatherv, Gatherv, Scatterv).
 
-Each rank says how many elements it sends to every rank (`in_splits`) and expects from every
-rank (`out_splits`). First the ranks exchange their send counts (an even all_to_all of one int64
-per pair) and check them against what each expects; then one all_reduce(MAX) agrees on the
-largest piece and on whether any rank found a mismatch, so that every rank raises together
-rather than some hanging in the exchange. The data then moves as an even all_to_all of pieces
-padded to that largest size, and each rank keeps the leading `out_splits[j]` elements of piece j.
+Two steps. First the ranks agree, on the host, whatever the arrays: for all_to_all they exchange
+their send counts (an even all_to_all of one int64 per pair) and check them against the counts
+each expects (`out_splits`); for the other three every rank's size is learnt with one small
+all_gather and checked against the lists given. One all_reduce(MAX) then agrees on the largest
+piece and on whether any rank found a mismatch, so that every rank raises together, before any
+data moves, rather than some hanging in the exchange.
+
+Then the data moves as one even collective on buffers padded to that largest piece (`Padded`):
+copies fill the padded send buffer, the even collective runs, and each rank copies the leading
+elements of every piece it received into place. On host arrays that runs at once through the
+communicator; on GPU arrays it is one operation queued on a stream (scratch from the stream-
+ordered allocator, device copies, the GPU backend's even collective, the scratch freed in stream
+order), so it takes the GPU's stream semantics, async Works and deadlines like any collective.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
+from .. import gpu
+from ..buffers import Array, GpuArray, Pieces
 from ..errors import InvalidArgumentError
 from ..ops import ReduceOp
+
+NewBuffer = Callable[[int], Array]   # a padded buffer of that many elements, like the user's
 
 
 def split_elements(shape: Sequence[int], split_sizes: Any) -> list[int] | None:
@@ -54,10 +64,10 @@ def check_splits(rank: int, size: int, splits: Any, name: str, total: int,
     return [int(c) for c in counts]
 
 
-def all_to_all_v(comm: Any, out: np.ndarray, inp: np.ndarray, out_splits: list[int],
-                 in_splits: list[int]) -> None:
-    """Rank i's `out`, cut by `out_splits`, receives piece i of every rank's `inp` (cut by its
-    `in_splits`). Flat host arrays of one dtype; splits already checked by `check_splits`."""
+def agree_all_to_all(comm: Any, out_splits: list[int], in_splits: list[int]) -> int:
+    """The largest piece any rank sends, once every rank's `in_splits` matched what its peers
+    expect (their `out_splits`); every rank raises InvalidArgumentError together otherwise.
+    Splits already checked by `check_splits`; runs host collectives on `comm`."""
     n, me = comm.size, comm.rank
     incoming = np.zeros(n, np.int64)
     comm.all_to_all(incoming, np.asarray(in_splits, np.int64))
@@ -71,27 +81,14 @@ def all_to_all_v(comm: Any, out: np.ndarray, inp: np.ndarray, out_splits: list[i
                   "another rank's out_splits disagree with what this rank sends")
         raise InvalidArgumentError(f"rank {me}: all_to_all: the split sizes of the ranks do not "
                                    f"match: {detail}; nothing was sent")
-    piece = int(agreed[0])
-    if piece == 0:
-        return
-    packed_in = np.zeros(n * piece, inp.dtype)
-    start = 0
-    for j, count in enumerate(in_splits):
-        packed_in[j * piece:j * piece + count] = inp[start:start + count]
-        start += count
-    packed_out = np.empty(n * piece, out.dtype)
-    comm.all_to_all(packed_out, packed_in)
-    start = 0
-    for j, count in enumerate(out_splits):
-        out[start:start + count] = packed_out[j * piece:j * piece + count]
-        start += count
+    return int(agreed[0])
 
 
-# ---- all_gather, gather and scatter with a different size per rank ("v" forms) ---------------
-def _sizes(comm: Any, mine: int, expected: list[int] | None, op: str) -> tuple[list[int], int]:
+def agree_sizes(comm: Any, mine: int, expected: list[int] | None, op: str) -> tuple[list[int],
+                                                                                   int]:
     """Every rank's true size (each rank gives its own), checked against the sizes this rank
     expects (None: it expects none); every rank raises together if any rank's expectation is
-    wrong. Returns the sizes and the largest."""
+    wrong. Returns the sizes and the largest. Runs host collectives on `comm`."""
     n = comm.size
     true = np.zeros(n, np.int64)
     comm.all_gather(true, np.array([mine], np.int64))
@@ -107,48 +104,145 @@ def _sizes(comm: Any, mine: int, expected: list[int] | None, op: str) -> tuple[l
     return [int(s) for s in true], int(agreed[0])
 
 
-def all_gather_v(comm: Any, outs: list[np.ndarray], x: np.ndarray) -> None:
-    """outs[j] receives rank j's `x`, whatever its size (outs[j].size on every rank)."""
-    n = comm.size
-    sizes, piece = _sizes(comm, x.size, [o.size for o in outs], "all_gather")
+# ---- the data: one even collective on padded buffers -----------------------------------------
+Copies = list[tuple[Array, Array]]   # (destination, source) pairs of equal size
+
+
+class Padded:
+    """One uneven collective as an even one: the `before` copies fill the padded buffers
+    (`scratch`), `exchange(target)` runs the even collective on them (target: the communicator
+    for host arrays; the GPU backend for GPU arrays, whose call returns the function that
+    queues it), and the `after` copies take each piece's leading elements out."""
+
+    __slots__ = ("before", "exchange", "after", "scratch")
+
+    def __init__(self, before: Copies, exchange: Callable[[Any], Any], after: Copies,
+                 scratch: list[Array]) -> None:
+        self.before, self.exchange, self.after, self.scratch = before, exchange, after, scratch
+
+    def run_on_host(self, comm: Any) -> None:
+        """Move the data now, through `comm`'s even collective (host arrays)."""
+        for dst, src in self.before:
+            dst[...] = src
+        self.exchange(comm)
+        for dst, src in self.after:
+            dst[...] = src
+
+    def queue_on_gpu(self, backend: Any) -> Callable[[int], None]:
+        """The function that queues the whole operation on a stream: the copies in, `backend`'s
+        even collective, the copies out, then the scratch freed in stream order. The backend's
+        collective is built now, so that what it refuses is refused before any byte moves (the
+        scratch is freed then)."""
+        try:
+            exchange = self.exchange(backend)
+        except BaseException:
+            if self.scratch:
+                self.free(self.scratch[0].stream)  # type: ignore[union-attr]
+            raise
+        before = [(d.ptr, s.ptr, s.nbytes) for d, s in self.before if s.nbytes]
+        after = [(d.ptr, s.ptr, s.nbytes) for d, s in self.after if s.nbytes]
+
+        def enqueue(stream: int) -> None:
+            for dst, src, nbytes in before:
+                gpu.copy_async(dst, src, nbytes, stream)
+            exchange(stream)
+            for dst, src, nbytes in after:
+                gpu.copy_async(dst, src, nbytes, stream)
+            self.free(stream)
+        return enqueue
+
+    @staticmethod
+    def nothing() -> Padded:
+        """An operation with nothing to move (every piece is empty)."""
+        return Padded([], lambda target: _queue_nothing, [], [])
+
+    def free(self, stream: int) -> None:
+        """Give the GPU scratch back, in `stream`'s order."""
+        for buffer in self.scratch:
+            gpu.free_async(buffer.ptr, stream)  # type: ignore[union-attr]
+        self.scratch = []
+
+
+def _queue_nothing(stream: int) -> None:
+    """Queues nothing."""
+
+
+def gpu_scratch(like: GpuArray, stream: int) -> NewBuffer:
+    """Padded buffers for GPU arrays like `like`: stream-ordered device memory allocated on
+    `stream` (the stream the operation is ordered after), as GpuArrays working on it."""
+    def new(count: int) -> GpuArray:
+        ptr = gpu.malloc_async(count * like.dtype.itemsize, stream)
+        return GpuArray(ptr, count, like.dtype, like.device, stream, like.kind, None)
+    return new
+
+
+def host_scratch(like: np.ndarray) -> NewBuffer:
+    """Padded buffers for host arrays like `like` (zeroed: the padding sent is defined)."""
+    return lambda count: np.zeros(count, like.dtype)
+
+
+def _runs(counts: Sequence[int]) -> list[tuple[int, int]]:
+    """(start, count) of consecutive runs of `counts` elements."""
+    runs, start = [], 0
+    for count in counts:
+        runs.append((start, count))
+        start += count
+    return runs
+
+
+def all_to_all_v(n: int, out: Array, inp: Array, out_splits: list[int], in_splits: list[int],
+                 piece: int, new: NewBuffer) -> Padded:
+    """Rank i's `out`, cut by `out_splits`, receives piece i of every rank's `inp` (cut by its
+    `in_splits`), through an even all_to_all of pieces of `piece` elements."""
     if piece == 0:
-        return
-    padded = np.zeros(piece, x.dtype)
-    padded[:x.size] = x
-    whole = np.empty(n * piece, x.dtype)
-    comm.all_gather(whole, padded)
-    for j, o in enumerate(outs):
-        o[...] = whole[j * piece:j * piece + sizes[j]]
+        return Padded.nothing()
+    send, recv = new(n * piece), new(n * piece)
+    before = [(send[j * piece:j * piece + c], inp[s:s + c])
+              for j, (s, c) in enumerate(_runs(in_splits))]
+    after = [(out[s:s + c], recv[j * piece:j * piece + c])
+             for j, (s, c) in enumerate(_runs(out_splits))]
+    sends, receives = Pieces(send, piece, n), Pieces(recv, piece, n)
+    return Padded(before, lambda t: t.all_to_all(receives, sends), after, [send, recv])
 
 
-def gather_v(comm: Any, x: np.ndarray, outs: list[np.ndarray] | None, root: int) -> None:
-    """Rank `root`'s outs[j] receives rank j's `x`, whatever its size."""
-    n = comm.size
-    sizes, piece = _sizes(comm, x.size, [o.size for o in outs] if outs is not None else None,
-                          "gather")
+def all_gather_v(n: int, outs: list[Array], x: Array, sizes: list[int], piece: int,
+                 new: NewBuffer) -> Padded:
+    """outs[j] receives rank j's `x` (`sizes[j]` elements)."""
     if piece == 0:
-        return
-    padded = np.zeros(piece, x.dtype)
-    padded[:x.size] = x
-    whole = np.empty(n * piece, x.dtype) if comm.rank == root else None
-    comm.gather(padded, whole, root)
-    if whole is not None and outs is not None:
-        for j, o in enumerate(outs):
-            o[...] = whole[j * piece:j * piece + sizes[j]]
+        return Padded.nothing()
+    padded, whole = new(piece), new(n * piece)
+    after = [(o, whole[j * piece:j * piece + sizes[j]]) for j, o in enumerate(outs)]
+    pieces = Pieces(whole, piece, n)
+    return Padded([(padded[:x.size], x)], lambda t: t.all_gather(pieces, padded), after,
+                  [padded, whole])
 
 
-def scatter_v(comm: Any, out: np.ndarray, chunks: list[np.ndarray] | None, root: int) -> None:
-    """Rank j's `out` receives rank `root`'s chunks[j], whatever its size."""
-    n = comm.size
-    sizes, piece = _sizes(comm, out.size, [c.size for c in chunks] if chunks is not None
-                          else None, "scatter")
+def gather_v(n: int, rank: int, x: Array, outs: list[Array] | None, root: int,
+             sizes: list[int], piece: int, new: NewBuffer) -> Padded:
+    """Rank `root`'s outs[j] receives rank j's `x` (`sizes[j]` elements)."""
     if piece == 0:
-        return
-    whole = None
-    if chunks is not None:
-        whole = np.zeros(n * piece, out.dtype)
-        for j, c in enumerate(chunks):
-            whole[j * piece:j * piece + sizes[j]] = c
-    padded = np.empty(piece, out.dtype)
-    comm.scatter(padded, whole, root)
-    out[...] = padded[:out.size]
+        return Padded.nothing()
+    padded = new(piece)
+    if rank != root or outs is None:
+        return Padded([(padded[:x.size], x)], lambda t: t.gather(padded, None, root), [],
+                      [padded])
+    whole = new(n * piece)
+    after = [(o, whole[j * piece:j * piece + sizes[j]]) for j, o in enumerate(outs)]
+    pieces = Pieces(whole, piece, n)
+    return Padded([(padded[:x.size], x)], lambda t: t.gather(padded, pieces, root), after,
+                  [padded, whole])
+
+
+def scatter_v(n: int, rank: int, out: Array, chunks: list[Array] | None, root: int,
+              sizes: list[int], piece: int, new: NewBuffer) -> Padded:
+    """Rank j's `out` receives rank `root`'s chunks[j] (`sizes[j]` elements)."""
+    if piece == 0:
+        return Padded.nothing()
+    padded = new(piece)
+    after = [(out, padded[:out.size])]
+    if rank != root or chunks is None:
+        return Padded([], lambda t: t.scatter(padded, None, root), after, [padded])
+    whole = new(n * piece)
+    before = [(whole[j * piece:j * piece + sizes[j]], c) for j, c in enumerate(chunks)]
+    pieces = Pieces(whole, piece, n)
+    return Padded(before, lambda t: t.scatter(padded, pieces, root), after, [padded, whole])
