@@ -249,18 +249,28 @@ def check_uneven_forms(comm) -> dict[str, Any]:
     bad = list(receives)
     if r == 0:   # rank 0 expects one element from itself and none from rank 1: all ranks raise
         bad[0], bad[1] = bad[0] + 1, bad[1] - 1
+    backend = comm._gpu_side.gpu
+
+    def refuse(outs: Any, inputs: Any) -> None:   # as NCCL refuses what it cannot do
+        raise anyccl.UnsupportedError("this transport cannot (a test)")
+    backend.all_to_all = refuse
+    allocations = len(DEVICE.memory)
     for call in (lambda: comm.all_to_all(FakeGpuArray(untouched), FakeGpuArray(inp),
                                          out_splits=bad, in_splits=sends),
                  lambda: comm.all_to_all(FakeGpuArray(untouched), inp, out_splits=receives,
-                                         in_splits=sends)):
+                                         in_splits=sends),
+                 lambda: comm.all_to_all(FakeGpuArray(untouched), FakeGpuArray(inp),
+                                         out_splits=receives, in_splits=sends)):
         try:
             call()
         except anyccl.AnycclError as exc:
             refused.append(str(exc))
+    del backend.all_to_all
     _landed()
     return {"a2a": (blocking, on_stream, later), "gathered": gathered, "at_root": at_root,
             "out": out, "scratch_left": scratch_left, "refused": refused,
-            "untouched": bool((untouched == -1).all())}
+            "untouched": bool((untouched == -1).all()),
+            "refused_scratch_left": len(DEVICE.memory) - allocations}
 
 
 @pytest.mark.parametrize("world_size", (2, 3))
@@ -279,7 +289,9 @@ def test_uneven_forms_of_gpu_arrays_move_every_piece_in_stream_order(world_size)
         assert got["scratch_left"] == 0, "padded buffers were not given back"
         assert "split sizes of the ranks do not match" in got["refused"][0], got["refused"]
         assert "out is a GPU array but inp is in host memory" in got["refused"][1], got["refused"]
+        assert "all_to_all: this transport cannot (a test)" in got["refused"][2], got["refused"]
         assert got["untouched"], "a refused all_to_all wrote its output"
+        assert got["refused_scratch_left"] == 0, "a refused call kept its padded buffers"
 
 
 def check_uneven_calls_leave_no_plan(comm) -> tuple[list[bool], int]:

@@ -703,9 +703,14 @@ class Communicator:
         else:
             padded = layout(uneven.gpu_scratch(x, after))
         like = padded.scratch[0] if padded.scratch else None
-        return self._collective(op, _about(x, ", uneven sizes"), x.nbytes,
-                                padded.queue_on_gpu, async_op, like=like, arrays=arrays,
-                                stream=stream, replayable=False)
+        try:
+            return self._collective(op, _about(x, ", uneven sizes"), x.nbytes,
+                                    padded.queue_on_gpu, async_op, like=like, arrays=arrays,
+                                    stream=stream, replayable=False)
+        except BaseException:
+            if padded.scratch:   # refused or failed before it was queued: given back here
+                padded.free(after or 0)
+            raise
 
     def barrier(self, async_op: bool = False) -> Work | None:
         """Return once every rank of the communicator has called barrier (host arrays' work

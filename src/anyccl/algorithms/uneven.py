@@ -132,13 +132,8 @@ class Padded:
         """The function that queues the whole operation on a stream: the copies in, `backend`'s
         even collective, the copies out, then the scratch freed in stream order. The backend's
         collective is built now, so that what it refuses is refused before any byte moves (the
-        scratch is freed then)."""
-        try:
-            exchange = self.exchange(backend)
-        except BaseException:
-            if self.scratch:
-                self.free(self.scratch[0].stream)  # type: ignore[union-attr]
-            raise
+        caller then gives the scratch back)."""
+        exchange = self.exchange(backend)
         before = [(d.ptr, s.ptr, s.nbytes) for d, s in self.before if s.nbytes]
         after = [(d.ptr, s.ptr, s.nbytes) for d, s in self.after if s.nbytes]
 
