@@ -169,6 +169,21 @@ def _load_core() -> Any:
 _core = _load_core()
 
 
+def calls_status() -> str:
+    """How this process makes anyccl's per-operation CUDA calls, as `anyccl info` says it."""
+    api = settings.CUDA_API.get()
+    if api != "driver":
+        return f"cuda-bindings' {'runtime' if api == 'runtime' else 'driver'} API " \
+               f"(ANYCCL_CUDA_API={api})"
+    try:
+        from . import _cudacore  # noqa: F401 - only whether it was built
+    except ImportError:
+        return "cuda-bindings' driver API (the compiled core was not built)"
+    if _core is None:
+        return "compiled core built; no CUDA driver library here"
+    return "compiled core (built, driver loaded)"
+
+
 @functools.cache
 def _drv() -> Any:
     from cuda.bindings import driver

@@ -140,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     for d in devices:
         print(f"  GPU {d['index']}: {d['name']}, {d['memory_gib']} GiB, compute capability "
               f"{d['capability']}, PCI {d['pci']}")
+    print(f"  CUDA calls: {_try(_cuda_calls, 'unknown')}")
     if len(devices) > 1:
         table = links(devices)
         print("\nlinks (NVn: n NVLinks; P2P: peer access over PCIe; -: none):")
@@ -153,6 +154,12 @@ def main(argv: list[str] | None = None) -> int:
           + ("nccl" if _try(_nccl_version) else "nccl once installed"))
     print(f"\ntorch.distributed backend: {torch_backend()}")
     return 0
+
+
+def _cuda_calls() -> str:
+    from .. import gpu
+
+    return gpu.calls_status()
 
 
 def torch_backend() -> str:
