@@ -136,12 +136,45 @@ class FakeGpuBackend(QueuedGpuBackend):
         self.wire.close()
 
 
+class FakeExchangeBackend(FakeGpuBackend):
+    """The fake backend that also exchanges pieces of any size, as NCCL's grouped sends and
+    receives do (the uneven collectives then move their pieces as they are)."""
+
+    name = "fake-exchange"
+    exchanges_any_sizes = True
+
+    def exchange(self, sends: list[GpuArray | None],
+                 recvs: list[GpuArray | None]) -> Enqueue:
+        def body() -> None:
+            done: list[BaseException | None] = []
+            record, deadline = OpRecord("exchange", 0), time.monotonic() + self.timeout_s
+            posted = 0
+            for peer, (src, out) in enumerate(zip(sends, recvs)):
+                if peer == self.rank:
+                    if src is not None and out is not None and out.nbytes:
+                        _host(out)[...] = _host(src)
+                    continue
+                if src is not None and src.nbytes:
+                    self.wire.post_send(_host(src).copy(), peer, 7, record, deadline,
+                                        done.append)
+                    posted += 1
+                if out is not None and out.nbytes:
+                    self.wire.post_recv(_host(out), peer, 7, record, deadline, done.append)
+                    posted += 1
+            self.wire.wait_for_messages(lambda: len(done) == posted, record, deadline)
+            failed = next((e for e in done if e is not None), None)
+            if failed is not None:
+                raise failed
+        return self._kernel("exchange", body)
+
+
 def setup() -> None:
-    """In every rank, before anyccl.init(): the fake device, and the backend registered."""
+    """In every rank, before anyccl.init(): the fake device, and the backends registered."""
     global DEVICE
     DEVICE = install()
-    registry.register_gpu(registry.GpuEntry("fake", "fake GPU arrays (tests)", FakeGpuBackend,
-                                            lambda: "available (tests)"))
+    for backend in (FakeGpuBackend, FakeExchangeBackend):
+        registry.register_gpu(registry.GpuEntry(backend.name, "fake GPU arrays (tests)", backend,
+                                                lambda: "available (tests)"))
 
 
 def _landed(stream: int = 0) -> None:
@@ -221,6 +254,9 @@ def check_uneven_forms(comm) -> dict[str, Any]:
     inp = np.concatenate([np.full(c, 100.0 * r + j) for j, c in enumerate(sends)])
     blocking, on_stream, later = (np.full(sum(receives), -1.0) for _ in range(3))
     allocations = len(DEVICE.memory)
+    mallocs: list[int] = []
+    malloc = gpu.malloc_async
+    gpu.malloc_async = lambda nbytes, stream: mallocs.append(nbytes) or malloc(nbytes, stream)
     comm.all_to_all(FakeGpuArray(blocking), FakeGpuArray(inp), out_splits=receives,
                     in_splits=sends)
     stream = gpu.new_stream(0)
@@ -244,6 +280,7 @@ def check_uneven_forms(comm) -> dict[str, Any]:
                  uneven=True)
     gpu.synchronize_stream(stream)
     _landed()
+    gpu.malloc_async = malloc
     scratch_left = len(DEVICE.memory) - allocations
     refused, untouched = [], np.full(sum(receives), -1.0)
     bad = list(receives)
@@ -254,6 +291,7 @@ def check_uneven_forms(comm) -> dict[str, Any]:
     def refuse(outs: Any, inputs: Any) -> None:   # as NCCL refuses what it cannot do
         raise anyccl.UnsupportedError("this transport cannot (a test)")
     backend.all_to_all = refuse
+    backend.exchange = refuse
     allocations = len(DEVICE.memory)
     for call in (lambda: comm.all_to_all(FakeGpuArray(untouched), FakeGpuArray(inp),
                                          out_splits=bad, in_splits=sends),
@@ -265,18 +303,21 @@ def check_uneven_forms(comm) -> dict[str, Any]:
             call()
         except anyccl.AnycclError as exc:
             refused.append(str(exc))
-    del backend.all_to_all
+    del backend.all_to_all, backend.exchange
     _landed()
     return {"a2a": (blocking, on_stream, later), "gathered": gathered, "at_root": at_root,
+            "backend": comm._gpu_side.gpu.name, "padded": len(mallocs),
             "out": out, "scratch_left": scratch_left, "refused": refused,
             "untouched": bool((untouched == -1).all()),
             "refused_scratch_left": len(DEVICE.memory) - allocations}
 
 
 @pytest.mark.parametrize("world_size", (2, 3))
-def test_uneven_forms_of_gpu_arrays_move_every_piece_in_stream_order(world_size):
+@pytest.mark.parametrize("backend", ("fake", "fake-exchange"))   # padded; pieces as they are
+def test_uneven_forms_of_gpu_arrays_move_every_piece_in_stream_order(world_size, backend):
     n = world_size
-    for r, got in enumerate(run_ranks(check_uneven_forms, n, env=SETUP)):
+    env = {**SETUP, "ANYCCL_BACKEND": f"cpu:shm,cuda:{backend}"}
+    for r, got in enumerate(run_ranks(check_uneven_forms, n, env=env)):
         expected = np.concatenate([np.full((j + 2 * r) % 4, 100.0 * j + r) for j in range(n)])
         for way, out in zip(("blocking", "stream=", "async"), got["a2a"]):
             assert (out == expected).all(), (r, way, out, expected)
@@ -292,6 +333,9 @@ def test_uneven_forms_of_gpu_arrays_move_every_piece_in_stream_order(world_size)
         assert "all_to_all: this transport cannot (a test)" in got["refused"][2], got["refused"]
         assert got["untouched"], "a refused all_to_all wrote its output"
         assert got["refused_scratch_left"] == 0, "a refused call kept its padded buffers"
+        assert got["backend"] == backend
+        # padded: scratch for each of the 6 calls; exchanged: each piece as it is, no scratch
+        assert got["padded"] >= 6 if backend == "fake" else got["padded"] == 0, got["padded"]
 
 
 def check_uneven_calls_leave_no_plan(comm) -> tuple[list[bool], int]:

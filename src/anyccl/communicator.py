@@ -664,7 +664,7 @@ class Communicator:
         return self._uneven("all_to_all", arrays, lambda new: uneven.all_to_all_v(
             n, y, x, receives, sends, piece, new), x, async_op, stream)
 
-    # ---- the uneven ("v") forms: one even collective on padded buffers (algorithms/uneven) --
+    # ---- the uneven ("v") forms (algorithms/uneven.py) ----------------------------------------
     def _rooted_uneven(self, op: str, x: Array, pieces: Any, name: str, root: int,
                        root_name: str, writable: bool, async_op: bool,
                        stream: Any) -> Work | None:
@@ -682,13 +682,15 @@ class Communicator:
                             x, async_op, stream)
 
     def _uneven(self, op: str, arrays: list[tuple[str, Array]],
-                layout: Callable[[uneven.NewBuffer], uneven.Padded], x: Array, async_op: bool,
+                layout: Callable[[uneven.NewBuffer | None], uneven.Moves], x: Array, async_op: bool,
                 stream: Any) -> Work | None:
         """Move an uneven collective's data once the ranks agreed on its sizes: `layout(new)`
-        lays it out on padded buffers that `new` makes like `x`. Host arrays: at once, through
-        this communicator's even collectives (async_op=True gets a Work already complete). GPU
-        arrays: one operation queued like any GPU collective (stream=, async Works, deadlines),
-        its scratch allocated in the order of the stream it runs after."""
+        lays it out on padded buffers that `new` makes like `x` (`layout(None)`: pieces as they
+        are). Host arrays: at once, through this communicator's even collectives (async_op=True
+        gets a Work already complete). GPU arrays: one operation queued like any GPU collective
+        (stream=, async Works, deadlines), through the GPU backend's `exchange` where it moves
+        pieces of any size, else padded, its scratch allocated in the order of the stream it
+        runs after."""
         if not isinstance(x, GpuArray):
             layout(uneven.host_scratch(x)).run_on_host(self)
             if not async_op:
@@ -697,19 +699,21 @@ class Communicator:
             work.complete()
             return work
         after = gpu.stream_pointer(stream) if stream is not None else x.stream
-        if after is None:   # no stream to order after (JAX): scratch made ready on the host
-            padded = layout(uneven.gpu_scratch(x, 0))
+        if self._gpu_side.backend(op, collective=True).exchanges_any_sizes:
+            moves = layout(None)   # each piece as it is: no scratch
+        elif after is None:   # no stream to order after (JAX): scratch made ready on the host
+            moves = layout(uneven.gpu_scratch(x, 0))
             gpu.synchronize_stream(0)
         else:
-            padded = layout(uneven.gpu_scratch(x, after))
-        like = padded.scratch[0] if padded.scratch else None
+            moves = layout(uneven.gpu_scratch(x, after))
+        like = moves.scratch[0] if moves.scratch else None
         try:
             return self._collective(op, _about(x, ", uneven sizes"), x.nbytes,
-                                    padded.queue_on_gpu, async_op, like=like, arrays=arrays,
+                                    moves.queue_on_gpu, async_op, like=like, arrays=arrays,
                                     stream=stream, replayable=False)
         except BaseException:
-            if padded.scratch:   # refused or failed before it was queued: given back here
-                padded.free(after or 0)
+            if moves.scratch:   # refused or failed before it was queued: given back here
+                moves.free(after or 0)
             raise
 
     def barrier(self, async_op: bool = False) -> Work | None:

@@ -10,12 +10,14 @@ all_gather and checked against the lists given. One all_reduce(MAX) then agrees 
 piece and on whether any rank found a mismatch, so that every rank raises together, before any
 data moves, rather than some hanging in the exchange.
 
-Then the data moves as one even collective on buffers padded to that largest piece (`Padded`):
-copies fill the padded send buffer, the even collective runs, and each rank copies the leading
-elements of every piece it received into place. On host arrays that runs at once through the
-communicator; on GPU arrays it is one operation queued on a stream (scratch from the stream-
-ordered allocator, device copies, the GPU backend's even collective, the scratch freed in stream
-order), so it takes the GPU's stream semantics, async Works and deadlines like any collective.
+Then the data moves (`Moves`). Where the GPU backend exchanges pieces of any size (NCCL's grouped
+sends and receives: the nccl and ipc backends), each piece goes as it is. Elsewhere it moves as one
+even collective on buffers padded to that largest piece: copies fill the padded send buffer, the
+even collective runs, and each rank copies the leading elements of every piece it received into
+place. On host arrays that runs at once through the communicator; on GPU arrays it is one
+operation queued on a stream (scratch from the stream-ordered allocator, device copies, the GPU
+backend's collective, the scratch freed in stream order), so it takes the GPU's stream
+semantics, async Works and deadlines like any collective.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from ..errors import InvalidArgumentError
 from ..ops import ReduceOp
 
 NewBuffer = Callable[[int], Array]   # a padded buffer of that many elements, like the user's
+# (None instead: no padding; the GPU backend's `exchange` moves pieces of any size as they are)
 
 
 def split_elements(shape: Sequence[int], split_sizes: Any) -> list[int] | None:
@@ -104,15 +107,16 @@ def agree_sizes(comm: Any, mine: int, expected: list[int] | None, op: str) -> tu
     return [int(s) for s in true], int(agreed[0])
 
 
-# ---- the data: one even collective on padded buffers -----------------------------------------
+# ---- the data: pieces as they are, or one even collective on padded buffers ------------------
 Copies = list[tuple[Array, Array]]   # (destination, source) pairs of equal size
 
 
-class Padded:
-    """One uneven collective as an even one: the `before` copies fill the padded buffers
-    (`scratch`), `exchange(target)` runs the even collective on them (target: the communicator
-    for host arrays; the GPU backend for GPU arrays, whose call returns the function that
-    queues it), and the `after` copies take each piece's leading elements out."""
+class Moves:
+    """How one uneven collective's data moves: the `before` copies fill the padded buffers
+    (`scratch`), `exchange(target)` runs the collective (target: the communicator for host
+    arrays; the GPU backend for GPU arrays, whose call returns the function that queues it),
+    and the `after` copies take each piece's leading elements out. Without padding (`exchanged`)
+    there are no copies and no scratch."""
 
     __slots__ = ("before", "exchange", "after", "scratch")
 
@@ -147,9 +151,15 @@ class Padded:
         return enqueue
 
     @staticmethod
-    def nothing() -> Padded:
+    def nothing() -> Moves:
         """An operation with nothing to move (every piece is empty)."""
-        return Padded([], lambda target: _queue_nothing, [], [])
+        return Moves([], lambda target: _queue_nothing, [], [])
+
+    @staticmethod
+    def exchanged(sends: list[Any], recvs: list[Any]) -> Moves:
+        """No padding: sends[r] goes to and recvs[r] comes from rank r through the GPU
+        backend's `exchange`, each piece of its own size."""
+        return Moves([], lambda backend: backend.exchange(sends, recvs), [], [])
 
     def free(self, stream: int) -> None:
         """Give the GPU scratch back, in `stream`'s order."""
@@ -163,7 +173,7 @@ def _queue_nothing(stream: int) -> None:
 
 
 def gpu_scratch(like: GpuArray, stream: int) -> NewBuffer:
-    """Padded buffers for GPU arrays like `like`: stream-ordered device memory allocated on
+    """Moves buffers for GPU arrays like `like`: stream-ordered device memory allocated on
     `stream` (the stream the operation is ordered after), as GpuArrays working on it."""
     def new(count: int) -> GpuArray:
         ptr = gpu.malloc_async(count * like.dtype.itemsize, stream)
@@ -172,7 +182,7 @@ def gpu_scratch(like: GpuArray, stream: int) -> NewBuffer:
 
 
 def host_scratch(like: np.ndarray) -> NewBuffer:
-    """Padded buffers for host arrays like `like` (zeroed: the padding sent is defined)."""
+    """Moves buffers for host arrays like `like` (zeroed: the padding sent is defined)."""
     return lambda count: np.zeros(count, like.dtype)
 
 
@@ -186,58 +196,69 @@ def _runs(counts: Sequence[int]) -> list[tuple[int, int]]:
 
 
 def all_to_all_v(n: int, out: Array, inp: Array, out_splits: list[int], in_splits: list[int],
-                 piece: int, new: NewBuffer) -> Padded:
+                 piece: int, new: NewBuffer | None) -> Moves:
     """Rank i's `out`, cut by `out_splits`, receives piece i of every rank's `inp` (cut by its
     `in_splits`), through an even all_to_all of pieces of `piece` elements."""
     if piece == 0:
-        return Padded.nothing()
+        return Moves.nothing()
+    if new is None:
+        return Moves.exchanged([inp[s:s + c] for s, c in _runs(in_splits)],
+                                [out[s:s + c] for s, c in _runs(out_splits)])
     send, recv = new(n * piece), new(n * piece)
     before = [(send[j * piece:j * piece + c], inp[s:s + c])
               for j, (s, c) in enumerate(_runs(in_splits))]
     after = [(out[s:s + c], recv[j * piece:j * piece + c])
              for j, (s, c) in enumerate(_runs(out_splits))]
     sends, receives = Pieces(send, piece, n), Pieces(recv, piece, n)
-    return Padded(before, lambda t: t.all_to_all(receives, sends), after, [send, recv])
+    return Moves(before, lambda t: t.all_to_all(receives, sends), after, [send, recv])
 
 
 def all_gather_v(n: int, outs: list[Array], x: Array, sizes: list[int], piece: int,
-                 new: NewBuffer) -> Padded:
+                 new: NewBuffer | None) -> Moves:
     """outs[j] receives rank j's `x` (`sizes[j]` elements)."""
     if piece == 0:
-        return Padded.nothing()
+        return Moves.nothing()
+    if new is None:
+        return Moves.exchanged([x] * n, list(outs))
     padded, whole = new(piece), new(n * piece)
     after = [(o, whole[j * piece:j * piece + sizes[j]]) for j, o in enumerate(outs)]
     pieces = Pieces(whole, piece, n)
-    return Padded([(padded[:x.size], x)], lambda t: t.all_gather(pieces, padded), after,
+    return Moves([(padded[:x.size], x)], lambda t: t.all_gather(pieces, padded), after,
                   [padded, whole])
 
 
 def gather_v(n: int, rank: int, x: Array, outs: list[Array] | None, root: int,
-             sizes: list[int], piece: int, new: NewBuffer) -> Padded:
+             sizes: list[int], piece: int, new: NewBuffer | None) -> Moves:
     """Rank `root`'s outs[j] receives rank j's `x` (`sizes[j]` elements)."""
     if piece == 0:
-        return Padded.nothing()
+        return Moves.nothing()
+    if new is None:
+        return Moves.exchanged([x if r == root else None for r in range(n)],
+                                list(outs) if rank == root and outs is not None else [None] * n)
     padded = new(piece)
     if rank != root or outs is None:
-        return Padded([(padded[:x.size], x)], lambda t: t.gather(padded, None, root), [],
+        return Moves([(padded[:x.size], x)], lambda t: t.gather(padded, None, root), [],
                       [padded])
     whole = new(n * piece)
     after = [(o, whole[j * piece:j * piece + sizes[j]]) for j, o in enumerate(outs)]
     pieces = Pieces(whole, piece, n)
-    return Padded([(padded[:x.size], x)], lambda t: t.gather(padded, pieces, root), after,
+    return Moves([(padded[:x.size], x)], lambda t: t.gather(padded, pieces, root), after,
                   [padded, whole])
 
 
 def scatter_v(n: int, rank: int, out: Array, chunks: list[Array] | None, root: int,
-              sizes: list[int], piece: int, new: NewBuffer) -> Padded:
+              sizes: list[int], piece: int, new: NewBuffer | None) -> Moves:
     """Rank j's `out` receives rank `root`'s chunks[j] (`sizes[j]` elements)."""
     if piece == 0:
-        return Padded.nothing()
+        return Moves.nothing()
+    if new is None:
+        return Moves.exchanged(list(chunks) if rank == root and chunks is not None
+                                else [None] * n, [out if r == root else None for r in range(n)])
     padded = new(piece)
     after = [(out, padded[:out.size])]
     if rank != root or chunks is None:
-        return Padded([], lambda t: t.scatter(padded, None, root), after, [padded])
+        return Moves([], lambda t: t.scatter(padded, None, root), after, [padded])
     whole = new(n * piece)
     before = [(whole[j * piece:j * piece + sizes[j]], c) for j, c in enumerate(chunks)]
     pieces = Pieces(whole, piece, n)
-    return Padded(before, lambda t: t.scatter(padded, pieces, root), after, [padded, whole])
+    return Moves(before, lambda t: t.scatter(padded, pieces, root), after, [padded, whole])

@@ -73,6 +73,17 @@ class GpuBackend(ABC):
         """One function issuing `calls` (isend/irecv of a `comm.batch()`) so that a ring of
         them cannot deadlock."""
 
+    # Whether `exchange` moves pieces of any size; the uneven collectives then move their
+    # pieces through it as they are, else as an even collective on padded buffers.
+    exchanges_any_sizes = False
+
+    def exchange(self, sends: list[GpuArray | None],
+                 recvs: list[GpuArray | None]) -> Enqueue:
+        """Send sends[r] to and receive recvs[r] from every rank r at once, each piece of its
+        own size (None or empty: nothing); this rank's own piece is a device copy. Only where
+        `exchanges_any_sizes`."""
+        raise NotImplementedError(f"the {self.name} backend moves pieces of one size only")
+
     # ---- queuing and waiting ---------------------------------------------------------------------
     @abstractmethod
     def run(self, record: OpRecord, after: Sequence[int], deadline: float, enqueue: Enqueue,

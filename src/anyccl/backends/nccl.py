@@ -171,7 +171,7 @@ class NcclBackend(QueuedGpuBackend):
         if _consecutive(outs):
             count, dtype = data_view(x)
             return lambda s: self._b.all_gather(x.ptr, outs[0].ptr, count, dtype, self._comm, s)
-        return self._exchange(sends=[x] * self.size, recvs=outs)
+        return self.exchange(sends=[x] * self.size, recvs=outs)
 
     def reduce_scatter(self, out: GpuArray, inputs: list[GpuArray],
                        op: ReduceOp) -> Enqueue:
@@ -191,23 +191,23 @@ class NcclBackend(QueuedGpuBackend):
     def gather(self, x: GpuArray, outs: list[GpuArray] | None,
                root: int) -> Enqueue:
         if self.rank != root:
-            return self._exchange(sends=[x if r == root else None for r in range(self.size)],
+            return self.exchange(sends=[x if r == root else None for r in range(self.size)],
                                   recvs=[None] * self.size)
         assert outs is not None
-        return self._exchange(sends=[x if r == root else None for r in range(self.size)],
+        return self.exchange(sends=[x if r == root else None for r in range(self.size)],
                               recvs=outs)
 
     def scatter(self, out: GpuArray, chunks: list[GpuArray] | None,
                 root: int) -> Enqueue:
         recvs: list[GpuArray | None] = [out if r == root else None for r in range(self.size)]
         if self.rank != root:
-            return self._exchange(sends=[None] * self.size, recvs=recvs)
+            return self.exchange(sends=[None] * self.size, recvs=recvs)
         assert chunks is not None
-        return self._exchange(sends=chunks, recvs=recvs)
+        return self.exchange(sends=chunks, recvs=recvs)
 
     def all_to_all(self, outs: list[GpuArray], inputs: list[GpuArray]) -> Enqueue:
         if not any(overlaps(o, i) for o in outs for i in inputs):
-            return self._exchange(sends=inputs, recvs=outs)
+            return self.exchange(sends=inputs, recvs=outs)
 
         def staged(s: int) -> None:  # in place: send from a copy of the input
             whole = _scratch_copy(inputs, s)
@@ -215,15 +215,18 @@ class NcclBackend(QueuedGpuBackend):
                 size = inputs[0].nbytes
                 copies = [GpuArray(whole + r * size, piece.size, piece.dtype, piece.device, None,
                                    piece.kind, None) for r, piece in enumerate(inputs)]
-                self._exchange(sends=copies, recvs=outs)(s)
+                self.exchange(sends=copies, recvs=outs)(s)
             finally:
                 gpu.free_async(whole, s)
         return staged
 
-    def _exchange(self, sends: list[GpuArray | None],
-                  recvs: list[GpuArray | None]) -> Enqueue:
-        """Send sends[r] to and receive recvs[r] from every rank r, as one NCCL group; this
-        rank's own piece is a device copy."""
+    exchanges_any_sizes = True
+
+    def exchange(self, sends: list[GpuArray | None],
+                 recvs: list[GpuArray | None]) -> Enqueue:
+        """Send sends[r] to and receive recvs[r] from every rank r, as one NCCL group (pieces
+        of any size: what torch's all_to_all_single with split sizes does); this rank's own
+        piece is a device copy."""
         calls: list[Enqueue] = []
         for peer in range(self.size):
             out, src = recvs[peer], sends[peer]

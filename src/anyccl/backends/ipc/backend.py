@@ -320,6 +320,12 @@ class IpcBackend(QueuedGpuBackend):
     def all_to_all(self, outs: list[GpuArray], inputs: list[GpuArray]) -> Callable[[int], None]:
         return self.nccl.all_to_all(outs, inputs)
 
+    exchanges_any_sizes = True   # through NCCL's grouped sends and receives
+
+    def exchange(self, sends: list[GpuArray | None],
+                 recvs: list[GpuArray | None]) -> Callable[[int], None]:
+        return self.nccl.exchange(sends, recvs)
+
     # ---- messages --------------------------------------------------------------------------------
     def send(self, x: GpuArray, dst: int, tag: int = 0) -> Callable[[int], None]:
         if not self._ipc("send", x.nbytes):
