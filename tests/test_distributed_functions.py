@@ -103,7 +103,17 @@ def _splits(n: int, r: int) -> list[int]:
     return [(r + 2 * j) % 4 for j in range(n)]
 
 
-def check_uneven_all_to_all(comm):
+def check_uneven_all_to_all(comm, matrix_ranks: int):
+    from anyccl.algorithms import uneven
+
+    saved, uneven._MATRIX_RANKS = uneven._MATRIX_RANKS, matrix_ranks
+    try:
+        return _uneven_all_to_all(comm)
+    finally:
+        uneven._MATRIX_RANKS = saved
+
+
+def _uneven_all_to_all(comm):
     n, r = comm.size, comm.rank
     sends = _splits(n, r)
     receives = [_splits(n, j)[r] for j in range(n)]
@@ -135,9 +145,12 @@ def check_uneven_all_to_all(comm):
 
 
 @pytest.mark.parametrize("world_size", (2, 3, 4))
-def test_uneven_all_to_all_moves_every_piece_and_refuses_disagreeing_splits(world_size):
+@pytest.mark.parametrize("matrix_ranks", (64, 1))   # counts agreed in one all_reduce, or not
+def test_uneven_all_to_all_moves_every_piece_and_refuses_disagreeing_splits(world_size,
+                                                                           matrix_ranks):
     n = world_size
-    for r, (out, rows, refused) in enumerate(run_ranks(check_uneven_all_to_all, n)):
+    for r, (out, rows, refused) in enumerate(run_ranks(check_uneven_all_to_all, n,
+                                                       matrix_ranks)):
         expected = np.concatenate([np.full(_splits(n, j)[r], 100.0 * j + r) for j in range(n)])
         assert (out == expected).all(), (r, out, expected)
         assert (rows == expected[:, None]).all(), (r, rows)

@@ -3,12 +3,13 @@ host and GPU: all_to_all with a different number of elements for every pair of r
 all_to_all_single with split sizes, MPI's Alltoallv), and all_gather, gather and scatter with a
 different size per rank (MPI's Allgatherv, Gatherv, Scatterv).
 
-Two steps. First the ranks agree, on the host, whatever the arrays: for all_to_all they exchange
-their send counts (an even all_to_all of one int64 per pair) and check them against the counts
-each expects (`out_splits`); for the other three every rank's size is learnt with one small
-all_gather and checked against the lists given. One all_reduce(MAX) then agrees on the largest
-piece and on whether any rank found a mismatch, so that every rank raises together, before any
-data moves, rather than some hanging in the exchange.
+Two steps. First the ranks agree, on the host, whatever the arrays, in one all_reduce(MAX) of
+what each rank claims: for all_to_all, its row of the matrix of send counts (`in_splits`) and of
+the matrix of counts expected (`out_splits`); for the other three, its own size and the sizes its
+list gives every rank. Every rank then sees every claim, checks them all alike and learns the
+largest piece, so that every rank raises together, before any data moves, rather than some
+hanging in the exchange. (all_to_all among more than 64 ranks exchanges its counts with an
+all_to_all instead, which does not grow with the square of the ranks.)
 
 Then the data moves (`Moves`). Where the GPU backend exchanges pieces of any size (NCCL's grouped
 sends and receives: the nccl and ipc backends), each piece goes as it is. Elsewhere it moves as one
@@ -67,44 +68,64 @@ def check_splits(rank: int, size: int, splits: Any, name: str, total: int,
     return [int(c) for c in counts]
 
 
+_NONE = -(1 << 62)          # "this rank says nothing here" in an all_reduce(MAX) of claims
+_MATRIX_RANKS = 64          # up to this many ranks all_to_all agrees in one all_reduce of n*n
+
+
 def agree_all_to_all(comm: Any, out_splits: list[int], in_splits: list[int]) -> int:
     """The largest piece any rank sends, once every rank's `in_splits` matched what its peers
     expect (their `out_splits`); every rank raises InvalidArgumentError together otherwise.
-    Splits already checked by `check_splits`; runs host collectives on `comm`."""
+    Splits already checked by `check_splits`; runs host collectives on `comm`: up to
+    _MATRIX_RANKS ranks one all_reduce(MAX) of every rank's row of both matrices (what it sends
+    each rank, what it expects from each), beyond that an all_to_all of the counts and an
+    all_reduce."""
     n, me = comm.size, comm.rank
-    incoming = np.zeros(n, np.int64)
-    comm.all_to_all(incoming, np.asarray(in_splits, np.int64))
-    wrong = [j for j in range(n) if incoming[j] != out_splits[j]]
-    agreed = np.array([max(max(in_splits, default=0), max(out_splits, default=0)),
-                       1 if wrong else 0], np.int64)
-    comm.all_reduce(agreed, ReduceOp.MAX)
-    if agreed[1]:
+    if n > _MATRIX_RANKS:
+        incoming = np.zeros(n, np.int64)
+        comm.all_to_all(incoming, np.asarray(in_splits, np.int64))
+        wrong = [j for j in range(n) if incoming[j] != out_splits[j]]
+        agreed = np.array([max(max(in_splits, default=0), max(out_splits, default=0)),
+                           1 if wrong else 0], np.int64)
+        comm.all_reduce(agreed, ReduceOp.MAX)
+        piece, mismatch = int(agreed[0]), bool(agreed[1])
+    else:
+        rows = np.full((2, n, n), _NONE, np.int64)   # [sends, expects][rank][peer]
+        rows[0, me], rows[1, me] = in_splits, out_splits
+        comm.all_reduce(rows, ReduceOp.MAX)
+        incoming = rows[0, :, me]
+        wrong = [j for j in range(n) if incoming[j] != out_splits[j]]
+        piece, mismatch = int(rows.max()), bool((rows[0] != rows[1].T).any())
+    if mismatch:
         detail = (", ".join(f"rank {j} sends {int(incoming[j])} where out_splits[{j}]="
                             f"{out_splits[j]}" for j in wrong) if wrong else
                   "another rank's out_splits disagree with what this rank sends")
         raise InvalidArgumentError(f"rank {me}: all_to_all: the split sizes of the ranks do not "
                                    f"match: {detail}; nothing was sent")
-    return int(agreed[0])
+    return piece
 
 
 def agree_sizes(comm: Any, mine: int, expected: list[int] | None, op: str) -> tuple[list[int],
                                                                                    int]:
     """Every rank's true size (each rank gives its own), checked against the sizes this rank
     expects (None: it expects none); every rank raises together if any rank's expectation is
-    wrong. Returns the sizes and the largest. Runs host collectives on `comm`."""
+    wrong. Returns the sizes and the largest. One all_reduce(MAX) on `comm` of each rank's
+    claims: its own size, and the highest and (negated) lowest size any rank's list gives each
+    rank."""
     n = comm.size
-    true = np.zeros(n, np.int64)
-    comm.all_gather(true, np.array([mine], np.int64))
-    wrong = [] if expected is None else [j for j in range(n) if true[j] != expected[j]]
-    agreed = np.array([int(true.max()), 1 if wrong else 0], np.int64)
-    comm.all_reduce(agreed, ReduceOp.MAX)
-    if agreed[1]:
+    claims = np.full((3, n), _NONE, np.int64)   # [true sizes, highest listed, -lowest listed]
+    claims[0, comm.rank] = mine
+    if expected is not None:
+        claims[1], claims[2] = expected, [-e for e in expected]
+    comm.all_reduce(claims, ReduceOp.MAX)
+    true, highest, lowest = claims[0], claims[1], -claims[2]
+    if ((highest != true) | (lowest != true)).any():
+        wrong = [] if expected is None else [j for j in range(n) if true[j] != expected[j]]
         detail = (", ".join(f"rank {j} has {int(true[j])} elements where this rank's list holds "
                             f"{expected[j]}" for j in wrong)  # type: ignore[index]
                   if wrong else "another rank's list disagrees with the sizes the ranks have")
         raise InvalidArgumentError(f"rank {comm.rank}: {op}: the sizes do not match: {detail}; "
                                    f"nothing was sent")
-    return [int(s) for s in true], int(agreed[0])
+    return [int(s) for s in true], int(true.max())
 
 
 # ---- the data: pieces as they are, or one even collective on padded buffers ------------------
