@@ -9,12 +9,16 @@ differ). anyccl checks on the host that the ranks' split sizes agree before any 
 (two small host collectives); torch's NCCL group trusts them.
 
     python benchmarks/lab/uneven_cost.py [--units 1,256,4096] [--calls 100] [--rounds 3]
+                                         [--profile]   (+ rank 0's cProfile of anyccl-nccl)
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import os
+import pstats
 import socket
 import statistics
 import time
@@ -87,6 +91,17 @@ def rank_main(rank: int, size: int, port: int, args: argparse.Namespace) -> None
         print("|---:|---:|---|---:|---:|---:|")
         for unit, nbytes, name, host, whole, wrong in rows:
             print(f"| {unit} | {nbytes} | {name} | {host:.1f} | {whole:.1f} | {wrong} |")
+    if args.profile:   # every rank calls; rank 0 reports where its host time goes
+        profile = cProfile.Profile()
+        profile.enable()
+        for _ in range(args.calls):
+            calls["anyccl-nccl"]()
+        profile.disable()
+        if rank == 0:
+            text = io.StringIO()
+            pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(25)
+            print(f"\ncProfile of {args.calls} calls on anyccl-nccl (last size), rank 0:")
+            print(text.getvalue())
     dist.barrier()
     dist.destroy_process_group()
     os._exit(0)
@@ -98,6 +113,7 @@ def main() -> None:
                    type=lambda s: [int(v) for v in s.split(",")])
     p.add_argument("--calls", type=int, default=100)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--profile", action="store_true")
     args = p.parse_args()
     size = torch.cuda.device_count()
     mp.spawn(rank_main, args=(size, _free_port(), args), nprocs=size)
