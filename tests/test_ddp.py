@@ -119,3 +119,36 @@ def check_lone_gradients(comm):
 def test_a_lone_contiguous_gradient_is_averaged_in_place_and_a_strided_one_through_a_buffer():
     for owns in run_ranks(check_lone_gradients, 2):
         assert owns == {0: True, 1: False}   # a buffer only where a copy is needed
+
+
+def check_large_and_small_gradients(comm):
+    """Gradients larger than the bucket each have a bucket of their own, reduced where they lie
+    and started as soon as they are ready; the small ones between them share one bucket, which
+    starts when its last gradient arrives."""
+    sizes = [3, 5000, 4, 6000, 5]          # float32: 20 KB and 24 KB against an 8 KB bucket
+    grads = [np.zeros(n, np.float32) for n in sizes]
+    avg = GradientAverager(comm, grads, bucket_mb=8192 / 2**20)
+    layout = [b.members for b in avg.buckets]
+    started = []
+    for step in range(2):
+        for i, g in enumerate(grads):
+            g[...] = comm.rank * (i + 1) + step
+        for i in reversed(range(len(grads))):   # backward's order
+            avg.ready(i)
+            started.append([b.work is not None for b in avg.buckets])
+        out = avg.wait()
+        assert all(o is g for o, g in zip(out, grads))
+        mean = (comm.size - 1) / 2
+        for i, g in enumerate(grads):
+            np.testing.assert_array_equal(g, mean * (i + 1) + step)
+    return layout, started[:5], [b.own is None for b in avg.buckets]
+
+
+def test_large_gradients_have_buckets_of_their_own_and_small_ones_share_one():
+    for layout, started, in_place in run_ranks(check_large_and_small_gradients, 2):
+        assert layout == [[3], [1], [4, 2, 0]]
+        # ready 4, 3, 2, 1, 0: gradient 3's bucket starts at once, 1's likewise, the small
+        # ones' when 0 arrives
+        assert started == [[False, False, False], [True, False, False],
+                           [True, False, False], [True, True, False], [True, True, True]]
+        assert in_place == [True, True, False]

@@ -80,16 +80,30 @@ class GradientAverager:
 
     # ---- set-up ------------------------------------------------------------------------------
     def _make_buckets(self, limit: float, itemsize: int) -> list[_Bucket]:
-        buckets, members, size = [], [], 0
-        for i in reversed(range(len(self.grads))):  # backward produces the last ones first
+        """Buckets in the order backward fills them (it produces the last gradients first).
+        Consecutive gradients share a bucket of up to `limit` bytes; a gradient larger than
+        that has a bucket of its own (reduced where it lies) and leaves the open bucket of
+        smaller ones open, so that a model of large weights and small biases reduces each weight
+        in place and the biases together, not each bias alone. Buckets start in the order their
+        last gradient arrives. Depends on the shapes alone: the same on every rank."""
+        closed: list[tuple[int, list[int]]] = []   # (position of its last gradient, members)
+        members: list[int] = []
+        size = last = 0
+        for position, i in enumerate(reversed(range(len(self.grads)))):
             n = _size(self.grads[i])
+            if n * itemsize > limit:
+                closed.append((position, [i]))
+                continue
             if members and (size + n) * itemsize > limit:
-                buckets.append(self._bucket(members))
+                closed.append((last, members))
                 members, size = [], 0
             members.append(i)
             size += n
-        buckets.append(self._bucket(members))
-        return buckets
+            last = position
+        if members:
+            closed.append((last, members))
+        closed.sort(key=lambda bucket: bucket[0])
+        return [self._bucket(m) for _, m in closed]
 
     def _bucket(self, members: list[int]) -> _Bucket:
         offsets = [0]
