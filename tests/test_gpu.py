@@ -504,6 +504,50 @@ def test_repeated_blocking_calls_on_the_same_tensors_stay_right_and_free_them(ba
         assert freed, "a cached plan kept the user's tensor alive"
 
 
+def check_repeated_async_calls(comm) -> tuple[list[bool], int, bool]:
+    """A GradientAverager's or DDP's calls: async all_reduce of the same buckets on a side
+    stream, step after step, waited on before use. From the second call on each replays its
+    plan on the backend's stream; results stay right, and once done nothing keeps the tensors
+    alive."""
+    import gc
+    import time
+    import weakref
+
+    import torch
+
+    d, n, r = comm.device, comm.size, comm.rank
+    before = len(comm._plans) if comm._plans is not None else 0
+    side = torch.cuda.Stream(d)
+    right = []
+    with torch.cuda.stream(side):
+        for count in (2, 70_000, 3_000_000):   # ipc: low latency, one shot, two shots
+            x = torch.zeros(count, device=f"cuda:{d}")
+            for step in range(4):
+                x.fill_(r + step)                 # a kernel writes it just before
+                work = comm.all_reduce(x, async_op=True)
+                work.wait()
+                right.append(bool((x * 1 == sum(q + step for q in range(n))).all()))
+    side.synchronize()
+    planned = len(comm._plans) - before
+    gone = weakref.ref(x)
+    del x
+    torch.cuda.synchronize()
+    time.sleep(0.2)      # the watchdog lets finished operations go
+    gc.collect()
+    return right, planned, gone() is None
+
+
+@pytest.mark.parametrize("backend", ["nccl", "ipc"])
+@pytest.mark.parametrize("world", world_sizes()[:2])
+def test_repeated_async_calls_on_the_same_tensors_stay_right_and_free_them(backend, world):
+    env = {**GPU_ENV, "ANYCCL_BACKEND": f"cpu:shm,cuda:{backend}"}
+    for right, planned, freed in run_ranks(check_repeated_async_calls, world, env=env,
+                                           deadline_s=120):
+        assert right == [True] * 12, right
+        assert planned == 3             # one per size
+        assert freed, "a cached plan or a finished operation kept the tensor alive"
+
+
 def check_calls_from_a_thread_new_to_cuda(comm):
     """A thread whose first CUDA call is anyccl's: blocking, async and a message-free plan
     replay all work (the communicator gives the thread its device's context)."""

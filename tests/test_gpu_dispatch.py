@@ -338,6 +338,56 @@ def test_uneven_forms_of_gpu_arrays_move_every_piece_in_stream_order(world_size,
         assert got["padded"] >= 6 if backend == "fake" else got["padded"] == 0, got["padded"]
 
 
+def check_async_replays(comm) -> dict[str, Any]:
+    """Repeated async calls on the same arrays (a GradientAverager's buckets, step after step):
+    the first plans, the next replay on the backend's stream after the caller's; the queued
+    operation holds the call's array until it is done."""
+    import gc
+    import weakref
+
+    n, r = comm.size, comm.rank
+    with _as_torch_tensors():
+        comm.all_reduce(FakeGpuArray(np.zeros(2, np.float32)))  # plans are kept from now on
+        before, first = len(comm._plans), comm._seq + 1
+        x = np.zeros(4, np.float32)
+        right, full_path = [], []
+        collective = comm._collective
+        comm._collective = lambda *a, **k: full_path.append(a[0]) or collective(*a, **k)
+        for step in range(4):
+            x[...] = r + step
+            work = comm.all_reduce(FakeGpuArray(x), async_op=True)
+            work.wait()                       # the caller's stream waits for it
+            _landed()
+            right.append(bool((x == sum(q + step for q in range(n))).all()))
+        del comm._collective
+        planned = len(comm._plans) - before
+        launch(DEVICE, 0, lambda: time.sleep(0.3))   # the caller's stream is busy a while
+        array = FakeGpuArray(x)
+        held = weakref.ref(array)
+        work = comm.all_reduce(array, async_op=True)
+        del array
+        gc.collect()
+        alive_while_queued = held() is not None and not work.is_completed()
+        work.wait(timeout=10)
+        time.sleep(0.2)                       # the watchdog retires finished operations
+        gc.collect()
+        released = held() is None
+        seqs = [e["seq"] - first for e in comm.flight_recorder.entries() if e["seq"] >= first]
+        comm._plans.forget()   # the ranks' communicator serves the next tests
+    return {"right": right, "planned": planned, "alive_while_queued": alive_while_queued,
+            "released": released, "seqs": seqs, "full_path": full_path}
+
+
+def test_repeated_async_gpu_calls_replay_their_plan_and_hold_their_arrays_until_done():
+    for got in run_ranks(check_async_replays, 2, env=SETUP):
+        assert got["right"] == [True] * 4, got["right"]
+        assert got["planned"] == 1
+        assert got["full_path"] == ["all_reduce"]    # the first call; the next three replay
+        assert got["alive_while_queued"], "a replayed async call let its array go while queued"
+        assert got["released"], "a finished async call kept its array alive"
+        assert got["seqs"] == list(range(5)), got["seqs"]
+
+
 def check_uneven_calls_leave_no_plan(comm) -> tuple[list[bool], int]:
     """Repeated blocking uneven calls on the same arrays, with plans being kept: each is right
     (its queued function holds scratch of its own, given back after one use: never a plan)."""

@@ -48,6 +48,7 @@ from .trace import ArgsText, FlightRecorder, OpRecord, flight_directory, format_
 from .work import GpuWork, Work
 
 _OP_CODES = list(COLLECTIVES)
+_FULL_PATH = object()   # _replayed's answer when a call must take the full path
 _REDOP_CODES = list(ReduceOp)
 _DTYPE_CODES = {d: i for i, d in enumerate(SUPPORTED_DTYPES)}
 
@@ -161,11 +162,16 @@ class Communicator:
                 self._engine.call(self._host_task(record, entry, signature, None),
                                   lambda: Work(record, self.rank))
             gpu_arrays = [a for _, a in arrays]
-            work = self._gpu_side.queue(record, [entry], enqueue, gpu_arrays, async_op, stream)
-            if replayable and not (async_op or self.debug or stream is not None):  # a plan
+            plan = replayable and not (self.debug or stream is not None)   # the next such call
+            # an async operation holds its tensors itself: a plan releases the arrays' owners
+            held = [a.owner[0] for a in gpu_arrays if type(a.owner) is list and a.owner] \
+                if plan and async_op else None
+            work = self._gpu_side.queue(record, [entry], enqueue, gpu_arrays, async_op, stream,
+                                        keep=held)
+            if plan:
                 if self._plans is None:
                     self._plans = Plans()
-                self._plans.keep(name, args, nbytes, enqueue, gpu_arrays, gpu_backend.runner())
+                self._plans.keep(name, args, nbytes, enqueue, gpu_arrays, gpu_backend)
             return work
         if not async_op and signature is None and self._engine.run_now(self._run_host, record,
                                                                        entry, call):
@@ -196,28 +202,36 @@ class Communicator:
             FlightRecorder.ended(entry)
         backend.end(record)
 
-    def _replayed(self, tag: tuple, tensors: tuple, async_op: bool, stream: Any) -> bool:
-        """Whether this call was a blocking GPU call on arrays an earlier call checked, now
-        replayed from its cached plan (plans.py): queued on the caller's current stream with
-        its own record, flight-recorder entry and deadline. False: it takes the full path."""
+    def _replayed(self, tag: tuple, tensors: tuple, async_op: bool, stream: Any) -> Any:
+        """A GPU call on arrays an earlier call checked, replayed from its cached plan
+        (plans.py) with its own record, flight-recorder entry and deadline: a blocking one
+        queued right on the caller's current stream (returns None), an async one on the
+        backend's stream after it (returns its GpuWork; the queued operation holds `tensors`
+        until done). _FULL_PATH: the call must take the full path."""
         plans = self._plans
-        if plans is None or async_op or stream is not None:
-            return False
+        if plans is None or stream is not None:
+            return _FULL_PATH
         plan = plans.find(tag, tensors)
         if plan is None:
-            return False
+            return _FULL_PATH
         self._seq += 1
         record = OpRecord(plan.name, self._seq, plan.args, plan.nbytes)
         entry = self.flight_recorder.queued(record)
         stream = plan.current_stream(plan.device)
+        deadline = record.issued_at + self.timeout_s
         try:
-            plan.run(record, (stream,), record.issued_at + self.timeout_s, plan.enqueue, None,
-                     [entry], stream)
+            if not async_op:
+                plan.run(record, (stream,), deadline, plan.enqueue, None, [entry], stream)
+                return None
+            event = plan.run(record, (stream,), deadline, plan.enqueue, tensors, [entry])
         except BaseException as exc:
             FlightRecorder.ended(entry, exc)
             self._post_mortem(exc)
             raise
-        return True
+        work = GpuWork(record, self.rank, plan.backend,
+                       functools.partial(plan.current_stream, plan.device))
+        work.bind(event, deadline)
+        return work
 
     def _host_task(self, record: OpRecord, entry: list, signature: np.ndarray | None,
                    call: Callable[[Any], Any] | None) -> Callable[[Work | None], None]:
@@ -492,8 +506,9 @@ class Communicator:
     def broadcast(self, tensor: Any, src: int, async_op: bool = False, *,
                   stream: Any = None) -> Work | None:
         """Every rank's `tensor` becomes a copy of rank `src`'s `tensor`."""
-        if self._replayed(("broadcast", src), (tensor,), async_op, stream):
-            return None
+        replayed = self._replayed(("broadcast", src), (tensor,), async_op, stream)
+        if replayed is not _FULL_PATH:
+            return replayed
         self._check_open("broadcast")
         x = self._check.array("broadcast", tensor, "tensor", writable=True)
         src = self._check.peer("broadcast", src, "src")
@@ -504,8 +519,9 @@ class Communicator:
     def all_reduce(self, tensor: Any, op: ReduceOp | str = ReduceOp.SUM,
                    async_op: bool = False, *, stream: Any = None) -> Work | None:
         """Every rank's `tensor` becomes the element-wise reduction of all ranks' `tensor`."""
-        if self._replayed(("all_reduce", op), (tensor,), async_op, stream):
-            return None
+        replayed = self._replayed(("all_reduce", op), (tensor,), async_op, stream)
+        if replayed is not _FULL_PATH:
+            return replayed
         self._check_open("all_reduce")
         x = self._check.array("all_reduce", tensor, "tensor", writable=True)
         rop = self._check.reduce_op("all_reduce", op, x.dtype)
@@ -517,8 +533,9 @@ class Communicator:
                async_op: bool = False, *, stream: Any = None) -> Work | None:
         """Rank `dst`'s `tensor` becomes the reduction of all ranks' `tensor`; the other ranks'
         arrays are left as they were."""
-        if self._replayed(("reduce", dst, op), (tensor,), async_op, stream):
-            return None
+        replayed = self._replayed(("reduce", dst, op), (tensor,), async_op, stream)
+        if replayed is not _FULL_PATH:
+            return replayed
         self._check_open("reduce")
         x = self._check.array("reduce", tensor, "tensor", writable=True)
         dst = self._check.peer("reduce", dst, "dst")
@@ -533,8 +550,9 @@ class Communicator:
         """`out` receives every rank's `tensor` in rank order: a list of `size` arrays, or one
         array of size * tensor.size elements. Host arrays may differ in size from rank to rank
         ("allgatherv"): then `out` is a list whose entry j has rank j's size, on every rank."""
-        if self._replayed(("all_gather",), (out, tensor), async_op, stream):
-            return None
+        replayed = self._replayed(("all_gather",), (out, tensor), async_op, stream)
+        if replayed is not _FULL_PATH:
+            return replayed
         self._check_open("all_gather")
         x = self._check.array("all_gather", tensor, "tensor", writable=False)
         outs = self._check.pieces("all_gather", out, "out", x, writable=True,
@@ -556,8 +574,9 @@ class Communicator:
         """Rank `dst`'s `out_list` receives every rank's `tensor` in rank order; the other ranks
         pass out_list=None. uneven=True (on every rank, host arrays): each rank's `tensor` may
         have its own size, and out_list[j] has rank j's ("gatherv")."""
-        if self._replayed(("gather", dst), (tensor, out_list), async_op, stream):
-            return None
+        replayed = self._replayed(("gather", dst), (tensor, out_list), async_op, stream)
+        if replayed is not _FULL_PATH:
+            return replayed
         self._check_open("gather")
         x = self._check.array("gather", tensor, "tensor", writable=False)
         dst = self._check.peer("gather", dst, "dst")
@@ -576,8 +595,9 @@ class Communicator:
         """Rank i's `out` receives `chunks[i]` of rank `src`; the other ranks pass
         chunks=None. uneven=True (on every rank, host arrays): chunk i has rank i's `out` size,
         which may differ from rank to rank ("scatterv")."""
-        if self._replayed(("scatter", src), (out, chunks), async_op, stream):
-            return None
+        replayed = self._replayed(("scatter", src), (out, chunks), async_op, stream)
+        if replayed is not _FULL_PATH:
+            return replayed
         self._check_open("scatter")
         x = self._check.array("scatter", out, "out", writable=True)
         src = self._check.peer("scatter", src, "src")
@@ -595,8 +615,9 @@ class Communicator:
                        async_op: bool = False, *, stream: Any = None) -> Work | None:
         """Rank i's `out` becomes the reduction of every rank's piece i of `inp` (a list of
         `size` arrays like `out`, or one array of size * out.size elements)."""
-        if self._replayed(("reduce_scatter", op), (out, inp), async_op, stream):
-            return None
+        replayed = self._replayed(("reduce_scatter", op), (out, inp), async_op, stream)
+        if replayed is not _FULL_PATH:
+            return replayed
         self._check_open("reduce_scatter")
         x = self._check.array("reduce_scatter", out, "out", writable=True)
         inputs = self._check.pieces("reduce_scatter", inp, "inp", x, writable=False)
@@ -618,8 +639,9 @@ class Communicator:
         at those counts, which every pair of ranks must agree on (all ranks raise if not)."""
         if out_splits is not None or in_splits is not None:
             return self._all_to_all_uneven(out, inp, out_splits, in_splits, async_op, stream)
-        if self._replayed(("all_to_all",), (out, inp), async_op, stream):
-            return None
+        replayed = self._replayed(("all_to_all",), (out, inp), async_op, stream)
+        if replayed is not _FULL_PATH:
+            return replayed
         self._check_open("all_to_all")
         if isinstance(inp, (list, tuple)):
             if not inp:

@@ -113,9 +113,10 @@ class GpuDispatch:
 
     def queue(self, record: OpRecord, entries: list[dict], enqueue: Enqueue,
               arrays: list[GpuArray], async_op: bool, stream: Any,
-              work: GpuWork | None = None) -> GpuWork | None:
+              work: GpuWork | None = None, keep: Any = None) -> GpuWork | None:
         """Queue GPU work after what the callers' streams (or `stream`) hold; a blocking call
-        makes that stream wait for it, an async one returns a GpuWork."""
+        makes that stream wait for it, an async one returns a GpuWork. The queued operation
+        holds `arrays` (and `keep`) until it is done."""
         backend = self.gpu
         if stream is not None:
             after = [gpu.stream_pointer(stream)]
@@ -133,7 +134,8 @@ class GpuDispatch:
         on = after[0] if (not async_op and work is None and not host_synced
                           and len(after) == 1) else None
         try:
-            event = backend.run(record, after, deadline, enqueue, arrays, entries, on)
+            event = backend.run(record, after, deadline, enqueue,
+                                arrays if keep is None else (arrays, keep), entries, on)
         except BaseException as exc:
             for entry in entries:
                 FlightRecorder.ended(entry, exc)

@@ -1,20 +1,23 @@
-"""Cached plans of blocking GPU collectives: the second call on the same arrays skips the work
-the first one did.
+"""Cached plans of GPU collectives: the second call on the same arrays skips the work the first
+one did.
 
-A blocking GPU collective on torch CUDA tensors, without stream=, is a pure function of what
+A GPU collective on torch CUDA tensors, without stream=, is a pure function of what
 identifies its arrays (device pointer, element count, dtype) and its other arguments (op, root):
 every argument check, the routing to the ipc kernels or NCCL, and the function that queues the
 operation come out the same. The first call takes the full path and leaves its `Plan` here, under
 a key built from those values; a later call with an equal key only reads the key (a few cheap
-tensor attribute reads) and queues the plan's function on the caller's current stream, with its
-own sequence number, op record, flight-recorder entry, deadline and watchdog like any other
-operation. Anything else (host arrays, lists of arrays, CuPy or JAX arrays, async calls,
-stream=, debug mode) always takes the full path.
+tensor attribute reads) and queues the plan's function, with its own sequence number, op record,
+flight-recorder entry, deadline and watchdog like any other operation: a blocking call right on
+the caller's current stream, an async one on the backend's stream after the caller's, returning
+its Work (the queued operation holds the call's tensors until it is done). Anything else (host
+arrays, CuPy or JAX arrays, stream=, debug mode) always takes the full path.
 
 What a plan may not do: keep the user's arrays alive. Its function captures the first call's
 `GpuArray`s; their owner is released when the plan is made (torch's caching allocator orders a
 freed block after the work already queued on the caller's stream, which is where a blocking
-call runs, so a blocking call needs no reference of its own).
+call runs, so a blocking call needs no reference of its own; an async call runs on another
+stream, so its queued operation holds the call's tensors until it is done, the first call's
+too).
 """
 
 from __future__ import annotations
@@ -33,17 +36,18 @@ _TAG_TYPES = (int, str, ReduceOp)   # the plain values an argument may be to tak
 
 
 class Plan:
-    """What the first blocking call of a key built: the operation's name, argument text and
-    size for its op record, the function that queues it on a stream, its device, and the
-    functions a replay calls: `run` (the GPU backend's) and `current_stream` (torch's current
-    stream on a device, as a handle)."""
+    """What the first call of a key built: the operation's name, argument text and size for
+    its op record, the function that queues it on a stream, its device, the GPU backend (an
+    async replay's Work asks it), and the functions a replay calls: `run` (the backend's) and
+    `current_stream` (torch's current stream on a device, as a handle)."""
 
-    __slots__ = ("name", "args", "nbytes", "enqueue", "device", "run", "current_stream")
+    __slots__ = ("name", "args", "nbytes", "enqueue", "device", "backend", "run",
+                 "current_stream")
 
     def __init__(self, name: str, args: ArgsText, nbytes: int, enqueue: Enqueue,
-                 device: int, run: Callable[..., int]) -> None:
+                 device: int, backend: Any, run: Callable[..., int]) -> None:
         self.name, self.args, self.nbytes = name, args, nbytes
-        self.enqueue, self.device, self.run = enqueue, device, run
+        self.enqueue, self.device, self.backend, self.run = enqueue, device, backend, run
         self.current_stream = torch_stream_function()
 
 
@@ -99,16 +103,18 @@ class Plans:
         return plan
 
     def keep(self, name: str, args: ArgsText, nbytes: int, enqueue: Enqueue,
-             arrays: Sequence[GpuArray], run: Callable[..., int]) -> None:
+             arrays: Sequence[GpuArray], backend: Any) -> None:
         """Store the plan of the call whose full path is running now, if `find` saw that call
-        miss (the pending key names the same operation), and release its arrays' owners;
-        `run` is the GPU backend's."""
+        miss (the pending key names the same operation), and release its arrays' owners (an
+        async call has its queued operation hold its tensors itself); `backend` is the GPU
+        backend."""
         key, self._pending = self._pending, None
         if key is None or key[0] != name or arrays[0].dtype.kind == "c":
             return  # (complex: a conjugate view has the same key as its tensor)
         if len(self._plans) >= _LIMIT:
             self._plans.clear()
-        self._plans[key] = Plan(name, args, nbytes, enqueue, arrays[0].device, run)
+        self._plans[key] = Plan(name, args, nbytes, enqueue, arrays[0].device, backend,
+                                backend.runner())
         torch = sys.modules.get("torch")
         self._tensor = torch.Tensor if torch is not None else ()
         for a in arrays:
