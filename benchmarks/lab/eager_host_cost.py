@@ -1,7 +1,8 @@
 """Host time of eager GPU calls on one GPU, anyccl beside its peers, in one process: each of the
 CUDA driver calls a queued operation makes, through anyccl's compiled driver calls
 (`anyccl/_cudacore.c`) and through cuda-bindings (switched per round); `comm.all_reduce` of 8 bytes
-on the ipc and nccl backends and `dist.all_reduce` on anyccl's torch group, both ways; torch's
+on the ipc and nccl backends (blocking, and async_op=True then wait()) and `dist.all_reduce` on
+anyccl's torch group, both ways; torch's
 NCCL group and symmetric-memory all_reduces; then an eager loop of 20000 calls with the caller
 retiring finished operations every 64 calls (gpu_queue.py) against the watchdog alone, with and
 without the garbage collector. Host time only: batches of 400 calls with the GPU drained between
@@ -118,10 +119,14 @@ def main() -> None:
     for backend, comm in comms.items():
         both_ways(f"comm.all_reduce 8 B ({backend})", lambda c=comm: c.all_reduce(tiny),
                   steps=True)
+        both_ways(f"comm.all_reduce 8 B, async_op=True + wait() ({backend})",
+                  lambda c=comm: c.all_reduce(tiny, async_op=True).wait())
     for backend, group in groups.items():
         both_ways(f"dist.all_reduce 8 B, anyccl group ({backend})",
                   lambda g=group: dist.all_reduce(tiny, group=g), steps=True)
-    peers = {"dist.all_reduce 8 B, torch NCCL": lambda: dist.all_reduce(tiny)}
+    peers = {"dist.all_reduce 8 B, torch NCCL": lambda: dist.all_reduce(tiny),
+             "dist.all_reduce 8 B, async_op=True + wait(), torch NCCL":
+                 lambda: dist.all_reduce(tiny, async_op=True).wait()}
     try:
         import torch.distributed._symmetric_memory as symm
 
