@@ -27,13 +27,14 @@ import torch.multiprocessing as mp
 import anyccl.torch  # noqa: F401 - registers "anyccl" where the entry point is not installed
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _groups() -> dict[str, object]:
+def torch_groups() -> dict[str, object]:
+    """torch's NCCL group (the world) and anyccl's groups over its nccl and ipc transports."""
     groups = {"nccl": dist.group.WORLD}
     for transport in ("nccl", "ipc"):
         os.environ["ANYCCL_BACKEND"] = transport
@@ -42,7 +43,7 @@ def _groups() -> dict[str, object]:
     return groups
 
 
-def _timed(fn, calls: int) -> tuple[float, float]:
+def timed(fn, calls: int) -> tuple[float, float]:
     """(host us per call until return, us per call once the GPU finished)."""
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -59,7 +60,7 @@ def rank_main(rank: int, size: int, port: int, args: argparse.Namespace) -> None
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", rank=rank, world_size=size,
                             device_id=torch.device("cuda", rank))
-    groups = _groups()
+    groups = torch_groups()
     rows = []
     for nbytes in args.sizes:
         t = torch.ones(max(1, nbytes // 4), device="cuda")
@@ -71,7 +72,7 @@ def rank_main(rank: int, size: int, port: int, args: argparse.Namespace) -> None
             order = list(groups)[rnd % len(groups):] + list(groups)[:rnd % len(groups)]
             for name in order:
                 group = groups[name]
-                results[name].append(_timed(lambda g=group, x=t: dist.all_reduce(x, group=g),
+                results[name].append(timed(lambda g=group, x=t: dist.all_reduce(x, group=g),
                                             args.calls))
         for name, got in results.items():
             rows.append((nbytes, name, statistics.median(h for h, _ in got),
@@ -87,7 +88,7 @@ def rank_main(rank: int, size: int, port: int, args: argparse.Namespace) -> None
     inner = pg if isinstance(pg, anyccl.torch.ProcessGroup) else None
     t = torch.ones(max(1, args.sizes[-1] // 4), device="cuda")
     if inner is not None:  # every rank: the breakdown runs collectives too
-        host, _ = _timed(lambda: inner._run(lambda: None, [t], [t]), args.calls)
+        host, _ = timed(lambda: inner._run(lambda: None, [t], [t]), args.calls)
         if rank == 0:
             print(f"\nanyccl group wrapper alone (stream switch, record_stream, Work): "
                   f"{host:.1f} us")
@@ -151,7 +152,7 @@ def _parts(inner: anyccl.torch.ProcessGroup, t: torch.Tensor, calls: int, rank: 
     for name, fn in steps.items():
         for _ in range(20):
             fn()
-        took = _timed(fn, calls)[0]
+        took = timed(fn, calls)[0]
         if rank == 0:
             print(f"| {name} | {took:.1f} |", flush=True)
 
@@ -169,7 +170,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args()
     size = torch.cuda.device_count()
-    mp.spawn(rank_main, args=(size, _free_port(), args), nprocs=size)
+    mp.spawn(rank_main, args=(size, free_port(), args), nprocs=size)
 
 
 if __name__ == "__main__":

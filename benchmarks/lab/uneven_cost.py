@@ -19,35 +19,14 @@ import cProfile
 import io
 import os
 import pstats
-import socket
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
-import anyccl.torch  # noqa: F401 - registers "anyccl" where the entry point is not installed
+from torch_pg_cost import free_port, timed, torch_groups  # (this folder: scripts find each other)
 
 ROW = 256   # float32 elements per row
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _timed(fn, calls: int) -> tuple[float, float]:
-    """(host us per call until return, us per call once the GPU finished)."""
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    t2 = time.perf_counter()
-    return (t1 - t0) / calls * 1e6, (t2 - t0) / calls * 1e6
 
 
 def rank_main(rank: int, size: int, port: int, args: argparse.Namespace) -> None:
@@ -55,10 +34,7 @@ def rank_main(rank: int, size: int, port: int, args: argparse.Namespace) -> None
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", rank=rank, world_size=size,
                             device_id=torch.device("cuda", rank))
-    groups = {"nccl": dist.group.WORLD}
-    for transport in ("nccl", "ipc"):
-        os.environ["ANYCCL_BACKEND"] = transport
-        groups[f"anyccl-{transport}"] = dist.new_group(backend="anyccl")
+    groups = torch_groups()
     rows = []
     for unit in args.units:
         sends = [unit * (1 + (rank + j) % size) for j in range(size)]
@@ -75,7 +51,7 @@ def rank_main(rank: int, size: int, port: int, args: argparse.Namespace) -> None
         for rnd in range(args.rounds):
             order = list(groups)[rnd % len(groups):] + list(groups)[:rnd % len(groups)]
             for name in order:
-                results[name].append(_timed(calls[name], args.calls))
+                results[name].append(timed(calls[name], args.calls))
         torch.cuda.synchronize()
         for name in groups:
             wrong = int((outs[name] != outs["nccl"]).sum().item())
@@ -116,7 +92,7 @@ def main() -> None:
     p.add_argument("--profile", action="store_true")
     args = p.parse_args()
     size = torch.cuda.device_count()
-    mp.spawn(rank_main, args=(size, _free_port(), args), nprocs=size)
+    mp.spawn(rank_main, args=(size, free_port(), args), nprocs=size)
 
 
 if __name__ == "__main__":
