@@ -548,7 +548,7 @@ class Communicator:
     def all_gather(self, out: Any, tensor: Any, async_op: bool = False, *,
                    stream: Any = None) -> Work | None:
         """`out` receives every rank's `tensor` in rank order: a list of `size` arrays, or one
-        array of size * tensor.size elements. Host arrays may differ in size from rank to rank
+        array of size * tensor.size elements. The arrays may differ in size from rank to rank
         ("allgatherv"): then `out` is a list whose entry j has rank j's size, on every rank."""
         replayed = self._replayed(("all_gather",), (out, tensor), async_op, stream)
         if replayed is not _FULL_PATH:
@@ -572,8 +572,8 @@ class Communicator:
                async_op: bool = False, *, stream: Any = None,
                uneven: bool = False) -> Work | None:
         """Rank `dst`'s `out_list` receives every rank's `tensor` in rank order; the other ranks
-        pass out_list=None. uneven=True (on every rank, host arrays): each rank's `tensor` may
-        have its own size, and out_list[j] has rank j's ("gatherv")."""
+        pass out_list=None. uneven=True (on every rank): each rank's `tensor` may have its own
+        size, and out_list[j] has rank j's ("gatherv")."""
         replayed = self._replayed(("gather", dst), (tensor, out_list), async_op, stream)
         if replayed is not _FULL_PATH:
             return replayed
@@ -593,8 +593,8 @@ class Communicator:
                 async_op: bool = False, *, stream: Any = None,
                 uneven: bool = False) -> Work | None:
         """Rank i's `out` receives `chunks[i]` of rank `src`; the other ranks pass
-        chunks=None. uneven=True (on every rank, host arrays): chunk i has rank i's `out` size,
-        which may differ from rank to rank ("scatterv")."""
+        chunks=None. uneven=True (on every rank): chunk i has rank i's `out` size, which may
+        differ from rank to rank ("scatterv")."""
         replayed = self._replayed(("scatter", src), (out, chunks), async_op, stream)
         if replayed is not _FULL_PATH:
             return replayed
