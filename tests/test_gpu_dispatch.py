@@ -369,8 +369,10 @@ def check_async_replays(comm) -> dict[str, Any]:
         gc.collect()
         alive_while_queued = held() is not None and not work.is_completed()
         work.wait(timeout=10)
-        time.sleep(0.2)                       # the watchdog retires finished operations
-        gc.collect()
+        until = time.monotonic() + 10         # the watchdog retires finished operations
+        while held() is not None and time.monotonic() < until:
+            time.sleep(0.05)
+            gc.collect()
         released = held() is None
         seqs = [e["seq"] - first for e in comm.flight_recorder.entries() if e["seq"] >= first]
         comm._plans.forget()   # the ranks' communicator serves the next tests
