@@ -55,25 +55,36 @@ def timed(fn, calls: int) -> tuple[float, float]:
     return (t1 - t0) / calls * 1e6, (t2 - t0) / calls * 1e6
 
 
-def rank_main(rank: int, size: int, port: int, args: argparse.Namespace) -> None:
+def join(rank: int, size: int, port: int) -> dict[str, object]:
+    """This rank's process in torch's NCCL world on GPU `rank`; the groups to compare."""
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", rank=rank, world_size=size,
                             device_id=torch.device("cuda", rank))
-    groups = torch_groups()
+    return torch_groups()
+
+
+def rotating(calls: dict, rounds: int, n: int, warm: int) -> dict[str, list[tuple[float, float]]]:
+    """`timed` of each named call, `rounds` times in a rotating order, after `warm` calls each
+    (plans, NCCL channels, kernels)."""
+    for call in calls.values():
+        for _ in range(warm):
+            call()
+    results: dict[str, list[tuple[float, float]]] = {name: [] for name in calls}
+    names = list(calls)
+    for rnd in range(rounds):
+        for name in names[rnd % len(names):] + names[:rnd % len(names)]:
+            results[name].append(timed(calls[name], n))
+    return results
+
+
+def rank_main(rank: int, size: int, port: int, args: argparse.Namespace) -> None:
+    groups = join(rank, size, port)
     rows = []
     for nbytes in args.sizes:
         t = torch.ones(max(1, nbytes // 4), device="cuda")
-        results: dict[str, list[tuple[float, float]]] = {name: [] for name in groups}
-        for group in groups.values():  # warm up: plans, NCCL channels, kernels
-            for _ in range(20):
-                dist.all_reduce(t, group=group)
-        for rnd in range(args.rounds):
-            order = list(groups)[rnd % len(groups):] + list(groups)[:rnd % len(groups)]
-            for name in order:
-                group = groups[name]
-                results[name].append(timed(lambda g=group, x=t: dist.all_reduce(x, group=g),
-                                            args.calls))
+        results = rotating({name: (lambda g=group, x=t: dist.all_reduce(x, group=g))
+                            for name, group in groups.items()}, args.rounds, args.calls, 20)
         for name, got in results.items():
             rows.append((nbytes, name, statistics.median(h for h, _ in got),
                          statistics.median(w for _, w in got)))

@@ -24,17 +24,13 @@ import statistics
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch_pg_cost import free_port, timed, torch_groups  # (this folder: scripts find each other)
+from torch_pg_cost import free_port, join, rotating  # (this folder: scripts find each other)
 
 ROW = 256   # float32 elements per row
 
 
 def rank_main(rank: int, size: int, port: int, args: argparse.Namespace) -> None:
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", rank=rank, world_size=size,
-                            device_id=torch.device("cuda", rank))
-    groups = torch_groups()
+    groups = join(rank, size, port)
     rows = []
     for unit in args.units:
         sends = [unit * (1 + (rank + j) % size) for j in range(size)]
@@ -44,14 +40,7 @@ def rank_main(rank: int, size: int, port: int, args: argparse.Namespace) -> None
         calls = {name: (lambda g=group, o=outs[name], i=inp, r=receives, s=sends:
                         dist.all_to_all_single(o, i, r, s, group=g))
                  for name, group in groups.items()}
-        for call in calls.values():   # warm up
-            for _ in range(5):
-                call()
-        results: dict[str, list[tuple[float, float]]] = {name: [] for name in groups}
-        for rnd in range(args.rounds):
-            order = list(groups)[rnd % len(groups):] + list(groups)[:rnd % len(groups)]
-            for name in order:
-                results[name].append(timed(calls[name], args.calls))
+        results = rotating(calls, args.rounds, args.calls, 5)
         torch.cuda.synchronize()
         for name in groups:
             wrong = int((outs[name] != outs["nccl"]).sum().item())

@@ -67,13 +67,6 @@ def _reduce_op(opts: Any) -> ReduceOp:
     return found
 
 
-def _done(result: Any, tensors: list[torch.Tensor]) -> Any:
-    """A Work whose future holds `result`; for CUDA tensors its event records the current
-    stream, where the operation was queued, so that consumers wait on the GPU, not the host."""
-    devices = sorted({t.device for t in tensors if t.is_cuda}, key=str)
-    return _completed(devices, result)
-
-
 def _completed(devices: list[torch.device], result: Any) -> Any:
     """A Work whose future, for `devices` (none: a CPU future), is complete with `result` (its
     events record the devices' current streams). torch's own future type, without the Python
@@ -195,17 +188,12 @@ class ProcessGroup(dist.ProcessGroup):
         previous = _get_stream(index)
         _set_stream(*side.ids)
         try:
-            call()
+            call()   # (refuses tensors on another device than this rank's)
             stream = side.stream
-            devices = side.devices
             for t in tensors:
                 if t.is_cuda:
                     t.record_stream(stream)
-                    if t.get_device() != index:
-                        devices = None
-            if devices is None:   # tensors of several devices: let anyccl's error name them
-                return _done(result, tensors)
-            return _completed(devices, result)
+            return _completed(side.devices, result)
         finally:
             _set_stream(*previous)
             if restore is not None:
