@@ -196,11 +196,11 @@ class _HostTime:
         from anyccl.communicator import Communicator
 
         self._saved = [(pg.ProcessGroup, "_run", pg.ProcessGroup._run),
-                       (pg, "_done", pg._done)] + [
+                       (pg, "_completed", pg._completed)] + [
             (Communicator, name, getattr(Communicator, name))
             for name in ("all_reduce", "all_gather", "reduce_scatter", "broadcast")]
         pg.ProcessGroup._run = self._timing(pg.ProcessGroup._run, None)
-        pg._done = self._timing(pg._done, "torch Work + future")
+        pg._completed = self._timing(pg._completed, "torch Work + future")
         for owner, name, fn in self._saved[2:]:
             setattr(owner, name, self._timing(fn, "anyccl call"))
         return self
