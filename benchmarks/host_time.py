@@ -3,8 +3,9 @@
 What is stubbed, per column, so that only anyccl's code is timed:
 
     shm    two ranks of the real shm backend in this one process; the peer never calls, its
-           barrier counter is set far ahead, so every barrier passes at once (the data moved
-           is real: staging copies, reductions). send+recv: one rank sends, the other
+           barrier counter is set far ahead, so every barrier passes at once, and the
+           signatures rank 0 compares its own with are its own (the data moved is real:
+           staging copies, reductions; the agreement check runs in full). send+recv: one rank sends, the other
            receives, both timed (a whole message's host work).
     host   the communicator's layer over a transport that does nothing (argument checks, op
            records, flight recorder, engine): what every host backend (shm, mpi) pays on top of
@@ -109,10 +110,14 @@ def host_calls(backend: str) -> dict[str, Callable[[], None]]:
     comm, peer = two_ranks()
     if backend == "host":
         comm._engine.backend = comm._backend = NoTransport(0, 2)
-    else:  # shm: the peer has passed every barrier already
+    else:  # shm: the peer has passed every barrier already, having called what rank 0 calls
         from anyccl.backends import shm
 
         peer._backend._own.words[shm._W_ARRIVE] = 1 << 62
+        if hasattr(shm, "_W_AGREE"):  # its signatures: rank 0 compares with its own words
+            own = comm._backend
+            own._peer_ctl = [own._own.words]
+            own._peer_agree_at = [(at,) for at in own._agree_at]
     x, y = np.zeros(2, np.float32), np.zeros(2, np.float32)
     whole, other = np.zeros(4, np.float32), np.zeros(4, np.float32)
 

@@ -1,5 +1,7 @@
 """Every bad argument raises a specific error on the calling rank before any byte moves, and
-the communicator stays usable: each check below is followed by a working collective."""
+the communicator stays usable: each check below is followed by a working collective. A rank
+that refuses its arguments to a collective tells the others, which raise too (naming it and
+its reason) instead of pairing their call with its next one."""
 
 from __future__ import annotations
 
@@ -75,6 +77,10 @@ BAD_CALLS = {
 }
 
 
+# refused on the calling rank alone: no other rank was to meet it in this call
+LOCAL_ONLY = {"send_to_self", "negative_tag", "split_bad_color", "new_group_duplicates"}
+
+
 def check_bad_call_then_usable(comm, name):
     call, kind, words = BAD_CALLS[name]
     error = None
@@ -83,6 +89,12 @@ def check_bad_call_then_usable(comm, name):
             call(comm)
         except Exception as exc:  # judged below, after the collective every rank joins
             error = exc
+    elif name not in LOCAL_ONLY:  # the other ranks call the collective with good arguments
+        with pytest.raises(anyccl.CollectiveMismatchError) as told:
+            comm.all_reduce(np.ones(4))
+        text = str(told.value)
+        assert text.startswith(f"rank {comm.rank}: "), text
+        assert "rank 0 refused its arguments" in text and words in text, text
     x = np.full(3, comm.rank + 1.0)
     comm.all_reduce(x)  # the communicator stays usable, and no rank saw a half-started op
     assert (x == 3.0).all()

@@ -12,7 +12,7 @@ from harness import run_ranks
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from reference import assert_matches, make_input, reduce_reference, valid_ops
-from test_bad_input import BAD_CALLS
+from test_bad_input import BAD_CALLS, LOCAL_ONLY
 
 import anyccl
 
@@ -49,6 +49,13 @@ def run_program(comm, program):
                     pass
                 else:
                     raise AssertionError(f"step {i}: {name} was accepted")
+            elif name not in LOCAL_ONLY:  # the refusal is told: the others' call raises too
+                try:
+                    comm.barrier()
+                except anyccl.CollectiveMismatchError as exc:
+                    assert f"rank {rank} refused its arguments" in str(exc), str(exc)
+                else:
+                    raise AssertionError(f"step {i}: rank {rank}'s refusal was not told")
             continue
         _, name, dtype_str, count, root, op_name = step
         dtype, op = np.dtype(dtype_str), anyccl.ReduceOp[op_name]

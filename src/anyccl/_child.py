@@ -10,7 +10,7 @@ import signal
 import sys
 
 from . import settings
-from .errors import PeerLostError
+from .errors import AnycclError, PeerLostError
 
 _PR_SET_PDEATHSIG = 1
 
@@ -45,11 +45,11 @@ def main() -> None:
             runpy.run_path(target, run_name="__main__")
     except PeerLostError as exc:
         try:
+            from . import private
+
             path = lost_marker(settings.JOB_ID.get() or "local", int(os.environ["RANK"]))
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(path, "w") as f:
-                f.write(str(exc.lost_rank))
-        except (OSError, KeyError, ValueError):
+            private.write(path, str(exc.lost_rank).encode())
+        except (OSError, KeyError, ValueError, AnycclError):
             pass
         raise
 

@@ -98,14 +98,66 @@ def _tcp_store(host: str, port: int, rank: int, timeout_s: float) -> Store:
             warnings.warn(f"anyccl: the rendezvous at {host}:{port} is not authenticated "
                           f"({allow.name}=1): anyone who reaches the port can join this job",
                           RuntimeWarning, stacklevel=3)
+            key = f"anyccl-unkeyed:{port}".encode()
         else:
-            log.info("rendezvous at %s:%d is not authenticated: set %s on every rank (anyccl "
-                     "run does this for you)", host, port, settings.JOB_KEY.name)
-        key = f"anyccl-unkeyed:{port}".encode()
+            return _loopback_store(host, port, rank, timeout_s)
     if rank == 0:
         bind = "127.0.0.1" if _is_loopback(host) else host
         _servers.append(StoreServer(key, host=bind, port=port))
     return TCPStore(host, port, key, timeout_s)
+
+
+def _loopback_store(host: str, port: int, rank: int, timeout_s: float) -> Store:
+    """An unkeyed rendezvous on this machine (env:// or tcp:// on loopback, no job key): rank
+    0 makes a random key and leaves it in a 0600 file of this user's private directory
+    (private.py), where this user's other ranks read it and no other local user can; the
+    store's handshake then admits the job's ranks alone. A key file left by an earlier job on
+    the same port may be read before rank 0 replaces it: a refused rank reads it again."""
+    import time
+
+    from . import private
+
+    path = os.path.join(private.user_directory(), f"store-{host}-{port}.key")
+    if rank == 0:
+        key = secrets.token_bytes(32)
+        private.write(path, key)
+        atexit.register(_remove_quietly, path, os.getpid())
+        _servers.append(StoreServer(key, host="127.0.0.1", port=port))
+        return TCPStore(host, port, key, timeout_s)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            key = private.read(path)
+        except FileNotFoundError:
+            if time.monotonic() >= deadline:
+                raise RendezvousError(
+                    f"rank {rank}: rank 0 did not leave the rendezvous key of {host}:{port} in "
+                    f"{path} within {timeout_s:g} s; ranks of one unkeyed job must run as one "
+                    f"user on one machine (or set {settings.JOB_KEY.name} on every rank)") \
+                    from None
+            time.sleep(0.01)
+            continue
+        except OSError as exc:
+            raise RendezvousError(f"rank {rank}: cannot read the rendezvous key {path}: {exc}") \
+                from None
+        try:
+            return TCPStore(host, port, key, max(0.1, deadline - time.monotonic()))
+        except RendezvousError:
+            try:
+                newer = private.read(path)
+            except OSError:
+                newer = key
+            if newer == key or time.monotonic() >= deadline:
+                raise
+
+
+def _remove_quietly(path: str, owner_pid: int) -> None:
+    if os.getpid() != owner_pid:  # a child forked after init(): the file is its parent's
+        return
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def _torch_agent_store(timeout_s: float) -> Store:

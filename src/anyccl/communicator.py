@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import pickle
 import time
 import weakref
@@ -20,7 +21,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from . import gpu
+from . import agreement, gpu
 from .algorithms import uneven
 from .arguments import Arguments
 from .backends.base import Backend
@@ -37,8 +38,10 @@ from .engine import Engine
 from .errors import (
     AnycclError,
     CollectiveMismatchError,
+    InvalidArgumentError,
     PeerLostError,
     TimeoutError,
+    UnsupportedError,
 )
 from .gpu_dispatch import GpuDispatch
 from .ops import COLLECTIVES, ReduceOp
@@ -53,6 +56,11 @@ _REDOP_CODES = list(ReduceOp)
 _DTYPE_CODES = {d: i for i, d in enumerate(SUPPORTED_DTYPES)}
 
 _live: weakref.WeakSet[Communicator] = weakref.WeakSet()
+_NAME_BITS, _DTYPE_BITS = agreement.NAME_BITS, agreement.DTYPE_BITS
+
+
+# a collective's refusal of its own arguments: told to the other ranks (see `_refused`)
+_REFUSALS = (InvalidArgumentError, UnsupportedError)
 
 
 class Communicator:
@@ -96,6 +104,7 @@ class Communicator:
                                      device=device, backend=gpu_backend, kind=gpu_kind)
         self._batch: list[tuple] | None = None
         self._plans: Plans | None = None  # blocking GPU calls' plans, once a GPU call ran
+        self._owner_pid = os.getpid()
         _live.add(self)
 
     # ---- identity ----------------------------------------------------------------------------
@@ -173,6 +182,11 @@ class Communicator:
                     self._plans = Plans()
                 self._plans.keep(name, args, nbytes, enqueue, gpu_arrays, gpu_backend)
             return work
+        if like is not None:  # agreement.word(), inline
+            record.agree = (_NAME_BITS[name] | _DTYPE_BITS[like.dtype] | (root + 1) << 15
+                            | (0 if op is None else op.agree_bits), like.size)
+        else:
+            record.agree = (_NAME_BITS[name], 0)
         if not async_op and signature is None and self._engine.run_now(self._run_host, record,
                                                                        entry, call):
             return None  # the common blocking case: run right here, nothing outstanding
@@ -254,6 +268,24 @@ class Communicator:
                 f"{count if count >= 0 else '-':>10}{root if root >= 0 else '-':>6}  "
                 f"{_REDOP_CODES[redop].name if redop >= 0 else '-'}")
         raise CollectiveMismatchError("\n".join(lines))
+
+    def _refused(self, name: str, exc: AnycclError, args: tuple) -> None:
+        """This rank refused its arguments to collective `name`: arrive at it all the same,
+        with a refused signature and the reason, so that every other rank raises too (host
+        collectives; a call on GPU arrays, or on a closed or one-rank communicator, tells
+        nobody)."""
+        if self._closed or self.size == 1 or self._engine.failure is not None \
+                or any(map(_on_device, args)):
+            return
+        self._seq += 1
+        record = OpRecord(name, self._seq, "refused its arguments")
+        record.agree = agreement.refused(name, str(exc))
+        entry = self.flight_recorder.queued(record)
+        try:
+            self._engine.call(self._host_task(record, entry, None, lambda b: b.barrier()),
+                              lambda: Work(record, self.rank))
+        except CollectiveMismatchError:
+            pass  # what the peers called: they raise their side of it
 
     def _post_mortem(self, exc: BaseException) -> None:
         """On a timeout or a lost peer: write the flight record once and point the error at it."""
@@ -506,12 +538,17 @@ class Communicator:
     def broadcast(self, tensor: Any, src: int, async_op: bool = False, *,
                   stream: Any = None) -> Work | None:
         """Every rank's `tensor` becomes a copy of rank `src`'s `tensor`."""
-        replayed = self._replayed(("broadcast", src), (tensor,), async_op, stream)
-        if replayed is not _FULL_PATH:
-            return replayed
+        if self._plans is not None:  # a GPU call ran: this one may replay a plan
+            replayed = self._replayed(("broadcast", src), (tensor,), async_op, stream)
+            if replayed is not _FULL_PATH:
+                return replayed
         self._check_open("broadcast")
-        x = self._check.array("broadcast", tensor, "tensor", writable=True)
-        src = self._check.peer("broadcast", src, "src")
+        try:
+            x = self._check.array("broadcast", tensor, "tensor", writable=True)
+            src = self._check.peer("broadcast", src, "src")
+        except _REFUSALS as exc:
+            self._refused("broadcast", exc, (tensor,))
+            raise
         return self._collective("broadcast", _about(x, ", src={}", src), x.nbytes,
                                 lambda b: b.broadcast(x, src), async_op, like=x, root=src,
                                 arrays=[("tensor", x)], stream=stream)
@@ -519,12 +556,17 @@ class Communicator:
     def all_reduce(self, tensor: Any, op: ReduceOp | str = ReduceOp.SUM,
                    async_op: bool = False, *, stream: Any = None) -> Work | None:
         """Every rank's `tensor` becomes the element-wise reduction of all ranks' `tensor`."""
-        replayed = self._replayed(("all_reduce", op), (tensor,), async_op, stream)
-        if replayed is not _FULL_PATH:
-            return replayed
+        if self._plans is not None:  # a GPU call ran: this one may replay a plan
+            replayed = self._replayed(("all_reduce", op), (tensor,), async_op, stream)
+            if replayed is not _FULL_PATH:
+                return replayed
         self._check_open("all_reduce")
-        x = self._check.array("all_reduce", tensor, "tensor", writable=True)
-        rop = self._check.reduce_op("all_reduce", op, x.dtype)
+        try:
+            x = self._check.array("all_reduce", tensor, "tensor", writable=True)
+            rop = self._check.reduce_op("all_reduce", op, x.dtype)
+        except _REFUSALS as exc:
+            self._refused("all_reduce", exc, (tensor,))
+            raise
         return self._collective("all_reduce", _about(x, ", op={0.name}", rop), x.nbytes,
                                 lambda b: b.all_reduce(x, rop), async_op, like=x, op=rop,
                                 arrays=[("tensor", x)], stream=stream)
@@ -533,13 +575,18 @@ class Communicator:
                async_op: bool = False, *, stream: Any = None) -> Work | None:
         """Rank `dst`'s `tensor` becomes the reduction of all ranks' `tensor`; the other ranks'
         arrays are left as they were."""
-        replayed = self._replayed(("reduce", dst, op), (tensor,), async_op, stream)
-        if replayed is not _FULL_PATH:
-            return replayed
+        if self._plans is not None:  # a GPU call ran: this one may replay a plan
+            replayed = self._replayed(("reduce", dst, op), (tensor,), async_op, stream)
+            if replayed is not _FULL_PATH:
+                return replayed
         self._check_open("reduce")
-        x = self._check.array("reduce", tensor, "tensor", writable=True)
-        dst = self._check.peer("reduce", dst, "dst")
-        rop = self._check.reduce_op("reduce", op, x.dtype)
+        try:
+            x = self._check.array("reduce", tensor, "tensor", writable=True)
+            dst = self._check.peer("reduce", dst, "dst")
+            rop = self._check.reduce_op("reduce", op, x.dtype)
+        except _REFUSALS as exc:
+            self._refused("reduce", exc, (tensor,))
+            raise
         return self._collective("reduce", _about(x, ", dst={}, op={.name}", dst, rop),
                                 x.nbytes, lambda b: b.reduce(x, dst, rop), async_op, like=x,
                                 root=dst,
@@ -550,20 +597,27 @@ class Communicator:
         """`out` receives every rank's `tensor` in rank order: a list of `size` arrays, or one
         array of size * tensor.size elements. The arrays may differ in size from rank to rank
         ("allgatherv"): then `out` is a list whose entry j has rank j's size, on every rank."""
-        replayed = self._replayed(("all_gather",), (out, tensor), async_op, stream)
-        if replayed is not _FULL_PATH:
-            return replayed
+        if self._plans is not None:  # a GPU call ran: this one may replay a plan
+            replayed = self._replayed(("all_gather",), (out, tensor), async_op, stream)
+            if replayed is not _FULL_PATH:
+                return replayed
         self._check_open("all_gather")
-        x = self._check.array("all_gather", tensor, "tensor", writable=False)
-        outs = self._check.pieces("all_gather", out, "out", x, writable=True,
-                                  sizes_may_differ=self.size > 1)
-        if any(o.size != x.size for o in outs):
+        try:
+            x = self._check.array("all_gather", tensor, "tensor", writable=False)
+            outs = self._check.pieces("all_gather", out, "out", x, writable=True,
+                                      sizes_may_differ=self.size > 1)
+            even = all(o.size == x.size for o in outs)
+            if even:
+                self._check.others_disjoint("all_gather", outs, "out", x, "tensor")
+        except _REFUSALS as exc:
+            self._refused("all_gather", exc, (out, tensor))
+            raise
+        if not even:
             arrays = [("tensor", x), *_named("out", outs)]
             self._gpu_side.on_gpu("all_gather", arrays, stream)
             sizes, piece = uneven.agree_sizes(self, x.size, [o.size for o in outs], "all_gather")
             return self._uneven("all_gather", arrays, lambda new: uneven.all_gather_v(
                 self.size, outs, x, sizes, piece, new), x, async_op, stream)
-        self._check.others_disjoint("all_gather", outs, "out", x, "tensor")
         return self._collective("all_gather", _about(x), x.nbytes * self.size,
                                 lambda b: b.all_gather(outs, x), async_op, like=x,
                                 arrays=[("tensor", x), *_named("out", outs)], stream=stream)
@@ -574,16 +628,23 @@ class Communicator:
         """Rank `dst`'s `out_list` receives every rank's `tensor` in rank order; the other ranks
         pass out_list=None. uneven=True (on every rank): each rank's `tensor` may have its own
         size, and out_list[j] has rank j's ("gatherv")."""
-        replayed = self._replayed(("gather", dst), (tensor, out_list), async_op, stream)
-        if replayed is not _FULL_PATH:
-            return replayed
+        if self._plans is not None:  # a GPU call ran: this one may replay a plan
+            replayed = self._replayed(("gather", dst), (tensor, out_list), async_op, stream)
+            if replayed is not _FULL_PATH:
+                return replayed
         self._check_open("gather")
-        x = self._check.array("gather", tensor, "tensor", writable=False)
-        dst = self._check.peer("gather", dst, "dst")
+        try:
+            x = self._check.array("gather", tensor, "tensor", writable=False)
+            dst = self._check.peer("gather", dst, "dst")
+            if not uneven:
+                outs = self._check.root_pieces("gather", out_list, "out_list", x, dst, "dst",
+                                               writable=True)
+        except _REFUSALS as exc:
+            self._refused("gather", exc, (tensor, out_list))
+            raise
         if uneven:
             return self._rooted_uneven("gather", x, out_list, "out_list", dst, "dst", True,
                                        async_op, stream)
-        outs = self._check.root_pieces("gather", out_list, "out_list", x, dst, "dst", writable=True)
         return self._collective("gather", _about(x, ", dst={}", dst), x.nbytes * self.size,
                                 lambda b: b.gather(x, outs, dst), async_op, like=x, root=dst,
                                 arrays=[("tensor", x), *_named("out_list", outs or [])],
@@ -595,17 +656,24 @@ class Communicator:
         """Rank i's `out` receives `chunks[i]` of rank `src`; the other ranks pass
         chunks=None. uneven=True (on every rank): chunk i has rank i's `out` size, which may
         differ from rank to rank ("scatterv")."""
-        replayed = self._replayed(("scatter", src), (out, chunks), async_op, stream)
-        if replayed is not _FULL_PATH:
-            return replayed
+        if self._plans is not None:  # a GPU call ran: this one may replay a plan
+            replayed = self._replayed(("scatter", src), (out, chunks), async_op, stream)
+            if replayed is not _FULL_PATH:
+                return replayed
         self._check_open("scatter")
-        x = self._check.array("scatter", out, "out", writable=True)
-        src = self._check.peer("scatter", src, "src")
+        try:
+            x = self._check.array("scatter", out, "out", writable=True)
+            src = self._check.peer("scatter", src, "src")
+            if not uneven:
+                pieces = self._check.root_pieces("scatter", chunks, "chunks", x, src, "src",
+                                                 writable=False)
+                self._check.others_disjoint("scatter", pieces or [], "chunks", x, "out")
+        except _REFUSALS as exc:
+            self._refused("scatter", exc, (out, chunks))
+            raise
         if uneven:
             return self._rooted_uneven("scatter", x, chunks, "chunks", src, "src", False,
                                        async_op, stream)
-        pieces = self._check.root_pieces("scatter", chunks, "chunks", x, src, "src", writable=False)
-        self._check.others_disjoint("scatter", pieces or [], "chunks", x, "out")
         return self._collective("scatter", _about(x, ", src={}", src), x.nbytes * self.size,
                                 lambda b: b.scatter(x, pieces, src), async_op, like=x, root=src,
                                 arrays=[("out", x), *_named("chunks", pieces or [])],
@@ -615,14 +683,19 @@ class Communicator:
                        async_op: bool = False, *, stream: Any = None) -> Work | None:
         """Rank i's `out` becomes the reduction of every rank's piece i of `inp` (a list of
         `size` arrays like `out`, or one array of size * out.size elements)."""
-        replayed = self._replayed(("reduce_scatter", op), (out, inp), async_op, stream)
-        if replayed is not _FULL_PATH:
-            return replayed
+        if self._plans is not None:  # a GPU call ran: this one may replay a plan
+            replayed = self._replayed(("reduce_scatter", op), (out, inp), async_op, stream)
+            if replayed is not _FULL_PATH:
+                return replayed
         self._check_open("reduce_scatter")
-        x = self._check.array("reduce_scatter", out, "out", writable=True)
-        inputs = self._check.pieces("reduce_scatter", inp, "inp", x, writable=False)
-        self._check.others_disjoint("reduce_scatter", inputs, "inp", x, "out")
-        rop = self._check.reduce_op("reduce_scatter", op, x.dtype)
+        try:
+            x = self._check.array("reduce_scatter", out, "out", writable=True)
+            inputs = self._check.pieces("reduce_scatter", inp, "inp", x, writable=False)
+            self._check.others_disjoint("reduce_scatter", inputs, "inp", x, "out")
+            rop = self._check.reduce_op("reduce_scatter", op, x.dtype)
+        except _REFUSALS as exc:
+            self._refused("reduce_scatter", exc, (out, inp))
+            raise
         return self._collective("reduce_scatter", _about(x, ", op={0.name}", rop),
                                 x.nbytes * self.size, lambda b: b.reduce_scatter(x, inputs, rop),
                                 async_op, like=x, op=rop,
@@ -639,26 +712,31 @@ class Communicator:
         at those counts, which every pair of ranks must agree on (all ranks raise if not)."""
         if out_splits is not None or in_splits is not None:
             return self._all_to_all_uneven(out, inp, out_splits, in_splits, async_op, stream)
-        replayed = self._replayed(("all_to_all",), (out, inp), async_op, stream)
-        if replayed is not _FULL_PATH:
-            return replayed
+        if self._plans is not None:  # a GPU call ran: this one may replay a plan
+            replayed = self._replayed(("all_to_all",), (out, inp), async_op, stream)
+            if replayed is not _FULL_PATH:
+                return replayed
         self._check_open("all_to_all")
-        if isinstance(inp, (list, tuple)):
-            if not inp:
-                raise self._check.fail("all_to_all", "inp is an empty list")
-            first = self._check.array("all_to_all", inp[0], "inp[0]", writable=False)
-        else:
-            whole = self._check.array("all_to_all", inp, "inp", writable=False)
-            if whole.size % self.size:
-                raise self._check.fail("all_to_all", f"inp has {whole.size} elements, not "
-                                       f"divisible into {self.size} equal pieces")
-            first = whole[: whole.size // self.size]
-        inputs = self._check.pieces("all_to_all", inp, "inp", first, writable=False)
-        outs = self._check.pieces("all_to_all", out, "out", first, writable=True)
-        for i, o in enumerate(outs):
-            for j, piece in enumerate(inputs):
-                if i != j:
-                    self._check.disjoint("all_to_all", o, f"out[{i}]", piece, f"inp[{j}]")
+        try:
+            if isinstance(inp, (list, tuple)):
+                if not inp:
+                    raise self._check.fail("all_to_all", "inp is an empty list")
+                first = self._check.array("all_to_all", inp[0], "inp[0]", writable=False)
+            else:
+                whole = self._check.array("all_to_all", inp, "inp", writable=False)
+                if whole.size % self.size:
+                    raise self._check.fail("all_to_all", f"inp has {whole.size} elements, not "
+                                           f"divisible into {self.size} equal pieces")
+                first = whole[: whole.size // self.size]
+            inputs = self._check.pieces("all_to_all", inp, "inp", first, writable=False)
+            outs = self._check.pieces("all_to_all", out, "out", first, writable=True)
+            for i, o in enumerate(outs):
+                for j, piece in enumerate(inputs):
+                    if i != j:
+                        self._check.disjoint("all_to_all", o, f"out[{i}]", piece, f"inp[{j}]")
+        except _REFUSALS as exc:
+            self._refused("all_to_all", exc, (out, inp))
+            raise
         return self._collective("all_to_all", _about(first), first.nbytes * self.size,
                                 lambda b: b.all_to_all(outs, inputs), async_op, like=first,
                                 arrays=[*_named("inp", inputs), *_named("out", outs)],
@@ -667,21 +745,25 @@ class Communicator:
     def _all_to_all_uneven(self, out: Any, inp: Any, out_splits: Any, in_splits: Any,
                            async_op: bool, stream: Any) -> Work | None:
         self._check_open("all_to_all")
-        x = self._check.array("all_to_all", inp, "inp", writable=False)
-        y = self._check.array("all_to_all", out, "out", writable=True)
-        arrays = [("inp", x), ("out", y)]
-        self._gpu_side.on_gpu("all_to_all", arrays, stream)
-        if x.dtype != y.dtype:
-            raise self._check.fail("all_to_all", f"out has dtype {y.dtype.name} but inp has "
-                                   f"{x.dtype.name}")
-        if overlaps(x, y):
-            raise self._check.fail("all_to_all", "out and inp share memory; with split sizes "
-                                   "pass separate arrays")
-        n = self.size
-        sends = uneven.check_splits(self.rank, n, [x.size // n] * n if in_splits is None else
-                                    in_splits, "in_splits", x.size, "inp")
-        receives = uneven.check_splits(self.rank, n, [y.size // n] * n if out_splits is None
-                                       else out_splits, "out_splits", y.size, "out")
+        try:
+            x = self._check.array("all_to_all", inp, "inp", writable=False)
+            y = self._check.array("all_to_all", out, "out", writable=True)
+            arrays = [("inp", x), ("out", y)]
+            self._gpu_side.on_gpu("all_to_all", arrays, stream)
+            if x.dtype != y.dtype:
+                raise self._check.fail("all_to_all", f"out has dtype {y.dtype.name} but inp has "
+                                       f"{x.dtype.name}")
+            if overlaps(x, y):
+                raise self._check.fail("all_to_all", "out and inp share memory; with split sizes "
+                                       "pass separate arrays")
+            n = self.size
+            sends = uneven.check_splits(self.rank, n, [x.size // n] * n if in_splits is None else
+                                        in_splits, "in_splits", x.size, "inp")
+            receives = uneven.check_splits(self.rank, n, [y.size // n] * n if out_splits is None
+                                           else out_splits, "out_splits", y.size, "out")
+        except _REFUSALS as exc:
+            self._refused("all_to_all", exc, (out, inp))
+            raise
         piece = uneven.agree_all_to_all(self, receives, sends)
         return self._uneven("all_to_all", arrays, lambda new: uneven.all_to_all_v(
             n, y, x, receives, sends, piece, new), x, async_op, stream)
@@ -692,8 +774,12 @@ class Communicator:
                        stream: Any) -> Work | None:
         """gather (writable pieces) or scatter with a size per rank: `pieces` (the root's list,
         None elsewhere) checked, the sizes agreed, then the data moved."""
-        checked = self._check.root_pieces(op, pieces, name, x, root, root_name,
-                                          writable=writable, sizes_may_differ=True)
+        try:
+            checked = self._check.root_pieces(op, pieces, name, x, root, root_name,
+                                              writable=writable, sizes_may_differ=True)
+        except _REFUSALS as exc:
+            self._refused(op, exc, (x, pieces))
+            raise
         arrays = [("tensor" if writable else "out", x), *_named(name, checked or [])]
         self._gpu_side.on_gpu(op, arrays, stream)
         sizes, piece = uneven.agree_sizes(self, x.size, [p.size for p in checked]
@@ -821,7 +907,22 @@ class Communicator:
         if self._closed:
             from .errors import CommunicatorClosedError
 
+            if self._owner_pid != os.getpid():
+                raise CommunicatorClosedError(
+                    f"rank {self.rank}: {op}: this communicator belongs to process "
+                    f"{self._owner_pid}, and this process ({os.getpid()}) was forked from it "
+                    f"after init(): a child cannot use its parent's communicator (it would "
+                    f"take its parent's place as rank {self.rank}). Call anyccl.init() in the "
+                    f"child as a rank of its own, or fork before init()")
             raise CommunicatorClosedError(f"rank {self.rank}: {op}: the communicator is closed")
+
+    def _disown(self) -> None:
+        """In a child forked from this communicator's process: refuse every call, and leave
+        the parent's shared memory, threads and connections to the parent (closing them
+        here would tell the parent's peers that it left)."""
+        self._closed = True
+        self._plans = None
+        _live.discard(self)
 
     def close(self) -> None:
         """Finish queued work (briefly), then release shared memory, threads and connections.
@@ -851,6 +952,19 @@ class Communicator:
 _DTYPE_NAMES = {d: d.name for d in SUPPORTED_DTYPES}
 
 
+def _on_device(obj: Any) -> bool:
+    """Whether `obj` (or an entry of a list of them) is an array in GPU memory."""
+    if isinstance(obj, (list, tuple)):
+        return any(map(_on_device, obj))
+    if getattr(obj, "is_cuda", False) is True or hasattr(obj, "__cuda_array_interface__"):
+        return True
+    device = getattr(obj, "__dlpack_device__", None)
+    try:
+        return device is not None and device()[0] not in (1, 3)   # kDLCPU, kDLCUDAHost
+    except Exception:  # noqa: BLE001 - not an array it could name a device of
+        return False
+
+
 def _about(x: Array, more: str = "", *values: Any) -> Callable[[], str]:
     """An op record's argument text, made when read: `x` as "float32 x 4", then `more` formatted
     with `values` (str.format). Records are kept (flight recorder, plans), so the text captures
@@ -878,6 +992,15 @@ def _named(name: str, pieces: Sequence[Array]) -> list[tuple[str, Array]]:
     if isinstance(pieces, Pieces):
         return [(name, pieces.whole)]
     return [(f"{name}[{i}]", p) for i, p in enumerate(pieces)]
+
+
+def _after_fork_in_child() -> None:
+    for comm in list(_live):
+        comm._disown()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def close_all() -> None:

@@ -35,8 +35,10 @@ class PeerLostError(AnycclError, ConnectionError):
         return str(self.args[0])
 
 
-class CollectiveMismatchError(AnycclError):
-    """Ranks called different collectives, or the same one with arguments that disagree."""
+class CollectiveMismatchError(AnycclError, ValueError):
+    """Ranks called different collectives, or the same one with arguments that disagree, or
+    one rank refused its arguments. Raised on every rank before any byte moves; the
+    communicator stays usable."""
 
 
 class CommunicatorClosedError(AnycclError, RuntimeError):

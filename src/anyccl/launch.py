@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import IO, TextIO
 
 from . import settings
+from .errors import AnycclError
 from .store import StoreServer
 
 GRACE_S = 3.0
@@ -152,21 +153,38 @@ def run(nprocs: int, target: str, args: list[str], *, module: bool = False,
             print(f"anyccl run: removed leftover shared memory {path}", file=sys.stderr)
         if code != 0:
             print_flight_summary(job_id)
+        else:  # nothing to look at: the job's private directory goes
+            remove_job_directory(job_id)
     return code
+
+
+def remove_job_directory(job_id: str) -> None:
+    """Delete job `job_id`'s private directory (flight records, markers) if it exists."""
+    from . import private
+    from .trace import flight_directory
+
+    try:
+        private.remove_tree(flight_directory(job_id))
+    except AnycclError:
+        pass
 
 
 def print_flight_summary(job_id: str) -> None:
     """After a failure: what each rank was doing, from the flight records ranks wrote."""
     import json
 
+    from . import private
     from .trace import flight_directory
 
-    directory = flight_directory(job_id)
+    try:
+        directory = flight_directory(job_id)
+    except AnycclError as exc:
+        print(f"anyccl run: {exc}", file=sys.stderr)
+        return
     records = []
     for path in sorted(glob.glob(os.path.join(directory, "flight-*.json"))):
         try:
-            with open(path) as f:
-                records.append(json.load(f))
+            records.append(json.loads(private.read(path)))
         except (OSError, ValueError):
             continue
     if not records:
@@ -184,17 +202,18 @@ def print_flight_summary(job_id: str) -> None:
 
 def _lost_by(job_id: str, rank: int) -> int | None:
     """The rank that `rank` lost, if it ended on an uncaught PeerLostError."""
+    from . import private
     from ._child import lost_marker
 
     try:
-        with open(lost_marker(job_id, rank)) as f:
-            return int(f.read())
-    except (OSError, ValueError):
+        return int(private.read(lost_marker(job_id, rank)))
+    except (OSError, ValueError, AnycclError):
         return None
 
 
 def _watch(ranks: list[RankProcess], stop_requested: list[int], job_id: str) -> int:
     first_failure: RankProcess | None = None
+    cause: tuple[int, str] | None = None
     grace_until = 0.0
     while True:
         if stop_requested:
@@ -217,6 +236,7 @@ def _watch(ranks: list[RankProcess], stop_requested: list[int], job_id: str) -> 
             # often exit because they lost it; and a rank that ended on a lost peer is not.
             first_failure = min(failed, key=lambda rp: (rp.rank in reacting,
                                                         rp.proc.returncode >= 0, rp.rank))
+            cause = _cause(ranks, running, first_failure, lost.get(first_failure.rank))
             if running:
                 what = _describe(first_failure.proc.returncode)
                 print(f"anyccl run: rank {first_failure.rank} {what} (first failure); stopping "
@@ -228,9 +248,37 @@ def _watch(ranks: list[RankProcess], stop_requested: list[int], job_id: str) -> 
         time.sleep(_POLL_S)
     if first_failure is None:
         return 0
-    print(f"anyccl run: rank {first_failure.rank} failed first: it "
-          f"{_describe(first_failure.proc.returncode)}", file=sys.stderr)
+    if cause is not None:
+        print(f"anyccl run: rank {cause[0]} failed first: it {cause[1]}; rank "
+              f"{first_failure.rank} then {_describe(first_failure.proc.returncode)}",
+              file=sys.stderr)
+    else:
+        print(f"anyccl run: rank {first_failure.rank} failed first: it "
+              f"{_describe(first_failure.proc.returncode)}", file=sys.stderr)
     return _exit_code(first_failure.proc.returncode)
+
+
+def _stopped(pid: int) -> bool:
+    """Whether process `pid` is stopped (SIGSTOP, SIGTSTP, a debugger): state T or t."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rpartition(b")")[2].split()[0] in (b"T", b"t")
+    except (OSError, IndexError):
+        return False
+
+
+def _cause(ranks: list[RankProcess], running: list[RankProcess], failed: RankProcess,
+           lost: int | None) -> tuple[int, str] | None:
+    """The rank that made `failed` fail, where it is not `failed` itself: a rank that is
+    stopped (the others timed out waiting for it), or the rank `failed` lost when that one
+    ended with code 0 (it left early, while `failed` still needed it)."""
+    stopped = [rp for rp in running if _stopped(rp.proc.pid)]
+    if stopped:
+        return stopped[0].rank, "was stopped (by a signal such as SIGSTOP) while the others " \
+                                "waited for it"
+    if lost is not None and 0 <= lost < len(ranks) and ranks[lost].proc.poll() == 0:
+        return lost, f"exited early (code 0) while rank {failed.rank} still needed it"
+    return None
 
 
 def _stop(ranks: list[RankProcess]) -> None:

@@ -29,10 +29,14 @@ from .errors import RendezvousError, TimeoutError
 log = logging.getLogger("anyccl.store")
 
 _SET, _GET, _ADD, _CHECK, _DELETE = b"S", b"G", b"A", b"C", b"D"
-_OK, _MISSING = b"\x00", b"\x01"
+_OK, _MISSING, _BAD = b"\x00", b"\x01", b"\x02"
 _HEADER = struct.Struct("!cIQ")  # op, key length, value length
 _REPLY = struct.Struct("!cQ")
 _HANDSHAKE_DEADLINE_S = 5.0
+_PENDING_PER_PEER = 16     # connections one peer may hold before answering the challenge
+_ACCEPT_RETRY_S = 0.05     # after a failed accept (e.g. no file descriptors left): try again
+_MAX_KEY_BYTES = 4096
+_MAX_VALUE_BYTES = 1 << 30
 _DOMAIN = b"anyccl-store-v1"
 
 
@@ -129,6 +133,7 @@ class StoreServer:
         self.host, self.port = host, self._sock.getsockname()[1]
         self.refused = 0
         self._closed = False
+        self._pending: dict[object, int] = {}  # peer -> connections not yet authenticated
         self._thread = threading.Thread(target=self._accept_loop, name="anyccl-store", daemon=True)
         self._thread.start()
 
@@ -145,39 +150,87 @@ class StoreServer:
         self._sock.close()
 
     def _accept_loop(self) -> None:
+        """Accept until closed. A failed accept (out of file descriptors, a connection reset
+        before it was taken) is logged and retried, never the end of the store; a peer that
+        already holds _PENDING_PER_PEER unanswered challenges is turned away at once."""
+        warned = False
         while not self._closed:
             try:
                 conn, peer = self._sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(conn, peer), daemon=True,
-                             name="anyccl-store-conn").start()
-
-    def _serve(self, conn: socket.socket, peer: tuple) -> None:
-        with conn:
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            nonce = secrets.token_bytes(32)
+            except OSError as exc:
+                if self._closed:
+                    return
+                if not warned:
+                    log.warning("anyccl store: accept failed (%s); retrying", exc)
+                    warned = True
+                time.sleep(_ACCEPT_RETRY_S)
+                continue
+            who = _peer_identity(peer)
+            with self._cond:
+                pending = self._pending.get(who, 0)
+                if pending < _PENDING_PER_PEER:
+                    self._pending[who] = pending + 1
+            if pending >= _PENDING_PER_PEER:
+                conn.close()
+                self._refuse(peer, f"{pending} connections of this peer await the challenge")
+                continue
             try:
-                conn.settimeout(_HANDSHAKE_DEADLINE_S)
-                conn.sendall(nonce)
-                answer = _recv_exact(conn, 32)
-            except (OSError, ConnectionError):
-                self._refuse(peer, "no answer to the challenge")
-                return
-            if not hmac.compare_digest(answer, _mac(self.job_key, nonce)):
-                self._refuse(peer, "wrong job key")
-                return
-            conn.sendall(_OK)
+                threading.Thread(target=self._serve, args=(conn, peer, who), daemon=True,
+                                 name="anyccl-store-conn").start()
+            except RuntimeError:  # no thread to be had: turn this one away, keep serving
+                self._authenticated(who)
+                conn.close()
+
+    def _authenticated(self, who: object) -> None:
+        with self._cond:
+            left = self._pending.get(who, 1) - 1
+            if left > 0:
+                self._pending[who] = left
+            else:
+                self._pending.pop(who, None)
+
+    def _serve(self, conn: socket.socket, peer: tuple, who: object) -> None:
+        with conn:
+            try:
+                if not self._challenge(conn, peer):
+                    return
+            finally:
+                self._authenticated(who)
             conn.settimeout(None)
             try:
                 while True:
                     op, klen, vlen = _HEADER.unpack(_recv_exact(conn, _HEADER.size))
-                    key = _recv_exact(conn, klen).decode()
+                    if klen > _MAX_KEY_BYTES or vlen > _MAX_VALUE_BYTES:
+                        return   # not a client of ours: drop it
+                    raw_key = _recv_exact(conn, klen)
                     value = _recv_exact(conn, vlen) if vlen else b""
-                    status, reply = self._handle(op, key, value)
+                    try:
+                        status, reply = self._handle(op, raw_key.decode(), value)
+                    except (ValueError, struct.error) as exc:  # a malformed request
+                        status, reply = _BAD, f"{type(exc).__name__}: {exc}".encode()
                     conn.sendall(_REPLY.pack(status, len(reply)) + reply)
             except (OSError, ConnectionError):
                 return
+
+    def _challenge(self, conn: socket.socket, peer: tuple) -> bool:
+        """Whether the peer answered the HMAC challenge with the job's key."""
+        nonce = secrets.token_bytes(32)
+        try:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn.settimeout(_HANDSHAKE_DEADLINE_S)
+            conn.sendall(nonce)
+            answer = _recv_exact(conn, 32)
+        except (OSError, ConnectionError):
+            self._refuse(peer, "no answer to the challenge")
+            return False
+        if not hmac.compare_digest(answer, _mac(self.job_key, nonce)):
+            self._refuse(peer, "wrong job key")
+            return False
+        try:
+            conn.sendall(_OK)
+        except OSError:
+            return False
+        return True
 
     def _refuse(self, peer: tuple, why: str) -> None:
         self.refused += 1
@@ -207,6 +260,27 @@ class StoreServer:
         return _MISSING, b""
 
 
+def _peer_identity(peer: tuple) -> object:
+    """Who a connection comes from, for the per-peer cap: on loopback (where every local user
+    shares one address) the uid owning the peer's socket, from /proc/net/tcp; else its
+    address."""
+    host, port = peer[0], peer[1]
+    if host not in ("127.0.0.1", "::1", "::ffff:127.0.0.1") and not host.startswith("127."):
+        return host
+    wanted = f":{port:04X} "
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                next(f)
+                for line in f:
+                    fields = line.split()
+                    if (fields[1] + " ").endswith(wanted) and len(fields) > 7:
+                        return ("uid", int(fields[7]))
+        except (OSError, StopIteration, ValueError):
+            continue
+    return host
+
+
 class TCPStore(Store):
     """Client of a StoreServer. Connects with retries until `timeout_s` (the server may start
     after the client)."""
@@ -230,6 +304,12 @@ class TCPStore(Store):
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
             nonce = _recv_exact(self._sock, 32)
+        except (OSError, ConnectionError) as exc:   # turned away before the challenge
+            self._sock.close()
+            raise RendezvousError(
+                f"the rendezvous store at {host}:{port} closed the connection before its "
+                f"challenge ({exc}): it is overloaded, or is not an anyccl store") from exc
+        try:
             self._sock.sendall(_mac(job_key, nonce))
             if _recv_exact(self._sock, 1) != _OK:
                 raise ConnectionError("refused")
@@ -246,11 +326,15 @@ class TCPStore(Store):
             try:
                 self._sock.sendall(_HEADER.pack(op, len(kb), len(value)) + kb + value)
                 status, n = _REPLY.unpack(_recv_exact(self._sock, _REPLY.size))
-                return status, _recv_exact(self._sock, n) if n else b""
+                reply = _recv_exact(self._sock, n) if n else b""
             except (OSError, ConnectionError) as exc:
                 raise RendezvousError(
                     f"lost the rendezvous store at {self.host}:{self.port} ({exc}); the process "
                     f"hosting it (the launcher or rank 0) has probably exited") from exc
+        if status == _BAD:
+            raise RendezvousError(f"the rendezvous store at {self.host}:{self.port} refused a "
+                                  f"request on key {key!r}: {reply.decode(errors='replace')}")
+        return status, reply
 
     def set(self, key: str, value: bytes) -> None:
         self._request(_SET, key, value)

@@ -22,12 +22,15 @@ class OpRecord:
     function that returns the text; it is called once, when the text is first read.
     """
 
-    __slots__ = ("name", "seq", "nbytes", "issued_at", "_args")
+    __slots__ = ("name", "seq", "nbytes", "issued_at", "_args", "agree")
 
     def __init__(self, name: str, seq: int, args: ArgsText = "", nbytes: int = 0) -> None:
         self.name, self.seq, self.nbytes = name, seq, nbytes
         self._args = args
         self.issued_at = time.monotonic()
+        # a host collective's signature (agreement.py), which the backend compares across
+        # ranks before any byte moves; None for messages and GPU operations
+        self.agree: tuple | None = None
 
     @property
     def args(self) -> str:
@@ -90,25 +93,26 @@ class FlightRecorder:
                 for r, state, queued, started, ended, error in list(self._entries)]
 
     def dump(self, directory: str) -> str:
-        """Write the entries as JSON to `directory`/flight-<name>-rank<r>.json; return the path."""
+        """Write the entries as JSON to `directory`/flight-<name>-rank<r>.json (a directory
+        `flight_directory` checked; the file replaced atomically, never followed through a
+        link); return the path."""
         import json
         import os
 
-        os.makedirs(directory, mode=0o700, exist_ok=True)
+        from . import private
+
         path = os.path.join(directory, f"flight-{self.name}-rank{self.rank}.json")
-        with open(path, "w") as f:
-            json.dump({"rank": self.rank, "communicator": self.name, "pid": os.getpid(),
-                       "written_at": time.time(), "ops": self.entries()}, f, indent=1)
+        private.write(path, json.dumps(
+            {"rank": self.rank, "communicator": self.name, "pid": os.getpid(),
+             "written_at": time.time(), "ops": self.entries()}, indent=1).encode())
         self.dumped_to = path
         return path
 
 
 def flight_directory(job_id: str) -> str:
-    """Where ranks of job `job_id` write flight records (ANYCCL_FLIGHT_DIR overrides)."""
-    import os
-    import tempfile
+    """Where ranks of job `job_id` write flight records: a directory of this user only (0700,
+    checked: see private.py), under ANYCCL_FLIGHT_DIR if set, else under the user's anyccl
+    directory. Created here."""
+    from . import private, settings
 
-    from . import settings
-
-    root = settings.FLIGHT_DIR.get() or tempfile.gettempdir()
-    return os.path.join(root, f"anyccl-{job_id}")
+    return private.job_directory(job_id, settings.FLIGHT_DIR.get())

@@ -26,11 +26,12 @@ class DirectAccess(Protocol):
     rank: int
     size: int
 
-    def publish(self, addresses: list[int]) -> None:
-        """Make this rank's array addresses visible to peers for the current op."""
+    def publish(self, arrays: list[np.ndarray]) -> None:
+        """Make this rank's arrays (address and length) visible to peers for the current op;
+        a peer's read or write outside them is refused."""
 
     def addresses(self, rank: int) -> list[int]:
-        """What `rank` published for the current op (valid after the next barrier)."""
+        """The addresses `rank` published for the current op (valid after the next barrier)."""
 
     def read(self, rank: int, address: int, dst: np.ndarray) -> None:
         """Copy dst.nbytes bytes at `address` in `rank`'s memory into `dst`."""
@@ -44,15 +45,11 @@ class DirectAccess(Protocol):
     def barrier(self) -> None: ...
 
 
-def _addr(a: np.ndarray) -> int:
-    return a.ctypes.data
-
-
 def all_gather(d: DirectAccess, outs: list[np.ndarray], x: np.ndarray) -> None:
     """outs[j] = rank j's `x` on every rank: each rank pulls every peer's array."""
-    d.publish([_addr(x)])
+    d.publish([x])
+    d.barrier()   # first: a refused collective (sizes disagree) leaves every array as it was
     outs[d.rank][:] = x
-    d.barrier()
     for j in range(d.size):
         if j != d.rank:
             d.read(j, d.addresses(j)[0], outs[j])
@@ -62,7 +59,7 @@ def all_gather(d: DirectAccess, outs: list[np.ndarray], x: np.ndarray) -> None:
 def gather(d: DirectAccess, outs: list[np.ndarray] | None, x: np.ndarray, root: int) -> None:
     """The root's outs[j] = rank j's `x`: every other rank pushes its array into the root's list,
     so all ranks copy at once instead of the root alone."""
-    d.publish([_addr(o) for o in outs] if d.rank == root else [])
+    d.publish(list(outs) if d.rank == root else [])
     d.barrier()
     if d.rank == root:
         outs[root][:] = x
@@ -75,7 +72,7 @@ def broadcast(d: DirectAccess, x: np.ndarray, root: int) -> None:
     """Every receiver pulls the last (n-1)/n of the root's array while the root pushes the first
     1/n into every receiver: the copying is spread over all n ranks, not n-1."""
     n = d.size
-    d.publish([_addr(x)])
+    d.publish([x])
     d.barrier()
     raw = x.reshape(-1).view(np.uint8)
     split = min(raw.size, -(-raw.size // n // _SLICE_ALIGN_BYTES) * _SLICE_ALIGN_BYTES)
@@ -90,11 +87,11 @@ def broadcast(d: DirectAccess, x: np.ndarray, root: int) -> None:
 
 def scatter(d: DirectAccess, out: np.ndarray, chunks: list[np.ndarray] | None,
             root: int) -> None:
-    d.publish([_addr(c) for c in chunks] if d.rank == root else [])
+    d.publish(list(chunks) if d.rank == root else [])
+    d.barrier()
     if d.rank == root:
         out[:] = chunks[root]
-    d.barrier()
-    if d.rank != root:
+    else:
         d.read(root, d.addresses(root)[d.rank], out)
     d.barrier()
 
@@ -107,7 +104,7 @@ def all_reduce(d: DirectAccess, x: np.ndarray, op: ReduceOp) -> None:
     rank has entered and published) and one after (every push has landed)."""
     n, me, dtype = d.size, d.rank, x.dtype
     item = dtype.itemsize
-    d.publish([_addr(x)])
+    d.publish([x])
     align = max(1, _SLICE_ALIGN_BYTES // item)
     step = max(align * n, ALL_REDUCE_CHUNK_BYTES // item)
     block = max(align, SCRATCH_BLOCK_BYTES // item)

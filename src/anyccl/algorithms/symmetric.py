@@ -162,11 +162,7 @@ def all_gather(stg: SymmetricStaging, outs: list[np.ndarray] | None, x: np.ndarr
     """outs[j] = rank j's flat `x`, on every rank (or, with `root`, on the root only: gather)."""
     raw = x.view(np.uint8)
     receives = root is None or stg.rank == root
-    if receives:
-        outs[stg.rank].view(np.uint8)[:] = raw
-    if stg.size == 1:
-        return
-    for start, c in _chunks(raw.size, stg.half_bytes):
+    for start, c in _chunks(raw.size, stg.half_bytes) if stg.size > 1 else ():
         half = stg.next_half()
         stg.mine(half)[:c] = raw[start:start + c]
         stg.barrier()
@@ -174,6 +170,8 @@ def all_gather(stg: SymmetricStaging, outs: list[np.ndarray] | None, x: np.ndarr
             for j in range(stg.size):
                 if j != stg.rank:
                     outs[j].view(np.uint8)[start:start + c] = stg.peer(j, half)[:c]
+    if receives:  # last: a collective refused at its first barrier leaves `outs` as they were
+        outs[stg.rank].view(np.uint8)[:] = raw
 
 
 def _pieces_per_half(stg: SymmetricStaging, itemsize: int) -> int:
@@ -186,9 +184,8 @@ def scatter(stg: SymmetricStaging, out: np.ndarray, chunks: list[np.ndarray] | N
             root: int) -> None:
     """`out` = piece `rank` of the root's `chunks` (all flat, equal sizes)."""
     me, dtype = stg.rank, out.dtype
-    if me == root:
-        out[:] = chunks[me]
     if stg.size == 1:
+        out[:] = chunks[me]
         return
     step = _pieces_per_half(stg, dtype.itemsize)
     slot_bytes = step * dtype.itemsize
@@ -202,6 +199,8 @@ def scatter(stg: SymmetricStaging, out: np.ndarray, chunks: list[np.ndarray] | N
         stg.barrier()
         if me != root:
             out[start:start + c] = _typed(stg.peer(root, half)[me * slot_bytes:], dtype, c)
+    if me == root:  # after the first barrier, as everywhere: a refused call changes nothing
+        out[:] = chunks[me]
 
 
 def _exchange(stg: SymmetricStaging, inputs: list[np.ndarray], on_chunk) -> None:
@@ -226,10 +225,12 @@ def reduce_scatter(stg: SymmetricStaging, out: np.ndarray, inputs: list[np.ndarr
                    op: ReduceOp) -> None:
     """`out` = reduction over ranks of their piece `rank` of `inputs` (all flat, equal sizes)."""
     me, n = stg.rank, stg.size
-    out[:] = inputs[me]
-    if n > 1:
+    if n == 1:
+        out[:] = inputs[me]
+    else:
         def reduce_chunk(start: int, c: int, pieces: list) -> None:
             acc = out[start:start + c]
+            acc[:] = inputs[me][start:start + c]   # after the barrier (see all_gather)
             for j in range(n):
                 if j != me:
                     accumulate(acc, pieces[j], op)
@@ -241,13 +242,11 @@ def reduce_scatter(stg: SymmetricStaging, out: np.ndarray, inputs: list[np.ndarr
 def all_to_all(stg: SymmetricStaging, outs: list[np.ndarray], inputs: list[np.ndarray]) -> None:
     """outs[j] = rank j's inputs[rank] (all flat, equal sizes)."""
     me = stg.rank
-    outs[me][:] = inputs[me]
-    if stg.size == 1:
-        return
+    if stg.size > 1:
+        def place(start: int, c: int, pieces: list) -> None:
+            for j, piece in enumerate(pieces):
+                if piece is not None:
+                    outs[j][start:start + c] = piece
 
-    def place(start: int, c: int, pieces: list) -> None:
-        for j, piece in enumerate(pieces):
-            if piece is not None:
-                outs[j][start:start + c] = piece
-
-    _exchange(stg, inputs, place)
+        _exchange(stg, inputs, place)
+    outs[me][:] = inputs[me]   # last (see all_gather)

@@ -3,9 +3,16 @@
  * missing or does not cover a dtype or reduction).
  *
  *   ring(bell)                       wake a doorbell (sem_post on its address)
- *   arrive(word, value, bells)       publish a counter (a release store), then ring each bell
- *   reached(words, value, spin_ns)   spin, without the GIL, until every counter is >= value;
- *                                    False once spin_ns passed (the caller sleeps and retries)
+ *   arrive(word, value, bells[, sig, agree])
+ *                                    publish a counter (a release store), then ring each bell;
+ *                                    with `sig`: first store the collective's signature there,
+ *                                    which the counter then publishes: agree = (w0, w1, ...),
+ *                                    stored as (w0 | (value & 0xFFFF) << 40, w1)
+ *   reached(words, value, spin_ns[, sigs, agree])
+ *                                    spin, without the GIL, until every counter is >= value;
+ *                                    False once spin_ns passed (the caller sleeps and retries);
+ *                                    with `sigs`, once reached: -1 if a peer's signature there
+ *                                    differs from this rank's (as arrive stores it)
  *   stage(dst, src)                  copy the buffer `src` to the address `dst`
  *   send(ring, pos, consumed, ...)   write a whole message (32-byte header, data) into a byte
  *                                    ring if it has room, publish the sent counter, ring the
@@ -46,12 +53,34 @@ static PyObject *ring(PyObject *self, PyObject *bell) {
     Py_RETURN_NONE;
 }
 
+/* A collective's signature (agreement.py) as it is stored for the barrier of epoch `epoch`. */
+static int signature(PyObject *agree, unsigned long long epoch, uint64_t w[2]) {
+    if (agree == NULL || PyTuple_GET_SIZE(agree) < 2) {
+        PyErr_SetString(PyExc_ValueError, "a signature is a tuple (word, count, ...)");
+        return -1;
+    }
+    w[0] = (uint64_t)PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(agree, 0));
+    w[1] = (uint64_t)PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(agree, 1));
+    if (PyErr_Occurred()) return -1;
+    w[0] |= (uint64_t)(epoch & 0xFFFF) << 40;
+    return 0;
+}
+
 static PyObject *arrive(PyObject *self, PyObject *args) {
-    PyObject *word, *bells;
+    PyObject *word, *bells, *sig = NULL, *agree = NULL;
     unsigned long long value;
-    if (!PyArg_ParseTuple(args, "OKO!", &word, &value, &PyTuple_Type, &bells)) return NULL;
+    if (!PyArg_ParseTuple(args, "OKO!|OO!", &word, &value, &PyTuple_Type, &bells, &sig,
+                          &PyTuple_Type, &agree))
+        return NULL;
     void *addr;
     if (address(word, &addr) < 0) return NULL;
+    if (sig != NULL) {
+        void *at;
+        uint64_t w[2];
+        if (address(sig, &at) < 0 || signature(agree, value, w) < 0) return NULL;
+        ((uint64_t *)at)[0] = w[0];  /* published by the release store of the counter below */
+        ((uint64_t *)at)[1] = w[1];
+    }
     __atomic_store_n((uint64_t *)addr, (uint64_t)value, __ATOMIC_RELEASE);
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(bells); i++) {
         void *bell;
@@ -64,12 +93,17 @@ static PyObject *arrive(PyObject *self, PyObject *args) {
 #define MAX_WORDS 1024
 
 static PyObject *reached(PyObject *self, PyObject *args) {
-    PyObject *words;
+    PyObject *words, *sigs = NULL, *agree = NULL;
     unsigned long long value, spin_ns;
-    if (!PyArg_ParseTuple(args, "O!KK", &PyTuple_Type, &words, &value, &spin_ns)) return NULL;
+    if (!PyArg_ParseTuple(args, "O!KK|O!O!", &PyTuple_Type, &words, &value, &spin_ns,
+                          &PyTuple_Type, &sigs, &PyTuple_Type, &agree))
+        return NULL;
+    uint64_t w[2] = {0, 0};
+    if (sigs != NULL && signature(agree, value, w) < 0) return NULL;
     Py_ssize_t n = PyTuple_GET_SIZE(words);
-    if (n > MAX_WORDS) {
-        PyErr_SetString(PyExc_ValueError, "reached: too many counters");
+    if (n > MAX_WORDS || (sigs != NULL && PyTuple_GET_SIZE(sigs) != n)) {
+        PyErr_SetString(PyExc_ValueError, "reached: too many counters, or signatures not one "
+                                          "per counter");
         return NULL;
     }
     const uint64_t *addr[MAX_WORDS];
@@ -93,6 +127,13 @@ static PyObject *reached(PyObject *self, PyObject *args) {
 #endif
     }
     Py_END_ALLOW_THREADS
+    if (done && sigs != NULL) {  /* the counters' acquire loads made the signatures visible */
+        for (Py_ssize_t i = 0; i < n; i++) {
+            const uint64_t *sig;
+            if (address(PyTuple_GET_ITEM(sigs, i), (void **)&sig) < 0) return NULL;
+            if (sig[0] != w[0] || sig[1] != w[1]) return PyLong_FromLong(-1);
+        }
+    }
     return PyBool_FromLong(done);
 }
 
@@ -323,9 +364,11 @@ static PyObject *reduce(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"ring", ring, METH_O, "ring(bell): wake the doorbell at address `bell`."},
     {"arrive", arrive, METH_VARARGS,
-     "arrive(word, value, bells): store value at address word (release), ring each bell."},
+     "arrive(word, value, bells[, sig, agree]): store the signature `agree` at sig, then value "
+     "at address word (release), ring each bell."},
     {"reached", reached, METH_VARARGS,
-     "reached(words, value, spin_ns) -> bool: every counter >= value, spinning up to spin_ns."},
+     "reached(words, value, spin_ns[, sigs, agree]) -> bool: every counter >= value, spinning "
+     "up to spin_ns; -1 if then a signature at sigs differs from `agree`'s."},
     {"stage", stage, METH_VARARGS, "stage(dst, src): copy buffer src to address dst."},
     {"send", send, METH_VARARGS,
      "send(ring, pos, consumed_word, tag, code, src, sent_word, bell) -> bool: a whole "

@@ -2,7 +2,10 @@
 
 The communicator validates arguments and hands a backend flat, contiguous NumPy arrays of one
 dtype, lists already split into equal pieces, and ranks already checked; backends trust them.
-Collectives are blocking calls made in the same order on every rank. Point-to-point messages are
+Collectives are blocking calls made in the same order on every rank. Each collective's record
+carries its signature (`record.agree`, see agreement.py), which the backend compares across
+ranks before any rank touches another's memory, raising `CollectiveMismatchError` on every rank
+when they differ; a backend that cannot may leave that to debug mode. Point-to-point messages are
 posted and then progressed, so that sends and receives issued in any order can complete.
 """
 

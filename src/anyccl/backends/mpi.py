@@ -33,6 +33,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from .. import agreement
 from ..buffers import SUPPORTED_DTYPES
 from ..errors import (
     InvalidArgumentError,
@@ -220,6 +221,8 @@ class MpiBackend(Backend):
         self._types: list[Any] = []
         self._tag_limit = (int(self._comm.Get_attr(self.MPI.TAG_UB)) + 1) // _CODES
         self._closed = False
+        self._signature = np.zeros(4, np.int64)      # this rank's, for _agree
+        self._signature_max = np.zeros(4, np.int64)  # every rank's, reduced
 
     @classmethod
     def world(cls, timeout_s: float, store: Store | None = None) -> MpiBackend:
@@ -293,6 +296,26 @@ class MpiBackend(Backend):
         if self._late_error is not None:
             error, self._late_error = self._late_error, None
             raise error
+        if record.agree is not None and self.size > 1:
+            self._agree(record.agree)
+
+    def _agree(self, agree: tuple) -> None:
+        """The collective's signature (agreement.py) compared across ranks before it runs: one
+        all-reduce (MAX) of (word, count, -word, -count) finds any difference; only then do
+        the ranks gather every signature (and refusal reason) to say what differed."""
+        mine = self._signature
+        mine[0], mine[1] = agree[0], agree[1]
+        np.negative(mine[:2], out=mine[2:])
+        seen = self._signature_max
+        self._complete(self._comm.Iallreduce(mine, seen, self.MPI.MAX),
+                       "the other ranks to reach the collective")
+        if seen[0] == -seen[2] and seen[1] == -seen[3]:
+            return
+        everyone = self._comm.allgather((agree[0], agree[1], agree[2] if len(agree) > 2
+                                         else ""))
+        words = [(w, c) for w, c, _ in everyone]
+        reasons = {r: why for r, (_, _, why) in enumerate(everyone) if why}
+        raise agreement.mismatch(self.rank, self._record, words, reasons, self.name)
 
     def end(self, record: OpRecord) -> None:
         self._record = None
@@ -561,9 +584,36 @@ class MpiBackend(Backend):
                 time.sleep(1e-4)
 
     # ---- lifetime ----------------------------------------------------------------------------
+    def _finish_sends(self) -> None:
+        """Before closing (also at exit): deliver the sends still in flight. A send returned
+        once its data was copied aside, but the receiver still reads that copy from this
+        process, so leaving now would lose it. Each waits until its own deadline; one that
+        passes it, or a lost peer, is reported on stderr, naming the messages not delivered."""
+        sends = [p for p in self._pending if p.on_done == self._late]
+        if not sends:
+            return
+        failure: BaseException | None = None
+        end = max(p.deadline for p in sends)
+        self._lost_since = None
+        try:
+            while any(p.on_done == self._late for p in self._pending):
+                self.progress()
+                if time.monotonic() >= end + 1.0:
+                    break
+                time.sleep(1e-4)
+        except Exception as exc:  # noqa: BLE001 - a lost peer: what is left is undeliverable
+            failure = exc
+        failure = failure or self._late_error
+        left = [p.record for p in self._pending if p.on_done == self._late]
+        if failure is not None or left:
+            what = "; ".join(map(str, left)) or str(failure)
+            print(f"anyccl: rank {self.rank} closed with sends not delivered: {what}"
+                  + (f" ({failure})" if failure is not None and left else ""), file=sys.stderr)
+
     def close(self) -> None:
         if self._closed:
             return
+        self._finish_sends()
         self._closed = True
         if self._announces_departure:
             self._departures.announce("closed its communicator or exited")

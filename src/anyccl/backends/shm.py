@@ -12,6 +12,13 @@ Every counter has exactly one writer, so plain aligned 8-byte stores suffice on 
 data is always written before the counter that publishes it. A rank that changes something a
 peer may wait for rings the peer's doorbell; waiters spin briefly, then sleep in the kernel.
 
+Safety: the first barrier of every collective carries its signature (op, dtype, count, root,
+reduce op), and every rank compares all of them before any rank reads or writes a peer's
+memory, so ranks that disagree all raise `CollectiveMismatchError` with their arrays untouched.
+Direct process-to-process copies are bounded, besides, by the address and length the peer
+published for the operation. A peer's segment is mapped only if this user owns it with mode
+0600, and a copy that fails because the peer died is a `PeerLostError` naming it.
+
 Once every rank has mapped every segment, the names are unlinked: the memory lives exactly as
 long as the mappings, so nothing is left in /dev/shm even if every rank is killed. (Between
 creation and unlinking, a crash can leave a segment named ``anyccl-<job>-...``; `anyccl run`
@@ -32,7 +39,7 @@ from typing import Callable
 
 import numpy as np
 
-from .. import settings
+from .. import agreement, settings
 from ..algorithms import direct, symmetric
 from ..buffers import SUPPORTED_DTYPES
 from ..errors import (
@@ -66,10 +73,13 @@ _MAGIC = 0x616E7963636C3031        # "anyccl01"
 _W_MAGIC, _W_PID, _W_ARRIVE, _W_CLOSED, _W_STATUS_LEN = 0, 1, 2, 3, 8
 _BELL_OFFSET = 32                  # bytes; SEM_BYTES long, words 4..7
 _STATUS_OFFSET, _STATUS_BYTES = 72, 256
+_REFUSAL_BYTES = 512
 _W_SEGMENT_ADDRESS = 42            # where the owner maps its own segment (to probe CMA)
 _W_LOST = 43                       # 1 + the rank whose loss this rank reported (0: none)
 _W_DOING = 44                      # what this rank does: seq << 24 | name code << 1 | 1 if in it
 _W_STATUS_FOR = 45                 # the _W_DOING value the status text describes
+_W_AGREE = 46                      # words 46..49: the current collective's signature, in the
+                                   # slot of its first barrier's parity (agreement.py)
 _W_SENT = 64                       # words 64 .. 64+n: bytes this rank wrote into channel to j
 _HEADER = 32                       # message header: tag, nbytes, dtype code, 0 (int64 each)
 _HEADER_WORDS = struct.Struct("<4q")
@@ -109,8 +119,10 @@ class _Layout:
     def __init__(self, size: int, staging_bytes: int, channel_bytes: int) -> None:
         self.size = size
         self.w_consumed = _W_SENT + size  # words: bytes this rank consumed from channel of j
-        self.w_published = self.w_consumed + size  # words: array addresses of the current op
-        self.control = _round_up((self.w_published + size) * 8, 4096)
+        self.w_published = self.w_consumed + size  # words: (address, bytes) of the current op's
+        # arrays, then the reason this rank gave for refusing its arguments
+        self.refusal = (self.w_published + 2 * size) * 8
+        self.control = _round_up(self.refusal + _REFUSAL_BYTES, 4096)
         self.channel_bytes = channel_bytes
         self.channels = self.control
         self.staging_bytes = staging_bytes
@@ -164,9 +176,11 @@ class _Segment:
 
     def __init__(self, name: str, size: int, *, create: bool) -> None:
         self.name = name
-        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        flags = os.O_RDWR | os.O_NOFOLLOW | (os.O_CREAT | os.O_EXCL if create else 0)
         fd = _posixshmem.shm_open(name, flags, mode=0o600)
         try:
+            if not create:
+                _check_owner(fd, name)
             if create:
                 try:
                     _claim(fd, size)
@@ -197,6 +211,19 @@ class _Segment:
             pass
 
 
+def _check_owner(fd: int, name: str) -> None:
+    """A peer's segment is mapped only if it is a file of this user that no one else may read
+    or write (mode 0600), checked on the open descriptor: a segment another local user
+    published under a job's name is refused, never read from or written to."""
+    info = os.fstat(fd)
+    mode = info.st_mode & 0o777
+    if info.st_uid != os.geteuid() or mode != 0o600:
+        raise RendezvousError(
+            f"refusing to map shared memory {name}: it belongs to uid {info.st_uid} with mode "
+            f"{mode:04o}, but a segment of this job belongs to this user (uid {os.geteuid()}) "
+            f"with mode 0600; another local user may be trying to enter the job")
+
+
 def process_alive(pid: int) -> bool:
     """Whether `pid` runs: a zombie (dead, not yet reaped by its parent) counts as dead."""
     try:
@@ -221,9 +248,14 @@ def reclaim_dead_segments(directory: str = "/dev/shm") -> list[str]:
     removed = []
     for path in glob.glob(os.path.join(directory, "anyccl-*")):
         try:
-            with open(path, "rb") as f:
-                header = f.read(16)
-        except OSError:  # another user's (mode 0600), or already gone
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+            try:
+                if os.fstat(fd).st_uid != os.geteuid():
+                    continue
+                header = os.read(fd, 16)
+            finally:
+                os.close(fd)
+        except OSError:  # another user's (mode 0600), a link, or already gone
             continue
         if len(header) < 16:
             continue
@@ -297,6 +329,8 @@ class SharedMemoryBackend(Backend):
         self._epoch = 0
         self._record: OpRecord | None = None
         self._deadline = float("inf")
+        self._agree: tuple | None = None   # the signature the next barrier carries
+        self._half_before = 1
         self._closed = False
         self._next_peer_check = self._next_deadline_check = 0.0
         self._doing = 0
@@ -351,6 +385,11 @@ class SharedMemoryBackend(Backend):
         self._half_at = [tuple(self._staging[j][h].ctypes.data for j in range(size))
                          for h in (0, 1)]
         self._arrive_at = self._own.address(_W_ARRIVE * 8)
+        # the two signature slots (barrier parity 0, 1): this rank's, and the peers'
+        self._agree_at = [self._own.address((_W_AGREE + 2 * p) * 8) for p in (0, 1)]
+        self._peer_agree_at = [tuple(seg.address((_W_AGREE + 2 * p) * 8)
+                                     for j, seg in enumerate(self._segments) if j != rank)
+                               for p in (0, 1)]
         self._peer_arrive_at = tuple(seg.address(_W_ARRIVE * 8)
                                      for j, seg in enumerate(self._segments) if j != rank)
         self._peer_bells_at = tuple(bell.address for bell in self._peer_bells)
@@ -445,6 +484,11 @@ class SharedMemoryBackend(Backend):
         self._record, self._deadline = record, deadline
         self._doing = (record.seq << 24) | (_NAME_CODE.get(record.name, 0) << 1) | 1
         self._own.words[_W_DOING] = self._doing
+        # the signature travels with the collective's first barrier (see barrier())
+        agree = self._agree = record.agree
+        self._half_before = self._half
+        if agree is not None and len(agree) > 2:   # this rank refused: its reason, for peers
+            self._write_refusal(agree[2])
 
     def end(self, record: OpRecord) -> None:
         self._own.words[_W_DOING] = self._doing & ~1
@@ -596,14 +640,45 @@ class SharedMemoryBackend(Backend):
         return views
 
     def barrier(self) -> None:
+        """Return once every rank has arrived. The first barrier of a collective also carries
+        its signature: written before the arrival, compared with every peer's right after, so
+        every rank raises on a difference before any rank touches another's memory. (A rank
+        rewrites the slot of this parity only at the barrier after next, which no rank passes
+        before every rank has compared this one.)"""
         self._epoch = epoch = self._epoch + 1
-        peers = self._peer_ctl
-        core = self._core
+        agree, core = self._agree, self._core
+        if agree is None:
+            if core is not None:
+                core.arrive(self._arrive_at, epoch, self._peer_bells_at)
+                if core.reached(self._peer_arrive_at, epoch, self._spin_ns):
+                    return
+            self._arrive_and_wait(epoch)
+            return
+        self._agree = None
+        parity = epoch & 1
         if core is not None:
-            core.arrive(self._arrive_at, epoch, self._peer_bells_at)
-            if core.reached(self._peer_arrive_at, epoch, self._spin_ns):
+            core.arrive(self._arrive_at, epoch, self._peer_bells_at, self._agree_at[parity],
+                        agree)
+            reached = core.reached(self._peer_arrive_at, epoch, self._spin_ns,
+                                   self._peer_agree_at[parity], agree)
+            if reached is True:
                 return
         else:
+            reached = False
+        word, count = agree[0] | (epoch & 0xFFFF) << 40, agree[1]
+        slot = _W_AGREE + 2 * parity
+        if core is None:
+            self._own.words[slot], self._own.words[slot + 1] = word, count
+        if not reached:
+            self._arrive_and_wait(epoch)
+        for ctl in self._peer_ctl:
+            if ctl[slot] != word or ctl[slot + 1] != count:
+                self._disagree(slot)
+
+    def _arrive_and_wait(self, epoch: int) -> None:
+        """The rest of barrier(): arrive (without the core), then wait for every peer."""
+        peers, core = self._peer_ctl, self._core
+        if core is None:
             self._own.words[_W_ARRIVE] = epoch
             for bell in self._peer_bells:
                 bell.ring()
@@ -611,25 +686,74 @@ class SharedMemoryBackend(Backend):
                          self._deadline, lambda: self._barrier_laggards(epoch),
                          spin=core is None)
 
+    def _write_refusal(self, reason: str) -> None:
+        data = reason.encode(errors="replace")[:_REFUSAL_BYTES - 8]
+        at = self._layout.refusal
+        self._own.u8[at + 8:at + 8 + len(data)] = np.frombuffer(data, np.uint8)
+        self._own.u8[at:at + 8] = np.frombuffer(struct.pack("<q", len(data)), np.uint8)
+
+    def _disagree(self, slot: int) -> None:
+        """The signatures at `slot` differ: every rank raises the same error, and leaves the
+        staging halves as they were before the collective (no rank read or wrote a peer's),
+        so the communicator stays usable."""
+        self._half = self._half_before
+        words, reasons = [], {}
+        at = self._layout.refusal
+        for j, ctl in enumerate(self._ctl):
+            word = int(ctl[slot]) & ~(0xFFFF << 40)
+            words.append((word, int(ctl[slot + 1])))
+            if word & agreement.REFUSED:
+                seg = self._segments[j].u8
+                n = min(struct.unpack("<q", bytes(seg[at:at + 8]))[0], _REFUSAL_BYTES - 8)
+                reasons[j] = bytes(seg[at + 8:at + 8 + n]).decode(errors="replace")
+        raise agreement.mismatch(self.rank, self._record, words, reasons, self.name)
+
     def _barrier_laggards(self, epoch: int) -> str:
         late = [j for j, c in enumerate(self._ctl) if c[_W_ARRIVE] < epoch]
         return "rank " + ", ".join(map(str, late)) + " to arrive"
 
     # ---- direct-access interface of algorithms.direct ---------------------------------------
-    def publish(self, addresses: list[int]) -> None:
+    def publish(self, arrays: list[np.ndarray]) -> None:
         words, base = self._own.words, self._layout.w_published
-        for i, address in enumerate(addresses):
-            words[base + i] = address
+        for i, a in enumerate(arrays):
+            words[base + 2 * i], words[base + 2 * i + 1] = a.ctypes.data, a.nbytes
+        for i in range(len(arrays), self.size):
+            words[base + 2 * i + 1] = 0
 
     def addresses(self, rank: int) -> list[int]:
         words, base = self._ctl[rank], self._layout.w_published
-        return [int(words[base + i]) for i in range(self.size)]
+        return [int(words[base + 2 * i]) for i in range(self.size)]
+
+    def _bounded(self, rank: int, address: int, nbytes: int, verb: str) -> int:
+        """Rank `rank`'s pid, once [address, address + nbytes) lies inside an array it
+        published for this collective; else an error, and no byte is copied: a copy into or
+        out of another process is bounded by what that process declared."""
+        words, base = self._ctl[rank], self._layout.w_published
+        for i in range(self.size):
+            start, length = int(words[base + 2 * i]), int(words[base + 2 * i + 1])
+            if length and start <= address and address + nbytes <= start + length:
+                return self._pids[rank]
+        raise agreement.out_of_bounds(self.rank, self._record, rank, verb, nbytes)
 
     def read(self, rank: int, address: int, dst: np.ndarray) -> None:
-        cross_memory.read(self._pids[rank], address, dst)
+        self._copy(cross_memory.read, rank, address, dst, "read")
 
     def write(self, rank: int, address: int, src: np.ndarray) -> None:
-        cross_memory.write(self._pids[rank], address, src)
+        self._copy(cross_memory.write, rank, address, src, "write")
+
+    def _copy(self, move: Callable, rank: int, address: int, data: np.ndarray, verb: str) -> None:
+        pid = self._bounded(rank, address, data.nbytes, verb)
+        try:
+            move(pid, address, data)
+        except OSError as exc:
+            # the peer's process is gone (ESRCH) or its mapping with it (EFAULT): a lost peer
+            # if it died; anything else is reported as what it is, naming the peer
+            if not process_alive(pid) or self._ctl[rank][_W_CLOSED]:
+                raise self._lost(rank, f"rank {rank} (pid {pid}) died while this rank was in "
+                                       f"{self._record}") from None
+            raise PeerLostError(f"rank {self.rank}: {self._record}: a direct {verb} of "
+                                f"{format_bytes(data.nbytes)} from rank {rank}'s memory failed: "
+                                f"{exc}", rank) from None
 
     def scratch(self, nbytes: int) -> np.ndarray:
         if self._scratch.nbytes < nbytes:
