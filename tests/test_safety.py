@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 import pytest
-from harness import launch_job, run_ranks
+from harness import launch_job, run_ranks, suite_backend
 
 import anyccl
 
@@ -139,6 +139,14 @@ def test_mismatches_gloo_and_mpich_refuse_are_refused_by_default(case):
             run_ranks(check_mismatch_refused, 2, case)):
         assert error is not None and error.startswith(f"rank {rank}: "), (rank, error)
         assert untouched and usable, (rank, untouched, usable)
+
+
+def test_the_mpi_check_can_be_turned_off_for_latency():
+    if suite_backend() != "mpi":
+        pytest.skip("a setting of the mpi backend")
+    for error, _, usable in run_ranks(check_mismatch_refused, 2, "dtype",
+                                      env={"ANYCCL_MPI_AGREE": "0"}):
+        assert error is None and usable
 
 
 def check_read_only_on_one_rank(comm):

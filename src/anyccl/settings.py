@@ -121,11 +121,14 @@ TIMEOUT = _declare("TIMEOUT", "seconds", 600.0,
                    "How long any one operation may wait before it fails with anyccl.TimeoutError "
                    "(init(timeout=...) wins).", unit="s", minimum=1e-3)
 DEBUG = _declare("DEBUG", "bool", False,
-                 "Check before every collective that all ranks called the same one with "
-                 "agreeing arguments (CollectiveMismatchError otherwise).")
+                 "Check before every collective (GPU ones too) that all ranks called the same "
+                 "one, at the same sequence number, with agreeing arguments "
+                 "(CollectiveMismatchError otherwise). Host collectives check op, dtype, count, "
+                 "root and reduce op without it.")
 FLIGHT_DIR = _declare("FLIGHT_DIR", "path", None,
-                      "Where flight records are written on a timeout or a lost peer. Default: "
-                      "the temporary directory.")
+                      "Where flight records are written on a timeout or a lost peer (in a "
+                      "private anyccl-<job> directory below it). Default: this user's private "
+                      "directory, $XDG_RUNTIME_DIR/anyccl or <tmp>/anyccl-<uid>.")
 JOB_KEY = _declare("JOB_KEY", "text", None,
                    "The job's secret (hexadecimal): every connection to the rendezvous store "
                    "must prove it knows it. anyccl run sets a fresh one.", set_by_launcher=True)
@@ -160,6 +163,10 @@ SPIN_US = _declare("SPIN_US", "float", None,
                    "ranks outnumber cores.", unit="us", minimum=0)
 
 # ---- mpi -------------------------------------------------------------------------------------
+MPI_AGREE = _declare("MPI_AGREE", "bool", True,
+                     "Compare every host collective's op, dtype, count, root and reduce op across "
+                     "ranks before it runs (one small MPI all-reduce each, about 3 us on one "
+                     "machine). Off: mismatches MPI does not catch itself give wrong numbers.")
 MPI_STAGING_CHUNK = _declare("MPI_STAGING_CHUNK", "size", 4 << 20,
                              "GPU arrays on mpi: the chunk that all_reduce and broadcast stream "
                              "through pinned host memory.", unit="bytes", minimum=1)

@@ -24,8 +24,10 @@ A rank that lost a peer ends without MPI_Finalize, which would wait for the lost
 
 from __future__ import annotations
 
+import array
 import atexit
 import os
+import struct
 import sys
 import threading
 import time
@@ -33,7 +35,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .. import agreement
+from .. import agreement, settings
 from ..buffers import SUPPORTED_DTYPES
 from ..errors import (
     InvalidArgumentError,
@@ -53,6 +55,8 @@ _CODES = 16  # > len(SUPPORTED_DTYPES): the low 4 bits of an MPI tag name the dt
 _SPIN_S = 0.02  # how long a wait spins on MPI_Test before it tests every 100 us
 _DEPARTURE_CHECK_S = 0.25  # how often a waiting rank asks the store whether a peer left
 _DEPARTURE_GRACE_S = 2.0   # a peer that left may have done its part: wait this long first
+_SIGNATURE = struct.Struct("=4q")  # (word, count, -word, -count): one MAX finds any difference
+_QUICK_TESTS = 64   # MPI_Test calls before an agreement waits the way every operation waits
 
 
 def _mpi() -> Any:
@@ -221,8 +225,9 @@ class MpiBackend(Backend):
         self._types: list[Any] = []
         self._tag_limit = (int(self._comm.Get_attr(self.MPI.TAG_UB)) + 1) // _CODES
         self._closed = False
-        self._signature = np.zeros(4, np.int64)      # this rank's, for _agree
-        self._signature_max = np.zeros(4, np.int64)  # every rank's, reduced
+        self._agrees = self.size > 1 and settings.MPI_AGREE.get()
+        self._signature = array.array("q", bytes(32))      # this rank's, for _agree
+        self._signature_max = array.array("q", bytes(32))  # every rank's, reduced
 
     @classmethod
     def world(cls, timeout_s: float, store: Store | None = None) -> MpiBackend:
@@ -296,20 +301,23 @@ class MpiBackend(Backend):
         if self._late_error is not None:
             error, self._late_error = self._late_error, None
             raise error
-        if record.agree is not None and self.size > 1:
+        if record.agree is not None and self._agrees:
             self._agree(record.agree)
 
     def _agree(self, agree: tuple) -> None:
         """The collective's signature (agreement.py) compared across ranks before it runs: one
         all-reduce (MAX) of (word, count, -word, -count) finds any difference; only then do
         the ranks gather every signature (and refusal reason) to say what differed."""
-        mine = self._signature
-        mine[0], mine[1] = agree[0], agree[1]
-        np.negative(mine[:2], out=mine[2:])
-        seen = self._signature_max
-        self._complete(self._comm.Iallreduce(mine, seen, self.MPI.MAX),
-                       "the other ranks to reach the collective")
-        if seen[0] == -seen[2] and seen[1] == -seen[3]:
+        word, count = agree[0], agree[1]
+        _SIGNATURE.pack_into(self._signature, 0, word, count, -word, -count)
+        request = self._comm.Iallreduce(self._signature, self._signature_max, self.MPI.MAX)
+        for _ in range(_QUICK_TESTS):   # the common case: every rank is already there
+            if request.Test():
+                break
+        else:
+            self._complete(request, "the other ranks to reach the collective")
+        top_word, top_count, low_word, low_count = _SIGNATURE.unpack_from(self._signature_max)
+        if top_word == -low_word and top_count == -low_count:
             return
         everyone = self._comm.allgather((agree[0], agree[1], agree[2] if len(agree) > 2
                                          else ""))
