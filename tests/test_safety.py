@@ -583,6 +583,45 @@ def test_a_segment_another_user_published_under_a_jobs_name_is_never_mapped():
         os.unlink("/dev/shm" + name)
 
 
+_NOBODY_PLANTS = """
+import os, sys
+root, victim = sys.argv[1], sys.argv[2]
+d = os.path.join(root, f"anyccl-{sys.argv[3]}")
+os.mkdir(d, 0o777)
+os.chmod(d, 0o777)
+os.symlink(victim, os.path.join(d, "store-127.0.0.1-1.key"))
+print("planted")
+"""
+
+
+@pytest.mark.shm_only
+def test_a_private_directory_another_user_created_first_is_refused(monkeypatch):
+    import shutil
+    import tempfile
+
+    from anyccl import private
+    from anyccl.errors import RendezvousError
+
+    _nobody_python()
+    shared_tmp = tempfile.mkdtemp(prefix="anyccl-test-shared-", dir="/tmp")
+    try:
+        os.chmod(shared_tmp, 0o1777)   # a second /tmp that every user may write
+        victim = os.path.join(shared_tmp, "victim")
+        with open(victim, "w") as f:
+            f.write("precious")
+        os.chmod(victim, 0o600)
+        proc = _as_nobody(_NOBODY_PLANTS, shared_tmp, victim, str(os.geteuid()))
+        assert proc.stdout.strip() == "planted", proc.stderr
+        monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+        monkeypatch.setattr(tempfile, "tempdir", shared_tmp)
+        with pytest.raises(RendezvousError, match="belongs to uid 65534"):
+            private.user_directory()
+        with open(victim) as f:
+            assert f.read() == "precious"
+    finally:
+        shutil.rmtree(shared_tmp, ignore_errors=True)
+
+
 _NOBODY_FLOODS = """
 import socket, sys, time
 port, count, hold = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
@@ -632,3 +671,27 @@ def test_a_connection_flood_from_another_user_neither_ends_the_store_nor_locks_o
     finally:
         server.kill()
         server.wait()
+
+
+def check_mpi_timeout_names_what_peers_do(comm):
+    if comm.rank == 1:
+        try:
+            comm.recv(np.empty(8), 0)   # rank 0 never sends: both time out
+        except anyccl.TimeoutError as exc:
+            return str(exc)
+    else:
+        time.sleep(0.3)   # rank 1 is waiting (and has said so) by now
+        try:
+            comm.all_reduce(np.ones(4))
+        except anyccl.TimeoutError as exc:
+            return str(exc)
+    return "no timeout"
+
+
+def test_an_mpi_timeout_says_what_each_peer_is_doing():
+    if suite_backend() != "mpi":
+        pytest.skip("shm says it through shared memory: tests/test_reliability.py")
+    text0, text1 = run_ranks(check_mpi_timeout_names_what_peers_do, 2,
+                             env={"ANYCCL_TIMEOUT": "2"})
+    assert "rank 1 is in recv(" in text0 and "waiting for its peer" in text0, text0
+    assert "rank 0 is in all_reduce(" in text1 or "rank 0 has not said" in text1, text1

@@ -90,6 +90,7 @@ class Departures:
         self._wake = threading.Event()
         self._watcher: threading.Thread | None = None
         self._announced = False
+        self._doing: str | None = None   # what this rank waits in, not yet told to the store
 
     def announce(self, why: str) -> None:
         """Tell every rank that this one is leaving (once; gives up after a second: at the end
@@ -129,6 +130,31 @@ class Departures:
                 return r, self._left[r][1]
         return None
 
+    def waiting_in(self, what: str) -> None:
+        """Tell the other ranks (through the store, from the watcher thread: never blocking the
+        wait) that this rank has been waiting a while in `what`, for their timeout messages."""
+        self._doing = f"{time.time()}\n{what}"
+        self.left([])   # wakes the watcher, which tells the store
+
+    def peers_doing(self, world_ranks: list[int], timeout_s: float = 1.0) -> dict[int, str]:
+        """What each of `world_ranks` last said it waits in, with how long ago (absent: it
+        has said nothing); read by a helper thread given at most `timeout_s`."""
+        found: dict[int, str] = {}
+
+        def read() -> None:
+            for r in world_ranks:
+                try:
+                    if self._store.check(f"mpi/doing/{r}"):
+                        when, _, what = self._store.get(f"mpi/doing/{r}", 1.0).decode() \
+                            .partition("\n")
+                        found[r] = f"{what} (said {time.time() - float(when):.2g} s ago)"
+                except Exception:  # noqa: BLE001 - a store that stopped answering
+                    return
+        reader = threading.Thread(target=read, daemon=True, name="anyccl-mpi-peers")
+        reader.start()
+        reader.join(timeout=timeout_s)
+        return dict(found)
+
     def _watch(self) -> None:
         seen = 0
         while True:
@@ -137,6 +163,9 @@ class Departures:
                 self._wake.clear()
                 continue
             try:
+                doing, self._doing = self._doing, None
+                if doing is not None:
+                    self._store.set(f"mpi/doing/{self.world_rank}", doing.encode())
                 count = self._store.add("mpi/left", 0)
                 if count != seen:
                     seen = count
@@ -334,15 +363,36 @@ class MpiBackend(Backend):
         current operation's deadline."""
         started = time.monotonic()
         self._lost_since = None
+        told = False
         while not request.Test():
             now = time.monotonic()
             if now >= self._deadline:
                 waited = now - self._record.issued_at if self._record else self._timeout_s
                 raise TimeoutError(f"rank {self.rank}: {self._record} timed out after "
-                                   f"{waited:.3g} s waiting for {what} (mpi backend)")
+                                   f"{waited:.3g} s waiting for {what} (mpi backend)"
+                                   + self._what_peers_do())
             if now - started > _SPIN_S:
+                if not told:
+                    told = self._tell_waiting(self._record, what)
                 self._check_peers(self._record, what)
                 time.sleep(1e-4)
+
+    def _tell_waiting(self, record: OpRecord | None, what: str) -> bool:
+        if self._departures is not None:
+            self._departures.waiting_in(f"{record} waiting for {what}")
+        return True
+
+    def _what_peers_do(self) -> str:
+        """'; rank 1 is in recv(...) ...' for every peer, as they told the store."""
+        if self._departures is None:
+            return ""
+        mine = self._world_ranks[self.rank]
+        others = [r for r in self._world_ranks if r != mine]
+        said = self._departures.peers_doing(others)
+        return "".join(f"; rank {self._world_ranks.index(r)} is in {said[r]}" if r in said
+                       else f"; rank {self._world_ranks.index(r)} has not said it waits in "
+                            f"anything (busy outside anyccl, stopped, or not yet waiting)"
+                       for r in others)
 
     # ---- types and reductions ----------------------------------------------------------------
     @staticmethod
@@ -556,7 +606,7 @@ class MpiBackend(Backend):
             elif now >= p.deadline:
                 p.on_done(TimeoutError(f"rank {self.rank}: {p.record} timed out after "
                                        f"{now - p.record.issued_at:.3g} s waiting for its peer "
-                                       f"(mpi backend)"))
+                                       f"(mpi backend)" + self._what_peers_do()))
             else:
                 still.append(p)
         self._pending = still
@@ -578,6 +628,7 @@ class MpiBackend(Backend):
                           deadline: float) -> None:
         started = time.monotonic()
         self._lost_since = None
+        told = False
         while True:
             self.progress()
             if finished():
@@ -586,8 +637,10 @@ class MpiBackend(Backend):
             if now >= deadline:
                 raise TimeoutError(f"rank {self.rank}: {record} timed out after "
                                    f"{now - record.issued_at:.3g} s waiting for its peer "
-                                   f"(mpi backend)")
+                                   f"(mpi backend)" + self._what_peers_do())
             if now - started > _SPIN_S:
+                if not told:
+                    told = self._tell_waiting(record, "its peer")
                 self._check_peers(record, "its peer")
                 time.sleep(1e-4)
 
