@@ -5,8 +5,8 @@ What is stubbed, per column, so that only anyccl's code is timed:
     shm    two ranks of the real shm backend in this one process; the peer never calls, its
            barrier counter is set far ahead, so every barrier passes at once, and the
            signatures rank 0 compares its own with are its own (the data moved is real:
-           staging copies, reductions; the agreement check runs in full). send+recv: one rank sends, the other
-           receives, both timed (a whole message's host work).
+           staging copies, reductions; the agreement check runs in full). send+recv: one
+           rank sends, the other receives, both timed (a whole message's host work).
     host   the communicator's layer over a transport that does nothing (argument checks, op
            records, flight recorder, engine): what every host backend (shm, mpi) pays on top of
            its transport.

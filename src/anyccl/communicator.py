@@ -633,15 +633,8 @@ class Communicator:
             if replayed is not _FULL_PATH:
                 return replayed
         self._check_open("gather")
-        try:
-            x = self._check.array("gather", tensor, "tensor", writable=False)
-            dst = self._check.peer("gather", dst, "dst")
-            if not uneven:
-                outs = self._check.root_pieces("gather", out_list, "out_list", x, dst, "dst",
-                                               writable=True)
-        except _REFUSALS as exc:
-            self._refused("gather", exc, (tensor, out_list))
-            raise
+        x, dst, outs = self._rooted_args("gather", tensor, "tensor", dst, "dst", out_list,
+                                         "out_list", uneven)
         if uneven:
             return self._rooted_uneven("gather", x, out_list, "out_list", dst, "dst", True,
                                        async_op, stream)
@@ -649,6 +642,27 @@ class Communicator:
                                 lambda b: b.gather(x, outs, dst), async_op, like=x, root=dst,
                                 arrays=[("tensor", x), *_named("out_list", outs or [])],
                                 stream=stream)
+
+    def _rooted_args(self, op: str, array: Any, name: str, root: Any, root_name: str,
+                     pieces: Any, pieces_name: str, uneven: bool
+                     ) -> tuple[Array, int, list[Array] | None]:
+        """gather's (op "gather": the root's pieces receive) or scatter's arguments, checked,
+        a refusal told to the other ranks: (array, root, the root's pieces; None elsewhere and
+        for the uneven forms, whose pieces `_rooted_uneven` checks)."""
+        gathers = op == "gather"
+        try:
+            x = self._check.array(op, array, name, writable=not gathers)
+            root = self._check.peer(op, root, root_name)
+            checked = None
+            if not uneven:
+                checked = self._check.root_pieces(op, pieces, pieces_name, x, root, root_name,
+                                                  writable=gathers)
+                if not gathers:
+                    self._check.others_disjoint(op, checked or [], pieces_name, x, name)
+        except _REFUSALS as exc:
+            self._refused(op, exc, (array, pieces))
+            raise
+        return x, root, checked
 
     def scatter(self, out: Any, chunks: Any = None, src: int = 0,
                 async_op: bool = False, *, stream: Any = None,
@@ -661,16 +675,8 @@ class Communicator:
             if replayed is not _FULL_PATH:
                 return replayed
         self._check_open("scatter")
-        try:
-            x = self._check.array("scatter", out, "out", writable=True)
-            src = self._check.peer("scatter", src, "src")
-            if not uneven:
-                pieces = self._check.root_pieces("scatter", chunks, "chunks", x, src, "src",
-                                                 writable=False)
-                self._check.others_disjoint("scatter", pieces or [], "chunks", x, "out")
-        except _REFUSALS as exc:
-            self._refused("scatter", exc, (out, chunks))
-            raise
+        x, src, pieces = self._rooted_args("scatter", out, "out", src, "src", chunks, "chunks",
+                                           uneven)
         if uneven:
             return self._rooted_uneven("scatter", x, chunks, "chunks", src, "src", False,
                                        async_op, stream)

@@ -38,7 +38,7 @@ from .algorithms.uneven import split_elements
 from .bootstrap import C10dStore, join
 from .buffers import torch_stream_function
 from .communicator import Communicator
-from .errors import UnsupportedError
+from .errors import TimeoutError, UnsupportedError
 from .ops import ReduceOp
 
 NAME = "anyccl"
@@ -80,26 +80,44 @@ def _flat(tensors: list[list[torch.Tensor]]) -> list[torch.Tensor]:
     return [t for inner in tensors for t in inner]
 
 
-class _Received(dist.Work):
-    """A finished receive from any rank: a Work that names the sender (torch's
-    ``dist.recv(tensor)`` without src returns ``work._source_rank()``)."""
+class _Posted(dist.Work):
+    """Messages on host tensors, posted and not yet waited for: a torch Work over anyccl's
+    Works. torch posts every message of ``batch_isend_irecv`` before it waits for any (its
+    fallback for process groups without NCCL-style coalescing), so a receive must not block
+    when it is posted. Holds the tensors until done; names the sender of a receive from any
+    rank (``dist.recv(tensor)`` without src returns ``work._source_rank()``)."""
 
-    def __init__(self, source: int, tensors: list[torch.Tensor]) -> None:
+    def __init__(self, works: list[Any], tensors: list[torch.Tensor]) -> None:
         super().__init__()
-        self._source = source
-        self._future: torch.futures.Future = torch.futures.Future()
-        self._future.set_result(tensors)
+        self._works, self._tensors = works, tensors
+        self._future: torch.futures.Future | None = None
 
     def wait(self, timeout: Any = None) -> bool:
+        seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
+        for work in self._works:
+            work.wait(seconds if seconds else None)
         return True
 
     def is_completed(self) -> bool:
-        return True
+        return all(work.is_completed() for work in self._works)
+
+    def is_success(self) -> bool:
+        return self.is_completed() and all(w.exception() is None for w in self._works)
+
+    def exception(self) -> Any:
+        return next((w.exception() for w in self._works if w.exception() is not None), None)
 
     def _source_rank(self) -> int:
-        return self._source
+        self.wait()
+        return self._works[-1].source if self._works else -1
 
     def get_future(self) -> torch.futures.Future:
+        """A future of the tensors, complete once the messages are (it waits for them: host
+        messages have no completion callback to set it later)."""
+        if self._future is None:
+            self.wait()
+            self._future = torch.futures.Future()
+            self._future.set_result(self._tensors)
         return self._future
 
 
@@ -178,7 +196,10 @@ class ProcessGroup(dist.ProcessGroup):
                 index = t.get_device()
                 break
         if index < 0:
-            call()
+            try:
+                call()
+            except TimeoutError as exc:
+                raise self._in_torch_words(exc) from None
             return _completed(_NO_DEVICES, result)
         restore = _use_device(index)
         side = self._sides.get(index)
@@ -229,8 +250,34 @@ class ProcessGroup(dist.ProcessGroup):
 
         def call() -> None:
             for t in tensors:
-                self.comm.all_reduce(t, op)
+                if t.layout == torch.sparse_coo:
+                    self._sparse_all_reduce(t, op)
+                else:
+                    self.comm.all_reduce(t, op)
         return self._run(call, tensors, tensors)
+
+    def _sparse_all_reduce(self, t: torch.Tensor, op: ReduceOp) -> None:
+        """The sum of every rank's sparse COO tensor `t`, into `t` (as gloo: DDP's sparse
+        gradients, nn.Embedding(sparse=True)). The ranks gather each other's entries
+        (indices and values, each rank's own count), then every rank adds them up in rank
+        order, so all hold the same coalesced result."""
+        if op is not ReduceOp.SUM:
+            raise UnsupportedError(f"rank {self.comm.rank}: all_reduce of a sparse tensor sums "
+                                   f"only (as gloo's); {op.name} was asked")
+        mine = t.coalesce()
+        indices = mine.indices().t().contiguous()          # (nnz, sparse dims)
+        values = mine.values().contiguous()                # (nnz, *dense shape)
+        counts = torch.zeros(self.comm.size, dtype=torch.int64, device=t.device)
+        self.comm.all_gather(counts, torch.tensor([indices.shape[0]], device=t.device))
+        every_index = [torch.empty((int(n), indices.shape[1]), dtype=indices.dtype,
+                                   device=t.device) for n in counts]
+        every_value = [torch.empty((int(n), *values.shape[1:]), dtype=values.dtype,
+                                   device=t.device) for n in counts]
+        self.comm.all_gather(every_index, indices)
+        self.comm.all_gather(every_value, values)
+        total = torch.sparse_coo_tensor(torch.cat(every_index).t(), torch.cat(every_value),
+                                        t.shape).coalesce()
+        t.copy_(total)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         return self.allreduce(tensors, opts)
@@ -260,7 +307,14 @@ class ProcessGroup(dist.ProcessGroup):
 
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]],
                             input_list: list[torch.Tensor], opts: Any = None) -> Any:
-        return self.allgather(output_lists, input_list, opts)
+        """c10d passes coalesced outputs by rank, then tensor: output_lists[r][i] receives
+        rank r's input_list[i] (the transpose of `allgather`'s layout)."""
+        by_tensor = [[outs[i] for outs in output_lists] for i in range(len(input_list))]
+
+        def call() -> None:
+            for outs, t in zip(by_tensor, input_list):
+                self.comm.all_gather(outs, t)
+        return self._run(call, output_lists, _flat(output_lists) + input_list)
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002
                           opts: Any = None) -> Any:
@@ -340,26 +394,41 @@ class ProcessGroup(dist.ProcessGroup):
                          output_tensors, output_tensors + _flat(input_tensors))
 
     def barrier(self, opts: Any = None) -> Any:
-        self.comm.barrier()
+        try:
+            self.comm.barrier()
+        except TimeoutError as exc:
+            raise self._in_torch_words(exc) from None
         return _completed(_NO_DEVICES, None)
+
+    def _in_torch_words(self, exc: TimeoutError) -> TimeoutError:
+        """anyccl's timeout, which names the rank, the op and what it waited for, with the
+        phrase torch's tools and tests look for in a process group's timeout too."""
+        return type(exc)(f"{exc}\n  (torch.distributed: Timed out after the process group's "
+                         f"timeout of {self.comm.timeout_s:g} s)")
 
     # ---- messages ------------------------------------------------------------------------------
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> Any:
+        if not any(t.is_cuda for t in tensors):   # posted: torch waits on the Work
+            return _Posted([self.comm.isend(t, dst, tag) for t in tensors], tensors)
+
         def call() -> None:
             for t in tensors:
                 self.comm.send(t, dst, tag)
         return self._run(call, tensors, tensors)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> Any:
+        if not any(t.is_cuda for t in tensors):
+            return _Posted([self.comm.irecv(t, src, tag) for t in tensors], tensors)
+
         def call() -> None:
             for t in tensors:
                 self.comm.recv(t, src, tag)
         return self._run(call, tensors, tensors)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> Any:
-        """``dist.recv(t)`` without src (host tensors): torch asks the Work for the sender."""
-        sources = [self.comm.recv(t, None, tag) for t in tensors]
-        return _Received(sources[-1] if sources else -1, tensors)
+        """``dist.recv(t)`` / ``irecv(t)`` without src (host tensors): torch asks the Work
+        for the sender."""
+        return _Posted([self.comm.irecv(t, None, tag) for t in tensors], tensors)
 
     # ---- coalescing: operations run as they are issued, so a coalesced block is done at its end
     def _start_coalescing(self, device: torch.device) -> None:
