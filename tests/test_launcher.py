@@ -194,3 +194,25 @@ def test_a_job_that_fits_a_small_dev_shm_runs():
     proc = _in_small_dev_shm("30m", sys.executable, str(SCRIPT_DIR / "shm_no_room.py"), "4")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == [{"code": 0, "last": ""}] * 4
+
+
+_TORCH_SCRIPT = """
+import os, torch, torch.distributed as dist
+dist.init_process_group("gloo")      # env://, as under torchrun
+t = torch.tensor([float(dist.get_rank() + 1)])
+dist.all_reduce(t)
+print(f"rank {dist.get_rank()} of {dist.get_world_size()} local {os.environ['LOCAL_RANK']}/"
+      f"{os.environ['LOCAL_WORLD_SIZE']}: {t.item()}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_a_torch_distributed_script_starts_under_anyccl_run_as_under_torchrun(tmp_path):
+    pytest.importorskip("torch")
+    script = tmp_path / "torch_job.py"
+    script.write_text(_TORCH_SCRIPT)
+    proc = subprocess.run([sys.executable, "-m", "anyccl", "run", "-n", "2", str(script)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert sorted(proc.stdout.split("\n")[:2]) == ["rank 0 of 2 local 0/2: 3.0",
+                                                   "rank 1 of 2 local 1/2: 3.0"], proc.stdout

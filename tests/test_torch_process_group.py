@@ -44,3 +44,53 @@ def test_the_cases_torchs_suite_checks_give_gloos_results(tmp_path, world_size):
                 assert torch.equal(a, b), (rank, key, a, b)
     assert re.search(" (Timed out|closed|timeout) ", timeout), timeout   # torch's own test
     assert "barrier() #" in timeout and "waiting for rank 0" in timeout, timeout
+
+
+def _one_rank_group():
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from anyccl.torch import create
+
+    return create(dist.HashStore(), 0, 1, timedelta(seconds=30))
+
+
+@pytest.mark.parametrize("bucket_view", (False, True))
+def test_ddp_over_an_anyccl_group_object_gives_the_local_gradients(bucket_view):
+    """What torch's Python-process-group tests ask of a group passed as `process_group=`
+    (test_c10d_pypg.py's DDP cases, here on a real anyccl group of one rank)."""
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    group = _one_rank_group()
+    try:
+        torch.manual_seed(123)
+        local = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+        model = DDP(local, process_group=group, gradient_as_bucket_view=bucket_view)
+        x = torch.rand(4, 2)
+        model(x).sum().backward()
+        ddp_grads = [p.grad.clone() for p in local.parameters()]
+        local.zero_grad()
+        local(x).sum().backward()
+        assert all(torch.equal(a, p.grad) for a, p in zip(ddp_grads, local.parameters()))
+    finally:
+        group.shutdown()
+
+
+def test_the_coalescing_manager_and_work_objects_of_an_anyccl_group():
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _coalescing_manager
+
+    group = _one_rank_group()
+    try:
+        t = torch.ones(3)
+        with _coalescing_manager(group, torch.device("cpu"), async_ops=True) as cm:
+            group.allreduce([t])
+        cm.wait()
+        work = group.allreduce([t])
+        assert work.wait() and work.is_completed()
+        assert torch.equal(work.get_future().value()[0], torch.ones(3))
+        assert isinstance(work, dist.Work)
+    finally:
+        group.shutdown()

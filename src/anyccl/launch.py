@@ -1,7 +1,9 @@
 """`anyccl run`: start N ranks on this machine, stream their output, and stop them together.
 
 The launcher serves the rendezvous store (loopback, keyed by a fresh job secret), starts each
-rank with RANK / WORLD_SIZE / LOCAL_RANK and the store's address, and watches them. When a rank
+rank with RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE, the store's address, and the
+MASTER_ADDR / MASTER_PORT torchrun would give (a free port for torch's own store), and watches
+them. When a rank
 exits non-zero or dies, the others get SIGTERM, then SIGKILL after a grace period, and the
 launcher exits with the first failing rank's code. Ctrl-C and SIGTERM stop every rank. Ranks
 die with the launcher (PR_SET_PDEATHSIG), and shared-memory segments of the job are removed.
@@ -94,6 +96,14 @@ class _LineRelay:
             t.join(timeout=max(0.0, end - time.monotonic()))
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def remove_job_segments(job_id: str) -> list[str]:
     """Delete shared-memory segments left by job `job_id` (only its own, by name)."""
     removed = []
@@ -116,6 +126,9 @@ def run(nprocs: int, target: str, args: list[str], *, module: bool = False,
     base_env = dict(os.environ if env is None else env)
     base_env.update({
         "WORLD_SIZE": str(nprocs), "LOCAL_WORLD_SIZE": str(nprocs),
+        # what torchrun exports too, so a torch.distributed script starts here unchanged
+        # (env://: its rank 0 serves torch's own store on this free port)
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
         settings.STORE.name: server.address, settings.JOB_KEY.name: job_key.hex(),
         settings.JOB_ID.name: job_id, settings.LAUNCHER_PID.name: str(os.getpid()),
         "PYTHONUNBUFFERED": base_env.get("PYTHONUNBUFFERED", "1"),
