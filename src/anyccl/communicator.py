@@ -1,11 +1,13 @@
 """The Communicator: the public operations, their ordering, sub-groups and objects.
 
 Each operation's arguments are checked first (`arguments.py`), once, before any byte moves; a
-refused call raises on the calling rank alone and leaves the communicator usable. Host arrays
-go, as flat NumPy views, to the host backend, run in issue order by the `Engine`; GPU arrays
-go, as `GpuArray`s, to the GPU backend through `gpu_dispatch.py`, which queues them on CUDA
-streams. Every operation gets a sequence number, a flight-recorder line and, in debug mode, an
-agreement check across ranks. Backends trust what they receive.
+refused call raises and leaves the communicator usable, and a refused host collective is told
+to the other ranks (`_refused`), which raise too. Host arrays go, as flat NumPy views, to the
+host backend, run in issue order by the `Engine`, each host collective with its signature
+(agreement.py) for the backend to compare across ranks; GPU arrays go, as `GpuArray`s, to the
+GPU backend through `gpu_dispatch.py`, which queues them on CUDA streams. Every operation gets a
+sequence number, a flight-recorder line and, in debug mode, the full agreement check across
+ranks. Backends trust what they receive.
 """
 
 from __future__ import annotations
