@@ -16,6 +16,8 @@ torch = pytest.importorskip("torch")
 from test_torch_compat import _free_port  # noqa: E402
 
 SCRIPT = Path(__file__).parent / "scripts" / "torch_pg_cases.py"
+# torch starts these ranks itself, whatever backend the suite runs on: once, in the shm pass
+pytestmark = pytest.mark.shm_only
 
 
 def _run(backend: str, world_size: int, out_dir: Path) -> tuple[list[dict], str]:

@@ -26,6 +26,7 @@ ONE_OF_EACH = ["test_all_reduce_sum", "test_broadcast", "test_all_gather", "test
 
 
 @pytest.mark.slow
+@pytest.mark.shm_only   # its ranks are torch's processes, whatever the suite's backend
 def test_torchs_own_distributed_tests_pass_on_anyccl(tmp_path):
     names = ONCE_FAILED + ONE_OF_EACH
     out = tmp_path / "rows.json"
