@@ -695,3 +695,23 @@ def test_an_mpi_timeout_says_what_each_peer_is_doing():
                              env={"ANYCCL_TIMEOUT": "2"})
     assert "rank 1 is in recv(" in text0 and "waiting for its peer" in text0, text0
     assert "rank 0 is in all_reduce(" in text1 or "rank 0 has not said" in text1, text1
+
+
+def check_signatures(comm):
+    from anyccl import agreement
+    from anyccl.ops import ReduceOp
+
+    x = np.ones(8, np.float32)
+    comm.all_reduce(x, op="max")
+    comm.broadcast(x, 1)
+    comm.barrier()
+    records = [entry[0] for entry in list(comm.flight_recorder._entries)[-3:]]
+    expected = agreement.word("all_reduce", np.dtype(np.float32), -1, ReduceOp.MAX)
+    return [agreement.describe(*r.agree) for r in records], records[0].agree == (expected, 8)
+
+
+def test_the_signature_a_collective_carries_names_what_the_rank_called():
+    for texts, same_as_word in run_ranks(check_signatures, 2):
+        assert texts == ["all_reduce float32 x 8, op=MAX", "broadcast float32 x 8, root=1",
+                         "barrier"]
+        assert same_as_word   # the communicator's inline encoding is agreement.word()'s
