@@ -715,3 +715,14 @@ def test_the_signature_a_collective_carries_names_what_the_rank_called():
         assert texts == ["all_reduce float32 x 8, op=MAX", "broadcast float32 x 8, root=1",
                          "barrier"]
         assert same_as_word   # the communicator's inline encoding is agreement.word()'s
+
+
+def test_a_refusal_is_told_only_for_host_arrays():
+    from anyccl.buffers import lives_on_gpu
+
+    class OnGpu:   # what a CUDA array library shows: device memory, no host pointer
+        __cuda_array_interface__ = {"shape": (4,), "typestr": "<f4", "data": (1 << 40, False),
+                                    "version": 3}
+
+    assert not lives_on_gpu((np.ones(3), [np.ones(2)], None, 3.0))
+    assert lives_on_gpu((np.ones(3), [np.ones(2), OnGpu()]))

@@ -329,6 +329,18 @@ def gpu_array(x: Any, name: str) -> GpuArray | None:
     return None
 
 
+def lives_on_gpu(x: Any) -> bool:
+    """Whether `x`, or an entry of a list or tuple of them, is a GPU array (the kinds
+    `gpu_array` reads); never raises: it serves error paths. An array `gpu_array` refuses to
+    read counts as a GPU array (only those are refused there)."""
+    if isinstance(x, (list, tuple)):
+        return any(map(lives_on_gpu, x))
+    try:
+        return gpu_array(x, "array") is not None
+    except Exception:  # noqa: BLE001 - a GPU array anyccl cannot read
+        return True
+
+
 def as_array(x: Any, name: str, *, writable: bool) -> Array:
     """A GpuArray for GPU arrays, else a NumPy view (see `as_numpy`). Never copies."""
     if type(x) is np.ndarray:  # the common host case: nothing to probe

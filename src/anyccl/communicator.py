@@ -34,6 +34,7 @@ from .buffers import (
     GpuArray,
     Pieces,
     current_stream,
+    lives_on_gpu,
     overlaps,
 )
 from .engine import Engine
@@ -223,11 +224,11 @@ class Communicator:
         (plans.py) with its own record, flight-recorder entry and deadline: a blocking one
         queued right on the caller's current stream (returns None), an async one on the
         backend's stream after it (returns its GpuWork; the queued operation holds `tensors`
-        until done). _FULL_PATH: the call must take the full path."""
-        plans = self._plans
-        if plans is None or stream is not None:
+        until done). _FULL_PATH: the call must take the full path. Called only once a GPU
+        call made a plan (`self._plans` set)."""
+        if stream is not None:
             return _FULL_PATH
-        plan = plans.find(tag, tensors)
+        plan = self._plans.find(tag, tensors)
         if plan is None:
             return _FULL_PATH
         self._seq += 1
@@ -277,7 +278,7 @@ class Communicator:
         collectives; a call on GPU arrays, or on a closed or one-rank communicator, tells
         nobody)."""
         if self._closed or self.size == 1 or self._engine.failure is not None \
-                or any(map(_on_device, args)):
+                or lives_on_gpu(args):
             return
         self._seq += 1
         record = OpRecord(name, self._seq, "refused its arguments")
@@ -958,19 +959,6 @@ class Communicator:
 
 
 _DTYPE_NAMES = {d: d.name for d in SUPPORTED_DTYPES}
-
-
-def _on_device(obj: Any) -> bool:
-    """Whether `obj` (or an entry of a list of them) is an array in GPU memory."""
-    if isinstance(obj, (list, tuple)):
-        return any(map(_on_device, obj))
-    if getattr(obj, "is_cuda", False) is True or hasattr(obj, "__cuda_array_interface__"):
-        return True
-    device = getattr(obj, "__dlpack_device__", None)
-    try:
-        return device is not None and device()[0] not in (1, 3)   # kDLCPU, kDLCUDAHost
-    except Exception:  # noqa: BLE001 - not an array it could name a device of
-        return False
 
 
 def _about(x: Array, more: str = "", *values: Any) -> Callable[[], str]:
