@@ -8,12 +8,15 @@ LOCAL_RANK, MASTER_ADDR, MASTER_PORT), mpiexec (OMPI_COMM_WORLD_*, PMI_*) and SL
 from __future__ import annotations
 
 import atexit
+import importlib.util
 import ipaddress
 import logging
 import os
 import secrets
 import socket
+import time
 import warnings
+from builtins import TimeoutError as BuiltinTimeoutError
 from datetime import timedelta
 from typing import Any
 from urllib.parse import urlparse
@@ -22,7 +25,13 @@ from . import settings
 from .arguments import seconds
 from .backends import registry
 from .communicator import Communicator, close_all
-from .errors import InvalidArgumentError, RendezvousError, UnsupportedError
+from .errors import (
+    AnycclError,
+    InvalidArgumentError,
+    RendezvousError,
+    TimeoutError,
+    UnsupportedError,
+)
 from .store import FileStore, PrefixStore, Store, StoreServer, TCPStore
 
 log = logging.getLogger("anyccl")
@@ -193,20 +202,72 @@ class C10dStore(Store):
 
 
 def _mpi_store(rank: int, timeout_s: float) -> Store:
+    """Under mpiexec: rank 0 serves the store and broadcasts its address and a fresh job key
+    over MPI (the key never leaves the job's own MPI messages). On loopback when every rank
+    runs on rank 0's host; else on the address other hosts reach (netaddr.py)."""
     try:
         from mpi4py import MPI
     except ImportError:
         raise RendezvousError(
             "launched by mpiexec, but mpi4py is not installed to exchange the rendezvous address;"
             " pip install mpi4py, or set MASTER_ADDR and MASTER_PORT") from None
-    address = None
+    from .netaddr import reachable_address
+
+    world = MPI.COMM_WORLD
+    hosts = world.allgather(socket.gethostname())
+    offer: tuple | str | None = None
     if rank == 0:
         key = secrets.token_bytes(32)
-        server = StoreServer(key, host="127.0.0.1")
-        _servers.append(server)
-        address = (server.host, server.port, key)
-    host, port, key = MPI.COMM_WORLD.bcast(address, root=0)
-    return TCPStore(host, port, key, timeout_s)
+        try:
+            bind = "127.0.0.1" if len(set(hosts)) == 1 else reachable_address()
+            server = StoreServer(key, host=bind)
+            _servers.append(server)
+            offer = (server.host, server.port, key)
+        except (AnycclError, OSError) as exc:
+            offer = f"rank 0 on {hosts[0]} cannot serve the rendezvous: {exc}"
+    offer = world.bcast(offer, root=0)
+    if isinstance(offer, str):
+        raise RendezvousError(f"rank {rank}: {offer}")
+    host, port, key = offer
+    try:
+        return TCPStore(host, port, key, min(timeout_s, 30.0))
+    except RendezvousError as exc:
+        raise RendezvousError(
+            f"rank {rank} on {hosts[rank]}: cannot reach the rendezvous store that rank 0 serves "
+            f"at {host}:{port} on {hosts[0]} ({exc.__cause__ or exc}); if that address is not "
+            f"the network the hosts share, set {settings.SOCKET_IFNAME.name} to the interface "
+            f"that is (on every host)") from None
+
+
+def _first_node(nodelist: str) -> str:
+    """The first host of a SLURM node list: "node[07-09,12],gpu3" -> "node07"."""
+    depth, end = 0, len(nodelist)
+    for i, ch in enumerate(nodelist):
+        depth += ch == "["
+        depth -= ch == "]"
+        if ch == "," and depth == 0:
+            end = i
+            break
+    first = nodelist[:end].strip()
+    if "[" not in first:
+        return first
+    prefix, _, rest = first.partition("[")
+    return prefix + rest.rstrip("]").split(",")[0].split("-")[0]
+
+
+def _slurm_store(rank: int, timeout_s: float) -> Store | None:
+    """Under srun without MASTER_ADDR (as Lightning does): rank 0 on the first node of
+    SLURM_JOB_NODELIST serves the store, at MASTER_PORT or 15000 + the job id's last four
+    digits. Keyed by ANYCCL_JOB_KEY (a key derived from the port would prove nothing)."""
+    nodelist = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST")
+    if not nodelist or _env_int("SLURM_PROCID") is None:
+        return None
+    host = _first_node(nodelist)
+    port = _env_int("MASTER_PORT")
+    if port is None:
+        job = os.environ.get("SLURM_JOB_ID", "")
+        port = 15000 + int(job[-4:]) if job[-4:].isdigit() else 29500
+    return _tcp_store(host, port, rank, timeout_s)
 
 
 def _make_store(init_method: str | None, rank: int, size: int, timeout_s: float) -> Store:
@@ -243,15 +304,80 @@ def _make_store(init_method: str | None, rank: int, size: int, timeout_s: float)
         return TCPStore(server.host, server.port, key, timeout_s)
     if _env_int("OMPI_COMM_WORLD_SIZE") or _env_int("PMI_SIZE"):
         return _mpi_store(rank, timeout_s)
+    slurm = _slurm_store(rank, timeout_s)
+    if slurm is not None:
+        return slurm
     raise RendezvousError(
         f"rank {rank} of {size} has no way to meet its peers: launch with `anyccl run -n "
         f"{size}`, torchrun or mpiexec, or pass init_method='tcp://host:port' or 'file:///path'")
 
 
-def _local_rank(store: Store, rank: int, size: int, timeout_s: float) -> int:
-    host = socket.gethostname()
-    store.set(f"host/{rank}", host.encode())
-    return sum(store.get(f"host/{r}", timeout_s).decode() == host for r in range(rank))
+def _hosts(store: Store, rank: int, size: int,
+           timeout_s: float) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(host name, address other hosts reach it at) of every rank, as each rank published it
+    (the address only where this machine has one besides loopback)."""
+    from .netaddr import reachable_address
+
+    if size == 1:
+        return (socket.gethostname(),), ("",)
+    try:
+        address = reachable_address()
+    except AnycclError:
+        address = ""
+    store.set(f"host/{rank}", f"{socket.gethostname()}\n{address}".encode())
+    deadline = time.monotonic() + timeout_s
+    said = []
+    for r in range(size):
+        try:
+            said.append(store.get(f"host/{r}", max(0.0, deadline - time.monotonic()))
+                        .decode().partition("\n"))
+        except BuiltinTimeoutError:
+            missing = [m for m in range(size) if not store.check(f"host/{m}")]
+            raise TimeoutError(
+                f"rank {rank}: the rendezvous of {size} ranks did not complete within "
+                f"{timeout_s:g} s: rank{'s' if len(missing) > 1 else ''} "
+                f"{_ranges(missing)} never arrived (a node or launcher that did not start, or a "
+                f"world size that differs between ranks)") from None
+    return tuple(name for name, _, _ in said), tuple(address for _, _, address in said)
+
+
+def _ranges(ranks: list[int]) -> str:
+    """[2, 3, 4, 7] -> '2-4, 7'."""
+    parts, start = [], None
+    for i, r in enumerate(ranks):
+        if start is None:
+            start = r
+        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
+            parts.append(str(start) if start == r else f"{start}-{r}")
+            start = None
+    return ", ".join(parts)
+
+
+def _across_hosts(name: str, named: bool, hosts: tuple[str, ...],
+                  addresses: tuple[str, ...]) -> tuple[str, str]:
+    """(host backend, why) for ranks on more than one host: `name` as chosen so far, `named`
+    whether the program or ANYCCL_BACKEND named it."""
+    count = len(set(hosts))
+    if name == "mpi" and named:
+        return name, f"named; ranks on {count} hosts, one MPI communicator over all"
+    if name not in ("shm", "mpi"):
+        return name, "named"
+    if _launched_by_mpiexec() and _has_mpi4py():
+        return "shm+mpi", (f"ranks on {count} hosts under mpiexec: shared memory inside each "
+                           f"host, MPI between hosts")
+    if importlib.util.find_spec("torch") is not None:
+        missing = [r for r, a in enumerate(addresses) if not a]
+        if missing:
+            raise RendezvousError(
+                f"ranks span {count} hosts, but rank{'s' if len(missing) > 1 else ''} "
+                f"{', '.join(map(str, missing))} found no network address other hosts can "
+                f"reach; set {settings.SOCKET_IFNAME.name} to the interface the hosts share")
+        return "shm+gloo", (f"ranks on {count} hosts: shared memory inside each host, torch's "
+                            f"gloo between hosts")
+    raise UnsupportedError(
+        f"the ranks span {count} hosts ({', '.join(sorted(set(hosts)))}); anyccl moves data "
+        f"between hosts with MPI (launch with mpiexec and pip install mpi4py) or with torch's "
+        f"gloo (pip install torch), and neither is available here")
 
 
 def parse_backend(backend: str | None) -> tuple[str, str | None]:
@@ -279,8 +405,6 @@ def parse_backend(backend: str | None) -> tuple[str, str | None]:
 
 
 def _has_mpi4py() -> bool:
-    import importlib.util
-
     return importlib.util.find_spec("mpi4py") is not None
 
 
@@ -359,11 +483,17 @@ def join(connection: Store, rank: int, world_size: int, *, backend: str | None,
             if rank == 0:
                 store.set("job_id", secrets.token_hex(4).encode())
             job_id = store.get("job_id", timeout_s).decode()
+        hosts, addresses = _hosts(store, rank, world_size, timeout_s)
         if local_rank is None:
-            local_rank = env_local if env_local is not None else _local_rank(
-                store, rank, world_size, timeout_s)
+            local_rank = env_local if env_local is not None else \
+                hosts[:rank].count(hosts[rank])
+        why = "named" if (backend or settings.BACKEND.get()) else "default on one host"
+        if len(set(hosts)) > 1:
+            name, why = _across_hosts(name, bool(backend or settings.BACKEND.get()), hosts,
+                                      addresses)
+        log.info("anyccl: rank %d: host backend %s (%s)", rank, name, why)
         backend_impl = registry.host_entry(name).create(
-            registry.HostContext(store, rank, world_size, job_id, timeout_s))
+            registry.HostContext(store, rank, world_size, job_id, timeout_s, hosts, addresses))
     except BaseException:
         if owns_store:
             connection.close()
@@ -372,6 +502,8 @@ def join(connection: Store, rank: int, world_size: int, *, backend: str | None,
     comm = Communicator(backend_impl, store, rank=rank, size=world_size, local_rank=local_rank,
                         timeout_s=timeout_s, job_id=job_id, debug=debug, owns_store=owns_store,
                         device=device, gpu_kind=gpu_name)
+    comm.backend_reason = why
+    comm.hosts = hosts
     if gpu_name is not None or device is not None:
         try:
             comm.connect_gpu()

@@ -7,18 +7,33 @@ import sys
 
 
 def _run(ns: argparse.Namespace) -> int:
-    from .launch import run
+    from .errors import AnycclError
+    from .launch import Nodes, run
 
     if ns.nprocs < 1:
         print(f"anyccl run: -n {ns.nprocs}: need at least one rank", file=sys.stderr)
         return 2
-    if ns.module:
-        return run(ns.nprocs, ns.module, ns.args, module=True, backend=ns.backend,
-                   tag_output=ns.tag_output)
-    if not ns.args:
+    nodes = None
+    if ns.nnodes != 1 or ns.master_addr:
+        if ns.nnodes < 1 or not 0 <= ns.node_rank < ns.nnodes:
+            print(f"anyccl run: --nnodes {ns.nnodes} --node-rank {ns.node_rank}: the node rank "
+                  f"must be in 0..nnodes-1", file=sys.stderr)
+            return 2
+        if not ns.master_addr or ns.master_port is None:
+            print("anyccl run: --nnodes needs --master-addr HOST and --master-port PORT (node "
+                  "0's address, where its launcher serves the rendezvous)", file=sys.stderr)
+            return 2
+        nodes = Nodes(ns.nnodes, ns.node_rank, ns.master_addr, ns.master_port, ns.job_key_file)
+    if not ns.module and not ns.args:
         print("anyccl run: name a script to run (or -m module)", file=sys.stderr)
         return 2
-    return run(ns.nprocs, ns.args[0], ns.args[1:], backend=ns.backend, tag_output=ns.tag_output)
+    target, args = (ns.module, ns.args) if ns.module else (ns.args[0], ns.args[1:])
+    try:
+        return run(ns.nprocs, target, args, module=bool(ns.module), backend=ns.backend,
+                   tag_output=ns.tag_output, nodes=nodes)
+    except AnycclError as exc:
+        print(exc, file=sys.stderr)
+        return 2
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,7 +43,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"anyccl {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="start N ranks of a script on this machine")
-    run.add_argument("-n", "--nprocs", type=int, required=True, help="number of ranks")
+    run.add_argument("-n", "--nprocs", "--nproc-per-node", type=int, required=True,
+                     help="number of ranks (on this machine)")
+    run.add_argument("--nnodes", type=int, default=1,
+                     help="machines in the job (each runs its own anyccl run)")
+    run.add_argument("--node-rank", type=int, default=0, help="this machine's number, 0..nnodes-1")
+    run.add_argument("--master-addr", help="node 0's address: it serves the rendezvous there")
+    run.add_argument("--master-port", type=int, help="the rendezvous port on node 0 (torch's "
+                     "own store, if the script uses one, gets the next port)")
+    run.add_argument("--job-key-file", help="a file every node reads the job's secret from "
+                     "(node 0 writes it if absent); else ANYCCL_JOB_KEY must be set on every node")
     run.add_argument("--backend", help="shm (default); sets ANYCCL_BACKEND for the ranks")
     run.add_argument("--tag-output", action="store_true", help="prefix each line with its rank")
     run.add_argument("-m", dest="module", help="run a module, as python -m does")

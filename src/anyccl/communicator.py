@@ -108,6 +108,9 @@ class Communicator:
         self._batch: list[tuple] | None = None
         self._plans: Plans | None = None  # blocking GPU calls' plans, once a GPU call ran
         self._owner_pid = os.getpid()
+        # the host of each rank, and why the host backend is what it is (set by init())
+        self.hosts: tuple[str, ...] = ()
+        self.backend_reason = "given"
         _live.add(self)
 
     # ---- identity ----------------------------------------------------------------------------
@@ -892,10 +895,14 @@ class Communicator:
         if color is None:
             return None
         backend = self._backend.subgroup(ranks, name, self.timeout_s)
-        return Communicator(backend, self._store, rank=ranks.index(self.rank), size=len(ranks),
-                            local_rank=self.local_rank, timeout_s=self.timeout_s, name=name,
-                            job_id=self.job_id, debug=self.debug, device=self._gpu_side.device,
-                            gpu_backend=gpu_child, gpu_kind=self._gpu_side.kind)
+        child = Communicator(backend, self._store, rank=ranks.index(self.rank), size=len(ranks),
+                             local_rank=self.local_rank, timeout_s=self.timeout_s, name=name,
+                             job_id=self.job_id, debug=self.debug, device=self._gpu_side.device,
+                             gpu_backend=gpu_child, gpu_kind=self._gpu_side.kind)
+        if self.hosts:
+            child.hosts = tuple(self.hosts[r] for r in ranks)
+        child.backend_reason = f"split from {self._name} ({self.backend_reason})"
+        return child
 
     def new_group(self, ranks: Sequence[int]) -> Communicator | None:
         """Collective over all ranks: a communicator of `ranks` (in ascending order, as

@@ -1,5 +1,10 @@
 """`anyccl run`: start N ranks on this machine, stream their output, and stop them together.
 
+With torchrun's multi-node flags (`--nnodes N --node-rank I --master-addr HOST --master-port
+PORT`), one launcher per machine starts that machine's ranks of one job: node 0's serves the
+store at HOST:PORT (keyed by ANYCCL_JOB_KEY or a key file every node reads), every node's
+ranks get RANK = I * n + LOCAL_RANK, and MASTER_PORT = PORT + 1 for torch's own store.
+
 The launcher serves the rendezvous store (loopback, keyed by a fresh job secret), starts each
 rank with RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE, the store's address, and the
 MASTER_ADDR / MASTER_PORT torchrun would give (a free port for torch's own store), and watches
@@ -116,20 +121,80 @@ def remove_job_segments(job_id: str) -> list[str]:
     return removed
 
 
+@dataclass(frozen=True)
+class Nodes:
+    """Where this launcher's ranks sit in a job of several machines (torchrun's flags):
+    `count` nodes of `nprocs` ranks each, this one number `rank`; node 0's launcher serves the
+    rendezvous store at `master_addr:master_port`, keyed by ANYCCL_JOB_KEY or `key_file`."""
+
+    count: int
+    rank: int
+    master_addr: str
+    master_port: int
+    key_file: str | None = None
+
+
+def job_key_for(nodes: Nodes, env: dict, timeout_s: float = 60.0) -> bytes:
+    """The secret every node's ranks prove to the store: ANYCCL_JOB_KEY (hex), else the
+    contents of `nodes.key_file` (hex; node 0 writes a fresh one, 0600, where none exists;
+    the other nodes wait up to `timeout_s` for it on a filesystem they share)."""
+    text = env.get(settings.JOB_KEY.name)
+    if not text and nodes.key_file:
+        from . import private
+
+        path = nodes.key_file
+        if nodes.rank == 0 and not os.path.exists(path):
+            private.write(path, secrets.token_hex(32).encode())
+        deadline = time.monotonic() + timeout_s
+        while not os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        try:
+            text = private.read(path).decode().strip()
+        except OSError as exc:
+            raise AnycclError(f"anyccl run: cannot read the job key file {path}: "
+                              f"{exc.strerror or exc}") from None
+    if not text:
+        raise AnycclError(f"anyccl run: a job on {nodes.count} nodes needs a secret every node "
+                          f"knows: export {settings.JOB_KEY.name}=$(python -c 'import secrets; "
+                          f"print(secrets.token_hex(32))') on every node, or pass --job-key-file "
+                          f"PATH on a filesystem they share")
+    try:
+        return bytes.fromhex(text)
+    except ValueError:
+        raise AnycclError("anyccl run: the job key is not hexadecimal digits") from None
+
+
 def run(nprocs: int, target: str, args: list[str], *, module: bool = False,
-        backend: str | None = None, tag_output: bool = False, env: dict | None = None) -> int:
-    """Run `target` (a script path, or a module with `module=True`) on `nprocs` ranks; return
-    the exit code the launcher should exit with."""
-    job_key = secrets.token_bytes(32)
-    job_id = secrets.token_hex(4)
-    server = StoreServer(job_key, host="127.0.0.1")
+        backend: str | None = None, tag_output: bool = False, env: dict | None = None,
+        nodes: Nodes | None = None) -> int:
+    """Run `target` (a script path, or a module with `module=True`) on `nprocs` ranks of this
+    machine (of every node, with `nodes`); return the exit code the launcher should exit with."""
+    import hashlib
+
     base_env = dict(os.environ if env is None else env)
-    base_env.update({
-        "WORLD_SIZE": str(nprocs), "LOCAL_WORLD_SIZE": str(nprocs),
+    server: StoreServer | None
+    if nodes is None or nodes.count == 1 and nodes.rank == 0 and not nodes.master_addr:
+        job_key = secrets.token_bytes(32)
+        job_id = secrets.token_hex(4)
+        server = StoreServer(job_key, host="127.0.0.1")
+        store_address = server.address
+        first_rank, world = 0, nprocs
         # what torchrun exports too, so a torch.distributed script starts here unchanged
         # (env://: its rank 0 serves torch's own store on this free port)
-        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
-        settings.STORE.name: server.address, settings.JOB_KEY.name: job_key.hex(),
+        master = ("127.0.0.1", _free_port())
+    else:
+        job_key = job_key_for(nodes, base_env)
+        job_id = hashlib.sha256(job_key).hexdigest()[:8]   # the same on every node
+        server = StoreServer(job_key, host=_bind_address(nodes.master_addr),
+                             port=nodes.master_port) if nodes.rank == 0 else None
+        store_address = f"{nodes.master_addr}:{nodes.master_port}"
+        first_rank, world = nodes.rank * nprocs, nodes.count * nprocs
+        master = (nodes.master_addr, nodes.master_port + 1)   # torch's own store, if used
+    base_env.update({
+        "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(nprocs),
+        "GROUP_RANK": str(0 if nodes is None else nodes.rank),
+        "MASTER_ADDR": master[0], "MASTER_PORT": str(master[1]),
+        settings.STORE.name: store_address, settings.JOB_KEY.name: job_key.hex(),
         settings.JOB_ID.name: job_id, settings.LAUNCHER_PID.name: str(os.getpid()),
         "PYTHONUNBUFFERED": base_env.get("PYTHONUNBUFFERED", "1"),
     })
@@ -144,8 +209,9 @@ def run(nprocs: int, target: str, args: list[str], *, module: bool = False,
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        for rank in range(nprocs):
-            rank_env = dict(base_env, RANK=str(rank), LOCAL_RANK=str(rank))
+        for local in range(nprocs):
+            rank = first_rank + local
+            rank_env = dict(base_env, RANK=str(rank), LOCAL_RANK=str(local))
             cmd = [sys.executable, "-m", "anyccl._child", "-m" if module else "-s", target, *args]
             proc = subprocess.Popen(cmd, env=rank_env, stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE)
@@ -161,7 +227,8 @@ def run(nprocs: int, target: str, args: list[str], *, module: bool = False,
         relay.join(timeout_s=5.0)
         for s, handler in previous.items():
             signal.signal(s, handler)
-        server.close()
+        if server is not None:
+            server.close()
         for path in remove_job_segments(job_id):
             print(f"anyccl run: removed leftover shared memory {path}", file=sys.stderr)
         if code != 0:
@@ -169,6 +236,22 @@ def run(nprocs: int, target: str, args: list[str], *, module: bool = False,
         else:  # nothing to look at: the job's private directory goes
             remove_job_directory(job_id)
     return code
+
+
+def _bind_address(master_addr: str) -> str:
+    """Where node 0's launcher listens: the address `master_addr` names (it must be this
+    machine's), loopback for a loopback name."""
+    import socket
+
+    from .netaddr import is_loopback
+
+    if is_loopback(master_addr):
+        return "127.0.0.1"
+    try:
+        return socket.gethostbyname(master_addr)
+    except OSError as exc:
+        raise AnycclError(f"anyccl run: --master-addr {master_addr}: cannot resolve it "
+                          f"({exc})") from None
 
 
 def remove_job_directory(job_id: str) -> None:
@@ -289,7 +372,8 @@ def _cause(ranks: list[RankProcess], running: list[RankProcess], failed: RankPro
     if stopped:
         return stopped[0].rank, "was stopped (by a signal such as SIGSTOP) while the others " \
                                 "waited for it"
-    if lost is not None and 0 <= lost < len(ranks) and ranks[lost].proc.poll() == 0:
+    by_rank = {rp.rank: rp for rp in ranks}
+    if lost is not None and lost in by_rank and by_rank[lost].proc.poll() == 0:
         return lost, f"exited early (code 0) while rank {failed.rank} still needed it"
     return None
 

@@ -142,6 +142,16 @@ STORE = _declare("STORE", "text", None,
 JOB_ID = _declare("JOB_ID", "text", None,
                   "A short name for the job, used in shared-memory and flight-record names.",
                   set_by_launcher=True)
+SOCKET_IFNAME = _declare("SOCKET_IFNAME", "text", None,
+                         "The network interface (e.g. eth0) whose address other hosts reach this "
+                         "one at: for the rendezvous store and the engine between hosts. "
+                         "Default: GLOO_SOCKET_IFNAME if set, else the address the hostname "
+                         "resolves to, else the first interface that is not loopback.")
+PEER_SILENCE = _declare("PEER_SILENCE", "seconds", 10.0,
+                        "Across hosts: a rank waiting on a peer that gave no sign of life (its "
+                        "heartbeat in the job's store) for this long raises PeerLostError "
+                        "naming it and its host, before the operation's deadline.", unit="s",
+                        minimum=0.5)
 LAUNCHER_PID = _declare("LAUNCHER_PID", "int", None,
                         "The pid of anyccl run: ranks exit when it dies.", set_by_launcher=True)
 

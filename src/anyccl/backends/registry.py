@@ -30,6 +30,8 @@ class HostContext:
     size: int
     job_id: str
     timeout_s: float
+    hosts: tuple[str, ...] = ()       # the host name of every rank (when known)
+    addresses: tuple[str, ...] = ()   # the address other hosts reach every rank's host at
 
 
 @dataclass(frozen=True)

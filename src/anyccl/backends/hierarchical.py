@@ -1,0 +1,287 @@
+"""Host arrays across machines: shared memory inside each host, an existing engine between.
+
+A job whose ranks span hosts gets this backend (`shm+gloo` or `shm+mpi`), composed of three
+others, each over a group of the job's ranks:
+
+- `local`: the shm backend over the ranks of this host;
+- `net`: the network engine (Gloo through torch, or MPI) over every rank;
+- `column`: the same engine over the ranks that sit at this rank's position on every host
+  (one rank per host), when every host runs as many ranks.
+
+Large all_reduce: reduce-scatter inside the host (shm), all_reduce of this rank's slice between
+hosts (its column), all_gather inside the host; each rank sends about 1/(ranks per host) of
+what a flat ring would send over the network, and the host's link carries S each way instead
+of a ring's 2(n-1)/n S. Small all_reduce: all_reduce inside, then between hosts on every
+column at once (no third step). broadcast, reduce, all_gather and reduce_scatter are split the
+same way (inside, between on columns, inside); gather, scatter, all_to_all, barrier and
+point-to-point messages (tags, any-source) run on `net` over all ranks (on hosts of uneven
+size, everything does).
+
+Before any byte moves, the collective's signature is compared across every rank on `net`
+(agreement.py), so a rank on one host that disagrees with a rank on another makes every rank
+raise; the inner steps then skip their own comparison. AVG reduces as SUM, divided once at the
+end (twice-divided integers would round differently).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..ops import ReduceOp, finish
+from ..trace import OpRecord
+from .base import Backend, Completion
+
+SLICE_MIN_BYTES = 64 << 10   # all_reduce below this: inside, then on every column at once
+
+
+def _plain(record: OpRecord) -> OpRecord:
+    """`record` without its signature: the inner steps of an agreed collective."""
+    inner = OpRecord(record.name, record.seq, record._args, record.nbytes)
+    inner.issued_at = record.issued_at
+    return inner
+
+
+class HierarchicalBackend(Backend):
+    """See the module's docstring. `hosts[r]` names the host of this group's rank r."""
+
+    def __init__(self, rank: int, hosts: list[str], local: Backend, net: Backend,
+                 name: str, timeout_s: float, owns: list | None = None) -> None:
+        self.rank, self.size = rank, len(hosts)
+        self.name = f"{local.name}+{net.name}"
+        self.hosts = hosts
+        self._local, self._net = local, net
+        order = list(dict.fromkeys(hosts))               # hosts in order of their first rank
+        self._members = [[r for r in range(self.size) if hosts[r] == h] for h in order]
+        self._position = {}
+        for h, members in enumerate(self._members):
+            for i, r in enumerate(members):
+                self._position[r] = (h, i)
+        self._host, self._index = self._position[rank]
+        self._per_host = len(self._members[0]) \
+            if len({len(m) for m in self._members}) == 1 else 0
+        self._column: Backend | None = None
+        if self._per_host and len(self._members) > 1:
+            column = [members[self._index] for members in self._members]
+            self._column = net.subgroup(column, f"{name}-column{self._index}", timeout_s)
+        self._owns = owns or []   # what closes with this backend (the heartbeat)
+        self._record: OpRecord | None = None
+
+    # ---- per operation ---------------------------------------------------------------------
+    def begin(self, record: OpRecord, deadline: float) -> None:
+        self._record = record
+        self._net.begin(record, deadline)          # compares the signature across all ranks
+        inner = _plain(record)
+        self._local.begin(inner, deadline)
+        if self._column is not None:
+            self._column.begin(inner, deadline)
+
+    def end(self, record: OpRecord) -> None:
+        self._local.end(record)
+        self._net.end(record)
+        if self._column is not None:
+            self._column.end(record)
+        self._record = None
+
+    # ---- collectives -----------------------------------------------------------------------
+    def all_reduce(self, x: np.ndarray, op: ReduceOp) -> None:
+        column = self._column
+        if column is None:
+            self._net.all_reduce(x, op)
+            return
+        base = ReduceOp.SUM if op is ReduceOp.AVG else op
+        per_host, n = self._per_host, x.size
+        if x.nbytes < SLICE_MIN_BYTES or n < per_host:
+            self._local.all_reduce(x, base)
+            column.all_reduce(x, base)
+        else:
+            piece = -(-n // per_host)
+            whole = x if piece * per_host == n else np.zeros(piece * per_host, x.dtype)
+            if whole is not x:
+                whole[:n] = x
+            pieces = [whole[i * piece:(i + 1) * piece] for i in range(per_host)]
+            mine = np.empty(piece, x.dtype)
+            self._local.reduce_scatter(mine, pieces, base)
+            column.all_reduce(mine, base)
+            self._local.all_gather(pieces, mine)
+            if whole is not x:
+                x[...] = whole[:n]
+        finish(x, op, self.size)
+
+    def reduce(self, x: np.ndarray, root: int, op: ReduceOp) -> None:
+        if self._column is None:
+            self._net.reduce(x, root, op)
+            return
+        base = ReduceOp.SUM if op is ReduceOp.AVG else op
+        root_host, root_index = self._position[root]
+        leads = self._index == root_index     # this rank reduces its host's part
+        target = x if self.rank == root or not leads else x.copy()
+        self._local.reduce(target, root_index, base)
+        if leads:
+            self._column.reduce(target, root_host, base)
+        if self.rank == root:
+            finish(x, op, self.size)
+
+    def broadcast(self, x: np.ndarray, root: int) -> None:
+        if self._column is None:
+            self._net.broadcast(x, root)
+            return
+        root_host, root_index = self._position[root]
+        if self._index == root_index:
+            self._column.broadcast(x, root_host)
+        self._local.broadcast(x, root_index)
+
+    def all_gather(self, outs: list[np.ndarray], x: np.ndarray) -> None:
+        if self._column is None:
+            self._net.all_gather(outs, x)
+            return
+        hosts, per_host, s = len(self._members), self._per_host, x.size
+        across = np.empty(hosts * s, x.dtype)     # this rank's column, host by host
+        self._column.all_gather([across[h * s:(h + 1) * s] for h in range(hosts)],
+                                x.reshape(-1))
+        blocks = np.empty(per_host * hosts * s, x.dtype)
+        self._local.all_gather([blocks[i * hosts * s:(i + 1) * hosts * s]
+                                for i in range(per_host)], across)
+        for r, out in enumerate(outs):
+            h, i = self._position[r]
+            at = (i * hosts + h) * s
+            out.reshape(-1)[...] = blocks[at:at + s]
+
+    def reduce_scatter(self, out: np.ndarray, inputs: list[np.ndarray], op: ReduceOp) -> None:
+        if self._column is None:
+            self._net.reduce_scatter(out, inputs, op)
+            return
+        base = ReduceOp.SUM if op is ReduceOp.AVG else op
+        hosts, per_host, s = len(self._members), self._per_host, out.size
+        # local rank i reduces, for every host h, the piece of the rank at (h, i)
+        local_inputs = [np.concatenate([inputs[self._members[h][i]].reshape(-1)
+                                        for h in range(hosts)]) for i in range(per_host)]
+        partial = np.empty(hosts * s, out.dtype)
+        self._local.reduce_scatter(partial, local_inputs, base)
+        self._column.reduce_scatter(out.reshape(-1), [partial[h * s:(h + 1) * s]
+                                                      for h in range(hosts)], base)
+        finish(out, op, self.size)
+
+    def gather(self, x: np.ndarray, outs: list[np.ndarray] | None, root: int) -> None:
+        self._net.gather(x, outs, root)
+
+    def scatter(self, out: np.ndarray, chunks: list[np.ndarray] | None, root: int) -> None:
+        self._net.scatter(out, chunks, root)
+
+    def all_to_all(self, outs: list[np.ndarray], inputs: list[np.ndarray]) -> None:
+        self._net.all_to_all(outs, inputs)
+
+    def barrier(self) -> None:
+        self._net.barrier()
+
+    # ---- point to point: on the network engine ----------------------------------------------
+    def post_send(self, x: np.ndarray, dst: int, tag: int, record: OpRecord, deadline: float,
+                  on_done: Completion) -> None:
+        self._net.post_send(x, dst, tag, record, deadline, on_done)
+
+    def post_recv(self, x: np.ndarray, src: int | None, tag: int, record: OpRecord,
+                  deadline: float, on_done: Completion, found=None) -> None:
+        self._net.post_recv(x, src, tag, record, deadline, on_done, found)
+
+    def has_pending(self) -> bool:
+        return self._net.has_pending()
+
+    def progress(self) -> None:
+        self._net.progress()
+
+    def fail_pending(self, error: BaseException) -> None:
+        self._net.fail_pending(error)
+
+    def wait_for_activity(self, timeout_s: float) -> None:
+        self._net.wait_for_activity(timeout_s)
+
+    def wake(self) -> None:
+        self._net.wake()
+
+    def wait_for_messages(self, finished, record: OpRecord, deadline: float) -> None:
+        self._net.wait_for_messages(finished, record, deadline)
+
+    # ---- groups and lifetime ---------------------------------------------------------------
+    def lost_peer(self) -> tuple[int, str] | None:
+        local = self._local.lost_peer()
+        if local is not None:
+            return self._members[self._host][local[0]], local[1]
+        return self._net.lost_peer()
+
+    def subgroup(self, ranks: list[int], name: str, timeout_s: float) -> Backend:
+        here = [r for r in ranks if self.hosts[r] == self.hosts[self.rank]]
+        local = self._local.subgroup([self._position[r][1] for r in here], name, timeout_s)
+        if len(here) == len(ranks):       # every member on this host: shared memory alone
+            return local
+        net = self._net.subgroup(ranks, name, timeout_s)
+        return HierarchicalBackend(ranks.index(self.rank), [self.hosts[r] for r in ranks],
+                                   local, net, name, timeout_s)
+
+    def close(self) -> None:
+        for part in (self._column, self._net, self._local, *self._owns):
+            if part is not None:
+                part.close()
+
+
+def creator(engine: str):
+    """The `create` of backend `shm+<engine>` (engine: "gloo" or "mpi") for the registry."""
+    from .registry import HostContext
+
+    def create(ctx: HostContext) -> HierarchicalBackend:
+        from .. import settings
+        from ..errors import RendezvousError
+        from ..heartbeat import Heartbeat
+        from ..netaddr import named_interface
+        from ..store import PrefixStore
+        from . import shm
+
+        hosts = list(ctx.hosts)
+        if len(hosts) != ctx.size:
+            raise RendezvousError(f"backend 'shm+{engine}' needs the host of every rank")
+        order = list(dict.fromkeys(hosts))
+        members = [r for r in range(ctx.size) if hosts[r] == hosts[ctx.rank]]
+        made: list = []
+        try:
+            local = shm.SharedMemoryBackend(
+                PrefixStore(f"host{order.index(hosts[ctx.rank])}", ctx.store),
+                members.index(ctx.rank), len(members), job_id=ctx.job_id, comm_name=shm.WORLD,
+                timeout_s=ctx.timeout_s)
+            made.append(local)
+            heartbeat = Heartbeat(PrefixStore("alive", ctx.store), ctx.rank, hosts,
+                                  settings.PEER_SILENCE.get())
+            made.append(heartbeat)
+            if engine == "gloo":
+                from .gloo import GlooBackend, Peers
+
+                net: Backend = GlooBackend(PrefixStore("net", ctx.store), ctx.rank, ctx.size,
+                                           ctx.timeout_s, Peers(hosts, list(ctx.addresses),
+                                                                heartbeat),
+                                           list(range(ctx.size)), ctx.addresses[ctx.rank],
+                                           named_interface())
+            else:
+                from . import mpi
+
+                net = mpi.create(ctx)
+            made.append(net)
+            return HierarchicalBackend(ctx.rank, hosts, local, net, "world", ctx.timeout_s,
+                                       owns=[heartbeat])
+        except BaseException:
+            for part in reversed(made):
+                part.close()
+            raise
+
+    return create
+
+
+def status(engine: str):
+    """What `anyccl info` says of `shm+<engine>` here."""
+    def says() -> str:
+        import importlib.util
+
+        module = "torch" if engine == "gloo" else "mpi4py"
+        if importlib.util.find_spec(module) is None:
+            return (f"not usable: between hosts it needs {module} "
+                    f"({'pip install torch' if engine == 'gloo' else 'pip install mpi4py'})")
+        when = " under mpiexec" if engine == "mpi" else ""
+        return (f"available (chosen when ranks span hosts{when}: shm inside each host, "
+                f"{engine} between hosts)")
+    return says

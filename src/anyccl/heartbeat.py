@@ -1,0 +1,94 @@
+"""Signs of life between hosts: how a rank learns that a peer on another machine is gone when
+no connection tells it (a host that drops off the network sends nothing, not even a reset).
+
+Every rank of a job that spans hosts adds 1 to its counter `beat/<rank>` in the job's store
+every half second, from a thread of its own. While some wait of this rank has gone on for a
+while, the same thread also reads every peer's counter; a peer whose counter has not moved for
+ANYCCL_PEER_SILENCE seconds (while the store itself answered) is lost, and the waiting rank
+raises PeerLostError naming it and its host. When the store stops answering, this rank is the
+one that may be cut off: its errors say so. The waiting loops never touch the store.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from .store import Store
+
+PERIOD_S = 0.5
+
+
+class Heartbeat:
+    """This process's heartbeat in the job's store, and what it saw of its peers'."""
+
+    def __init__(self, store: Store, rank: int, hosts: list[str], silence_s: float) -> None:
+        self.rank, self.hosts, self.silence_s = rank, hosts, silence_s
+        self._store = store
+        now = time.monotonic()
+        self._seen: dict[int, tuple[int, float]] = {r: (-1, now) for r in range(len(hosts))
+                                                     if r != rank}
+        self._store_answered_at = now
+        self._store_error = ""
+        self._watch_until = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="anyccl-heartbeat")
+        self._thread.start()
+
+    def watch(self) -> None:
+        """A wait of this rank has gone on for a while: read the peers' counters for the next
+        few periods (cheap: called from waiting loops, never blocks)."""
+        self._watch_until = time.monotonic() + 4 * PERIOD_S
+
+    def _run(self) -> None:
+        beat = 0
+        while not self._stop.wait(PERIOD_S):
+            try:
+                beat = self._store.add(f"beat/{self.rank}", 1)
+                if time.monotonic() < self._watch_until:
+                    for r in list(self._seen):
+                        count = self._store.add(f"beat/{r}", 0)
+                        if count != self._seen[r][0]:
+                            self._seen[r] = (count, time.monotonic())
+                self._store_answered_at = time.monotonic()
+            except Exception as exc:  # noqa: BLE001 - the store is gone or unreachable
+                self._store_error = str(exc)
+                if self._stop.wait(PERIOD_S):
+                    return
+        del beat
+
+    def silent(self, ranks: list[int]) -> list[int]:
+        """Those of `ranks` (job ranks) whose counter has not moved for the silence limit while
+        the store answered: lost. Empty while the store itself is silent (then it is this rank
+        that cannot tell)."""
+        now = time.monotonic()
+        if now - self._store_answered_at > 2 * PERIOD_S + 1.0:
+            return []
+        return [r for r in ranks if r in self._seen and now - self._seen[r][1] >= self.silence_s]
+
+    def describe(self, ranks: list[int]) -> str:
+        """'ranks 2, 3 on host h2 gave no sign of life for 10.5 s' for lost `ranks`, grouped
+        by host."""
+        now = time.monotonic()
+        by_host: dict[str, list[int]] = {}
+        for r in ranks:
+            by_host.setdefault(self.hosts[r], []).append(r)
+        parts = []
+        for host, group in by_host.items():
+            quiet = min(now - self._seen[r][1] for r in group)
+            who = f"rank {group[0]}" if len(group) == 1 else \
+                f"ranks {', '.join(map(str, group))}"
+            parts.append(f"{who} on host {host} gave no sign of life for {quiet:.3g} s")
+        return "; ".join(parts)
+
+    def store_silence(self) -> str:
+        """'' while the store answers; else what to say about it (this host may be cut off)."""
+        quiet = time.monotonic() - self._store_answered_at
+        if quiet <= 2 * PERIOD_S + 1.0:
+            return ""
+        return (f"the job's rendezvous store has not answered this rank for {quiet:.3g} s "
+                f"({self._store_error or 'no reply'}): this host ({self.hosts[self.rank]}) may "
+                f"be the one cut off from the others")
+
+    def close(self) -> None:
+        self._stop.set()
