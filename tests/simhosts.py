@@ -30,10 +30,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 _SETUP_S = 20.0    # the most any one setup command may take
-_live: list["Cluster"] = []
+_live: list[Cluster] = []
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -254,7 +254,7 @@ def _read_line(proc: subprocess.Popen, timeout_s: float) -> str:
     with selectors.DefaultSelector() as sel:
         sel.register(proc.stdout, selectors.EVENT_READ)
         if not sel.select(timeout_s):
-            return "(nothing within %g s)" % timeout_s
+            return f"(nothing within {timeout_s:g} s)"
     return proc.stdout.readline().decode().strip()
 
 

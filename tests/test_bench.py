@@ -88,7 +88,7 @@ def test_bad_options_are_refused_clearly():
     assert proc.returncode != 0 and "--max='lots' is not a size" in proc.stderr
     proc = _bench("--compare", "gloo")
     assert proc.returncode != 0 and "--compare gloo: expected some of torch, symm, mpi, shm, " \
-        "nccl, ipc, auto" in proc.stderr
+        "shm+gloo, shm+mpi, nccl, ipc, auto" in proc.stderr
     proc = _bench("--compare", "symm")
     assert proc.returncode != 0 and "--compare symm is torch's symmetric-memory all_reduce on " \
         "GPUs: add --device cuda" in proc.stderr

@@ -31,6 +31,7 @@ class Heartbeat:
         self._store_answered_at = now
         self._store_error = ""
         self._watch_until = 0.0
+        self._window = False   # the peers' counters were read in the current watch
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="anyccl-heartbeat")
         self._thread.start()
@@ -46,10 +47,15 @@ class Heartbeat:
             try:
                 beat = self._store.add(f"beat/{self.rank}", 1)
                 if time.monotonic() < self._watch_until:
+                    # a new watch knows nothing of the time before it: counting starts now
+                    fresh = not self._window
                     for r in list(self._seen):
                         count = self._store.add(f"beat/{r}", 0)
-                        if count != self._seen[r][0]:
+                        if fresh or count != self._seen[r][0]:
                             self._seen[r] = (count, time.monotonic())
+                    self._window = True
+                else:
+                    self._window = False
                 self._store_answered_at = time.monotonic()
             except Exception as exc:  # noqa: BLE001 - the store is gone or unreachable
                 self._store_error = str(exc)
@@ -62,7 +68,7 @@ class Heartbeat:
         the store answered: lost. Empty while the store itself is silent (then it is this rank
         that cannot tell)."""
         now = time.monotonic()
-        if now - self._store_answered_at > 2 * PERIOD_S + 1.0:
+        if not self._window or now - self._store_answered_at > 2 * PERIOD_S + 1.0:
             return []
         return [r for r in ranks if r in self._seen and now - self._seen[r][1] >= self.silence_s]
 
@@ -89,6 +95,38 @@ class Heartbeat:
         return (f"the job's rendezvous store has not answered this rank for {quiet:.3g} s "
                 f"({self._store_error or 'no reply'}): this host ({self.hosts[self.rank]}) may "
                 f"be the one cut off from the others")
+
+    def tell_lost(self, what: str) -> None:
+        """Leave in the store why this rank is failing (it lost a peer), for the ranks of its
+        own host, which see only that it left; gives up after a second."""
+        self._in_thread(lambda: self._store.set(f"lost/{self.rank}", what.encode()))
+
+    def lost_said(self, ranks: list[int]) -> tuple[int, str] | None:
+        """(rank, what it said) of the first of `ranks` that left in the store word of a peer
+        it lost, if any (waits at most about a second: the store may be unreachable)."""
+        said: list[tuple[int, bytes]] = []
+
+        def read() -> None:
+            deadline = time.monotonic() + 1.0
+            while time.monotonic() < deadline:
+                for r in ranks:
+                    if self._store.check(f"lost/{r}"):
+                        said.append((r, self._store.get(f"lost/{r}", 1.0)))
+                        return
+                time.sleep(0.05)
+        self._in_thread(read, 1.5)
+        return (said[0][0], said[0][1].decode(errors="replace")) if said else None
+
+    @staticmethod
+    def _in_thread(fn, limit_s: float = 1.0) -> None:
+        def run() -> None:
+            try:
+                fn()
+            except Exception:  # noqa: BLE001 - the store is gone: nothing to say
+                pass
+        helper = threading.Thread(target=run, daemon=True, name="anyccl-heartbeat-store")
+        helper.start()
+        helper.join(timeout=limit_s)
 
     def close(self) -> None:
         self._stop.set()

@@ -3,6 +3,7 @@ on the command line ("gloo" or "anyccl"), on CPU, and save every rank's final we
 torch-backend tests run it on both and compare.
 
     python ddp_train.py BACKEND WORLD_SIZE PORT OUT_DIR [VARIANT,...]
+    torchrun ... ddp_train.py BACKEND torchrun - OUT_DIR [VARIANT,...]   (one rank per process)
 
 VARIANTs, each a fresh model trained in the same process group, results saved under
 "VARIANT/...": plain, unused (find_unused_parameters, a layer left out on odd steps), no_sync
@@ -36,12 +37,15 @@ class Model(torch.nn.Module):
         return self.last(h)
 
 
-def main(rank: int, backend: str, world_size: int, port: int, out_dir: str,
+def main(rank: int, backend: str, world_size: int, port: int | None, out_dir: str,
          variants: list[str]) -> None:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    # "anyccl" needs no import: installing anyccl registers it when torch is imported
-    dist.init_process_group(backend, rank=rank, world_size=world_size)
+    if port is None:   # started by torchrun: rank, world and rendezvous from its environment
+        dist.init_process_group(backend)
+    else:
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
+        os.environ["MASTER_PORT"] = str(port)
+        # "anyccl" needs no import: installing anyccl registers it when torch is imported
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
     results = {}
     for variant in variants:
         for key, value in train(rank, world_size, variant).items():
@@ -137,7 +141,10 @@ def train(rank: int, world_size: int, variant: str) -> dict:
 
 
 if __name__ == "__main__":
+    variants = (sys.argv[5] if len(sys.argv) > 5 else "plain").split(",")
+    if sys.argv[2] == "torchrun":
+        main(int(os.environ["RANK"]), sys.argv[1], int(os.environ["WORLD_SIZE"]), None,
+             sys.argv[4], variants)
     backend, world_size, port, out_dir = (sys.argv[1], int(sys.argv[2]), int(sys.argv[3]),
                                           sys.argv[4])
-    variants = (sys.argv[5] if len(sys.argv) > 5 else "plain").split(",")
     mp.spawn(main, args=(backend, world_size, port, out_dir, variants), nprocs=world_size)

@@ -199,6 +199,7 @@ class GlooBackend(Backend):
         dist = _dist()
         self._dist = dist
         self.rank, self.size = rank, size
+        self._said_rank = job_ranks[rank]   # what messages call this rank: its rank in the job
         self._store, self._timeout_s, self.peers = store, timeout_s, peers
         self._job_ranks = job_ranks
         self._address, self._interface = address, interface
@@ -273,7 +274,7 @@ class GlooBackend(Backend):
                 more = f"; {heartbeat.describe(silent)}"
             elif cut:
                 more = f"; {cut}"
-        return TimeoutError(f"rank {self.rank}: {record} timed out after {waited:.3g} s waiting "
+        return TimeoutError(f"rank {self._said_rank}: {record} timed out after {waited:.3g} s waiting "
                             f"for {what} (gloo between hosts){more}")
 
     def _me(self) -> int:
@@ -286,7 +287,7 @@ class GlooBackend(Backend):
         heartbeat.watch()
         silent = heartbeat.silent([r for r in self._job_ranks if r != self._me()])
         if silent:
-            raise PeerLostError(f"rank {self.rank}: {heartbeat.describe(silent)}, while this "
+            raise PeerLostError(f"rank {self._said_rank}: {heartbeat.describe(silent)}, while this "
                                 f"rank was in {self._record} waiting for {what} (gloo between "
                                 f"hosts)", self._job_ranks.index(silent[0]))
 
@@ -304,27 +305,33 @@ class GlooBackend(Backend):
         text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         where = f"{record}" if record is not None else "setting up the gloo engine"
         if "Timed out" in text or "timed out" in text:
-            return TimeoutError(f"rank {self.rank}: {where} timed out waiting for {what} (gloo "
+            return TimeoutError(f"rank {self._said_rank}: {where} timed out waiting for {what} (gloo "
                                 f"between hosts: {text})")
         if any(word in text for word in _LOST_WORDS):
             found = re.search(r"\[([0-9a-fA-F.:]+)\]:\d+", text)
             lost = self.peers.on_address(found.group(1)) if found else []
-            lost = [r for r in lost if r in self._job_ranks] or lost
+            lost = [r for r in lost if r in self._job_ranks and r != self._me()]
             if lost:
                 host = self.peers.hosts[lost[0]]
                 who = ", ".join(map(str, lost))
-                rank_here = self._job_ranks.index(lost[0]) if lost[0] in self._job_ranks else -1
+                heartbeat = self.peers.heartbeat
+                said = heartbeat.lost_said(lost) if heartbeat is not None else None
+                cause = (f"; rank {said[0]} had lost a peer itself: "
+                         f"{said[1].split(': ', 1)[-1]}") if said else \
+                    f": the process{'es' if len(lost) > 1 else ''} there died or the host went away"
+                there = [r for r, h in enumerate(self.peers.hosts) if h == host]
                 return PeerLostError(
-                    f"rank {self.rank}: lost the connection to host {host} (rank"
-                    f"{'s' if len(lost) > 1 else ''} {who}) in {where} waiting for {what}: the "
-                    f"process{'es' if len(lost) > 1 else ''} there died or the host went away "
-                    f"(gloo: {text})", rank_here)
-            return PeerLostError(f"rank {self.rank}: lost a peer's connection in {where} "
+                    f"rank {self._said_rank}: lost the connection to rank{'s' if len(lost) > 1 else ''}"
+                    f" {who} on host {host} (ranks {', '.join(map(str, there))} run there) in "
+                    f"{where} waiting for {what}"
+                    f"{cause} (gloo: {text.split('. This is typically')[0]})",
+                    self._job_ranks.index(lost[0]))
+            return PeerLostError(f"rank {self._said_rank}: lost a peer's connection in {where} "
                                  f"waiting for {what} (gloo: {text})", -1)
         if "size" in text.lower() and "mismatch" in text.lower():
-            return InvalidArgumentError(f"rank {self.rank}: {where}: the peer's message and "
+            return InvalidArgumentError(f"rank {self._said_rank}: {where}: the peer's message and "
                                         f"this rank's array differ in size (gloo: {text})")
-        return AnycclError(f"rank {self.rank}: {where} failed in gloo: {text}")
+        return AnycclError(f"rank {self._said_rank}: {where} failed in gloo: {text}")
 
     # ---- collectives -----------------------------------------------------------------------
     def begin(self, record: OpRecord, deadline: float) -> None:

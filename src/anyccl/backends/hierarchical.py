@@ -25,8 +25,13 @@ end (twice-divided integers would round differently).
 
 from __future__ import annotations
 
+import functools
+import socket
+from typing import Any, Callable
+
 import numpy as np
 
+from ..errors import PeerLostError
 from ..ops import ReduceOp, finish
 from ..trace import OpRecord
 from .base import Backend, Completion
@@ -41,6 +46,42 @@ def _plain(record: OpRecord) -> OpRecord:
     return inner
 
 
+def _explains_losses(method: Callable) -> Callable:
+    """A peer lost across hosts is told to this host's other ranks (through the store), which
+    only see this rank leave (see `_Local`)."""
+    @functools.wraps(method)
+    def guarded(self: HierarchicalBackend, *args: Any) -> Any:
+        try:
+            return method(self, *args)
+        except PeerLostError as exc:
+            if self._heartbeat is not None and not getattr(exc, "inside_host", False):
+                self._heartbeat.tell_lost(str(exc))
+            raise
+    return guarded
+
+
+class _Local:
+    """The shm backend of this host's ranks, whose lost-peer errors are said in the group's
+    rank numbers (shm counts only this host's ranks), with what the rank that left had lost,
+    when it left because it lost a rank of another host."""
+
+    def __init__(self, inner: Backend, owner: HierarchicalBackend) -> None:
+        self._inner, self._owner = inner, owner
+        self.name = inner.name
+
+    def __getattr__(self, name: str) -> Any:
+        attribute = getattr(self._inner, name)
+        if not callable(attribute):
+            return attribute
+
+        def call(*args: Any) -> Any:
+            try:
+                return attribute(*args)
+            except PeerLostError as exc:
+                raise self._owner._lost_inside(exc) from None
+        return call
+
+
 class HierarchicalBackend(Backend):
     """See the module's docstring. `hosts[r]` names the host of this group's rank r."""
 
@@ -49,7 +90,7 @@ class HierarchicalBackend(Backend):
         self.rank, self.size = rank, len(hosts)
         self.name = f"{local.name}+{net.name}"
         self.hosts = hosts
-        self._local, self._net = local, net
+        self._local, self._net = _Local(local, self), net
         order = list(dict.fromkeys(hosts))               # hosts in order of their first rank
         self._members = [[r for r in range(self.size) if hosts[r] == h] for h in order]
         self._position = {}
@@ -65,8 +106,29 @@ class HierarchicalBackend(Backend):
             self._column = net.subgroup(column, f"{name}-column{self._index}", timeout_s)
         self._owns = owns or []   # what closes with this backend (the heartbeat)
         self._record: OpRecord | None = None
+        heartbeat = getattr(getattr(net, "peers", None), "heartbeat", None)
+        self._heartbeat = heartbeat if heartbeat is not None else \
+            next((o for o in self._owns if hasattr(o, "tell_lost")), None)
+
+    def _lost_inside(self, exc: PeerLostError) -> PeerLostError:
+        """See `_Local`."""
+        text = str(exc)
+        members = self._members[self._host]
+        if not 0 <= exc.lost_rank < len(members):
+            return exc
+        lost = members[exc.lost_rank]
+        said = self._heartbeat.lost_said([lost]) if self._heartbeat is not None else None
+        why = text.split(": ", 1)[1] if ": " in text else text
+        renamed = why.replace(f"rank {exc.lost_rank} ", f"rank {lost} ", 1)
+        more = f"; it had lost a peer on another host: {said[1].split(': ', 1)[-1]}" \
+            if said else ""
+        error = PeerLostError(f"rank {self.rank} (on {socket.gethostname()}): {renamed}{more}",
+                              lost)
+        error.inside_host = True   # type: ignore[attr-defined]
+        return error
 
     # ---- per operation ---------------------------------------------------------------------
+    @_explains_losses
     def begin(self, record: OpRecord, deadline: float) -> None:
         self._record = record
         self._net.begin(record, deadline)          # compares the signature across all ranks
@@ -83,6 +145,7 @@ class HierarchicalBackend(Backend):
         self._record = None
 
     # ---- collectives -----------------------------------------------------------------------
+    @_explains_losses
     def all_reduce(self, x: np.ndarray, op: ReduceOp) -> None:
         column = self._column
         if column is None:
@@ -107,6 +170,7 @@ class HierarchicalBackend(Backend):
                 x[...] = whole[:n]
         finish(x, op, self.size)
 
+    @_explains_losses
     def reduce(self, x: np.ndarray, root: int, op: ReduceOp) -> None:
         if self._column is None:
             self._net.reduce(x, root, op)
@@ -121,6 +185,7 @@ class HierarchicalBackend(Backend):
         if self.rank == root:
             finish(x, op, self.size)
 
+    @_explains_losses
     def broadcast(self, x: np.ndarray, root: int) -> None:
         if self._column is None:
             self._net.broadcast(x, root)
@@ -130,6 +195,7 @@ class HierarchicalBackend(Backend):
             self._column.broadcast(x, root_host)
         self._local.broadcast(x, root_index)
 
+    @_explains_losses
     def all_gather(self, outs: list[np.ndarray], x: np.ndarray) -> None:
         if self._column is None:
             self._net.all_gather(outs, x)
@@ -146,6 +212,7 @@ class HierarchicalBackend(Backend):
             at = (i * hosts + h) * s
             out.reshape(-1)[...] = blocks[at:at + s]
 
+    @_explains_losses
     def reduce_scatter(self, out: np.ndarray, inputs: list[np.ndarray], op: ReduceOp) -> None:
         if self._column is None:
             self._net.reduce_scatter(out, inputs, op)
@@ -161,15 +228,19 @@ class HierarchicalBackend(Backend):
                                                       for h in range(hosts)], base)
         finish(out, op, self.size)
 
+    @_explains_losses
     def gather(self, x: np.ndarray, outs: list[np.ndarray] | None, root: int) -> None:
         self._net.gather(x, outs, root)
 
+    @_explains_losses
     def scatter(self, out: np.ndarray, chunks: list[np.ndarray] | None, root: int) -> None:
         self._net.scatter(out, chunks, root)
 
+    @_explains_losses
     def all_to_all(self, outs: list[np.ndarray], inputs: list[np.ndarray]) -> None:
         self._net.all_to_all(outs, inputs)
 
+    @_explains_losses
     def barrier(self) -> None:
         self._net.barrier()
 
@@ -197,6 +268,7 @@ class HierarchicalBackend(Backend):
     def wake(self) -> None:
         self._net.wake()
 
+    @_explains_losses
     def wait_for_messages(self, finished, record: OpRecord, deadline: float) -> None:
         self._net.wait_for_messages(finished, record, deadline)
 

@@ -220,12 +220,13 @@ def abort_job_on_uncaught_exceptions() -> None:
 
 
 class _Pending:
-    __slots__ = ("request", "on_done", "record", "deadline", "check", "keep")
+    __slots__ = ("request", "on_done", "record", "deadline", "check", "keep", "tag")
 
     def __init__(self, request: Any, on_done: Completion, record: OpRecord, deadline: float,
                  check: Callable[[Any], BaseException | None] | None, keep: Any) -> None:
         self.request, self.on_done, self.record = request, on_done, record
         self.deadline, self.check, self.keep = deadline, check, keep
+        self.tag = -1   # an any-source receive not yet matched: the MPI tag it waits for
 
 
 class MpiBackend(Backend):
@@ -253,6 +254,7 @@ class MpiBackend(Backend):
         self._ops: dict[tuple[ReduceOp, np.dtype], tuple[Any, Any]] = {}
         self._types: list[Any] = []
         self._tag_limit = (int(self._comm.Get_attr(self.MPI.TAG_UB)) + 1) // _CODES
+        self._next_source = 0   # where the next any-source receive starts probing
         self._closed = False
         self._agrees = self.size > 1 and settings.MPI_AGREE.get()
         self._signature = array.array("q", bytes(32))      # this rank's, for _agree
@@ -542,9 +544,8 @@ class MpiBackend(Backend):
                   deadline: float, on_done: Completion,
                   found: Callable[[int], None] | None = None) -> None:
         mpi_tag = self._mpi_tag(tag, x.dtype, record)
-        source = self.MPI.ANY_SOURCE if src is None else src
-        self._check_mismatch(x, source, tag, mpi_tag, record)
-        request = self._comm.Irecv(self._bytes(x), source, mpi_tag)
+        if src is not None:
+            self._check_mismatch(x, src, tag, mpi_tag, record)
 
         def check(st: Any) -> BaseException | None:
             sender = st.Get_source()
@@ -555,7 +556,25 @@ class MpiBackend(Backend):
                 return self._size_mismatch(x, sender, tag, got, record)
             return None
 
+        # From any source: found by probing each peer in turn, then received from that one. An
+        # MPI_ANY_SOURCE receive was seen to miss a message for ever (MPICH 5.0, ranks on two
+        # hosts: shared memory and network both in play).
+        request = None if src is None else self._comm.Irecv(self._bytes(x), src, mpi_tag)
         self._pending.append(_Pending(request, on_done, record, deadline, check, x))
+        if src is None:
+            self._pending[-1].tag = mpi_tag
+
+    def _probe_any(self, p: _Pending) -> bool:
+        """Start the receive of an any-source message once a peer's message with its tag is
+        there (the first peer found, starting after the last one served)."""
+        status = self.MPI.Status()
+        for step in range(self.size):
+            peer = (self._next_source + step) % self.size
+            if self._comm.Iprobe(peer, p.tag, status):
+                self._next_source = (peer + 1) % self.size
+                p.request = self._comm.Irecv(self._bytes(p.keep), peer, p.tag)
+                return True
+        return False
 
     def _size_mismatch(self, x: np.ndarray, src: int, tag: int, got: int | None,
                        record: OpRecord) -> InvalidArgumentError:
@@ -593,6 +612,14 @@ class MpiBackend(Backend):
         still = []
         for p in self._pending:
             status = self.MPI.Status()
+            if p.request is None and not self._probe_any(p):
+                if now >= p.deadline:
+                    p.on_done(TimeoutError(f"rank {self.rank}: {p.record} timed out after "
+                                           f"{now - p.record.issued_at:.3g} s waiting for its "
+                                           f"peer (mpi backend)" + self._what_peers_do()))
+                else:
+                    still.append(p)
+                continue
             try:
                 done = p.request.Test(status)
             except self.MPI.Exception as exc:  # a message longer than the receiving array

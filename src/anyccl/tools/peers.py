@@ -120,9 +120,13 @@ def _torch_group(comm: Communicator, device: str) -> Any:
     if comm.rank == 0:
         import socket
 
+        from ..netaddr import reachable_address
+
+        # across hosts: where the others reach rank 0 (as anyccl's own rendezvous)
+        host = reachable_address() if len(set(comm.hosts)) > 1 else "127.0.0.1"
         with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+            s.bind((host, 0))
+            address = f"tcp://{host}:{s.getsockname()[1]}"
     address = comm.broadcast_object(address, 0)
     if device == "cpu":
         dist.init_process_group("gloo", init_method=address, rank=comm.rank,

@@ -437,6 +437,12 @@ def creator(policy: str) -> Callable[[GpuContext], IpcBackend | NcclBackend]:
     def create(ctx: GpuContext) -> IpcBackend | NcclBackend:
         gpu.set_device(ctx.device)
         ctx.meet()  # NCCL's own rendezvous has no deadline and cannot be aborted: meet first
+        if len(set(getattr(ctx.host, "hosts", ()))) > 1:
+            # ranks on several hosts: peer memory cannot reach between them, so every GPU
+            # collective runs on NCCL (its own network transport); a group inside one host
+            # (a split) has a host backend of that host alone, and gets the kernels
+            return NcclBackend.create(ctx.store, f"{ctx.key}/nccl", ctx.rank, ctx.size,
+                                      ctx.device, ctx.label, ctx.timeout_s, ctx.host.lost_peer)
         return IpcBackend.create(ctx.store, ctx.key, ctx.rank, ctx.size, ctx.device, ctx.label,
                                  ctx.timeout_s, ctx.host.lost_peer, policy=policy)
     return create
