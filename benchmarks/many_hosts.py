@@ -161,11 +161,13 @@ def write(ns: argparse.Namespace, results: dict, report: list) -> None:
              f"{ns.rate} burst 256kb latency 50ms` (netem is not in this kernel: no added delay)",
              "- each row: the median of the rounds, libraries alternating; busbw = S * 2(n-1)/n "
              "/ t for all_reduce (nccl-tests' factors for the others)", ""]
+    from anyccl.tools.bench import comparison_variant
+
     for op, (bench, data, _) in results.items():
-        rows = [r for r in data["rows"] if r["variant"] == ("in-place" if op == "all_reduce"
-                                                             else "out-of-place")]
+        rows = [r for r in data["rows"] if r["variant"] == comparison_variant(op)]
         libs = list(dict.fromkeys(r["library"] for r in rows))
-        lines += [f"## {op}", "", f"`mpiexec ... {' '.join(bench[1:])}`", "",
+        lines += [f"## {op} (busbw, {comparison_variant(op)})", "",
+                  f"`mpiexec ... {' '.join(bench[1:])}`", "",
                   "| size | " + " | ".join(f"{lib} busbw GB/s" for lib in libs)
                   + " | shm+mpi / gloo | shm+mpi / MPICH | shm+gloo / gloo | shm+gloo / MPICH |",
                   "|---:|" + "---:|" * (len(libs) + 4)]

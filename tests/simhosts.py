@@ -274,9 +274,11 @@ def _child_of(pid: int) -> int:
 
 
 class _Relay:
-    """Serves the ssh stand-in: each connection brings (host, command) and three file
-    descriptors; the command runs on that host with them, and its exit code goes back. A
-    stand-in that goes away (its launcher killed it) takes its command with it."""
+    """Serves the ssh stand-in: each connection brings (host, command, the stand-in's
+    environment) and three file descriptors; the command runs on that host with them, and its
+    exit code goes back. A stand-in that goes away (its launcher killed it) takes its command
+    with it. (Unlike ssh, the environment of the launcher travels: the simulated hosts share
+    one filesystem, and the launcher's PATH is where its programs are.)"""
 
     def __init__(self, path: str, hosts: dict[str, int], cluster: Cluster) -> None:
         import socket
@@ -309,13 +311,14 @@ class _Relay:
         assert isinstance(conn, socket.socket)
         with conn:
             message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
-            host, command = json.loads(message)
+            host, command, env = json.loads(message)
             try:
                 if host not in self._hosts or len(fds) != 3:
                     conn.sendall(b"255")
                     return
                 proc = subprocess.Popen([*self._cluster.enter(self._hosts[host]), "sh", "-c",
-                                         command], stdin=fds[0], stdout=fds[1], stderr=fds[2])
+                                         command], stdin=fds[0], stdout=fds[1], stderr=fds[2],
+                                        env=env)
             finally:
                 for fd in fds:
                     os.close(fd)
@@ -353,7 +356,8 @@ if len(args) < 2:
 host = args.pop(0).split("@")[-1]
 relay = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 relay.connect(SOCKET)
-socket.send_fds(relay, [json.dumps([host, " ".join(args)]).encode()], [0, 1, 2])
+socket.send_fds(relay, [json.dumps([host, " ".join(args), dict(os.environ)]).encode()],
+                [0, 1, 2])
 code = relay.recv(16)
 sys.exit(int(code) if code else 255)
 '''

@@ -104,18 +104,22 @@ def _lines(results: list[tuple[int, str]], pattern: str) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("launcher, hosts, per_host, engine", [
-    ("anyccl run", 2, 2, "shm+gloo"),
-    ("anyccl run", 3, 2, "shm+gloo"),
-    ("torchrun", 2, 2, "shm+gloo"),
-    ("mpiexec", 2, 2, "shm+mpi"),
-    ("mpiexec", 3, 2, "shm+mpi"),
-    ("srun", 2, 2, "shm+gloo"),
+@pytest.mark.parametrize("launcher, hosts, per_host, engine, debug", [
+    ("anyccl run", 2, 2, "shm+gloo", "0"),
+    ("anyccl run", 3, 2, "shm+gloo", "0"),
+    ("anyccl run", 2, 2, "shm+gloo", "1"),
+    ("torchrun", 2, 2, "shm+gloo", "0"),
+    ("mpiexec", 2, 2, "shm+mpi", "0"),
+    ("mpiexec", 3, 2, "shm+mpi", "0"),
+    ("mpiexec", 2, 2, "shm+mpi", "1"),
+    ("srun", 2, 2, "shm+gloo", "0"),
 ])
 def test_every_collective_runs_across_hosts_with_each_launcher(launcher, hosts, per_host,
-                                                               engine):
+                                                               engine, debug):
+    """debug=1: with debug mode's check before every collective too."""
     with Cluster(hosts) as cluster:
-        results = finish(launch(cluster, launcher, per_host, ["suite"], _env()))
+        results = finish(launch(cluster, launcher, per_host, ["suite"],
+                                _env(ANYCCL_DEBUG=debug)))
         for code, text in results:
             assert code == 0, text[-4000:]
         oks = _lines(results, r"rank \d+ ok")

@@ -74,6 +74,10 @@ class Communicator:
     ``async_op=True`` they return a `Work` instead, and collectives complete in issue order.
     Messages between one pair of ranks with one tag are received in the order they were sent.
 
+    `hosts` names the host of every rank; `backend` names the backend serving host arrays (and
+    the GPU backend once it exists), and `backend_reason` says why it was chosen (e.g. "ranks
+    on 2 hosts: shared memory inside each host, torch's gloo between hosts").
+
     Example, on 2 ranks::
 
         comm = anyccl.init()

@@ -36,12 +36,14 @@ from ..buffers import BFLOAT16, SUPPORTED_DTYPES
 from ..errors import AnycclError, InvalidArgumentError, PeerLostError, TimeoutError
 from ..heartbeat import Heartbeat
 from ..ops import ReduceOp, accumulate, finish
+from ..ops import finish as finish_op
 from ..store import Store
 from ..trace import OpRecord
 from .base import Backend, Completion
 
 _CODES = 16           # the low 4 bits of a Gloo tag name the dtype (as on mpi)
-_SPIN_S = 0.002       # how long a wait polls without sleeping
+_SPIN_S = 0.002       # how long a wait for messages polls without sleeping
+_QUICK_POLLS = 200    # polls of a collective before its wait blocks
 _WATCH_AFTER_S = 1.0  # a wait this long starts asking the heartbeat about peers
 _REASON_BYTES = 448   # a refusal reason, as exchanged when signatures differ
 _NATIVE_REDUCE = {"float16", "float32", "float64", "int8", "uint8", "int32", "int64",
@@ -217,7 +219,8 @@ class GlooBackend(Backend):
         self._late_error: BaseException | None = None
         self._subgroups = 0
         self._closed = False
-        self._sig = np.zeros(4, np.int64)
+        # set by a composite backend that starts the agreement itself (start_agreement)
+        self.defer_agreement = False
         self._torch = sys.modules["torch"]
 
     # ---- helpers -------------------------------------------------------------------------
@@ -244,19 +247,27 @@ class GlooBackend(Backend):
         return opts
 
     def _wait(self, work: Any, what: str) -> None:
-        """Poll `work` until it completes: TimeoutError at the operation's deadline,
-        PeerLostError when a peer is lost (a connection Gloo lost, or a silent peer)."""
-        started = time.monotonic()
-        delay = 0.0
-        while not work.is_completed():
-            now = time.monotonic()
-            if now >= self._deadline:
-                raise self._timed_out(what, now)
-            if now - started > _SPIN_S:
-                delay = min(1e-3, delay + 2e-5)
-                time.sleep(delay)
+        """Wait for `work`: TimeoutError at the operation's deadline, PeerLostError when a peer
+        is lost (a connection Gloo lost, or a silent peer). A few polls first (a small
+        operation is often done), then blocking waits of at most 50 ms, which leave the cores
+        to Gloo's own threads."""
+        for _ in range(_QUICK_POLLS):
+            if work.is_completed():
+                break
+        else:
+            started = time.monotonic()
+            while True:
+                now = time.monotonic()
+                if now >= self._deadline:
+                    raise self._timed_out(what, now)
                 if now - started > _WATCH_AFTER_S:
                     self._check_peers(what)
+                try:
+                    work.wait(timedelta(seconds=min(0.05, self._deadline - now)))
+                    break
+                except Exception:  # noqa: BLE001 - a slice ran out (or gloo failed: below)
+                    if work.is_completed():   # it may have finished just as the slice ran out
+                        break
         try:
             work.wait()
         except Exception as exc:  # noqa: BLE001 - gloo's own errors, said in anyccl's words
@@ -274,8 +285,8 @@ class GlooBackend(Backend):
                 more = f"; {heartbeat.describe(silent)}"
             elif cut:
                 more = f"; {cut}"
-        return TimeoutError(f"rank {self._said_rank}: {record} timed out after {waited:.3g} s waiting "
-                            f"for {what} (gloo between hosts){more}")
+        return TimeoutError(f"rank {self._said_rank}: {record} timed out after {waited:.3g} s "
+                            f"waiting for {what} (gloo between hosts){more}")
 
     def _me(self) -> int:
         return self._job_ranks[self.rank]
@@ -305,8 +316,8 @@ class GlooBackend(Backend):
         text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         where = f"{record}" if record is not None else "setting up the gloo engine"
         if "Timed out" in text or "timed out" in text:
-            return TimeoutError(f"rank {self._said_rank}: {where} timed out waiting for {what} (gloo "
-                                f"between hosts: {text})")
+            return TimeoutError(f"rank {self._said_rank}: {where} timed out waiting for {what} "
+                                f"(gloo between hosts: {text})")
         if any(word in text for word in _LOST_WORDS):
             found = re.search(r"\[([0-9a-fA-F.:]+)\]:\d+", text)
             lost = self.peers.on_address(found.group(1)) if found else []
@@ -320,9 +331,10 @@ class GlooBackend(Backend):
                          f"{said[1].split(': ', 1)[-1]}") if said else \
                     f": the process{'es' if len(lost) > 1 else ''} there died or the host went away"
                 there = [r for r, h in enumerate(self.peers.hosts) if h == host]
+                plural = "s" if len(lost) > 1 else ""
                 return PeerLostError(
-                    f"rank {self._said_rank}: lost the connection to rank{'s' if len(lost) > 1 else ''}"
-                    f" {who} on host {host} (ranks {', '.join(map(str, there))} run there) in "
+                    f"rank {self._said_rank}: lost the connection to rank{plural} {who} on host "
+                    f"{host} (ranks {', '.join(map(str, there))} run there) in "
                     f"{where} waiting for {what}"
                     f"{cause} (gloo: {text.split('. This is typically')[0]})",
                     self._job_ranks.index(lost[0]))
@@ -339,33 +351,39 @@ class GlooBackend(Backend):
         if self._late_error is not None:
             error, self._late_error = self._late_error, None
             raise error
-        if record.agree is not None and self.size > 1:
+        if record.agree is not None and self.size > 1 and not self.defer_agreement:
             self._agree(record.agree)
 
     def _agree(self, agree: tuple) -> None:
         """Signatures compared across ranks before the collective moves a byte (see the
         module's docstring); every rank raises the same CollectiveMismatchError."""
+        self.start_agreement(agree)()
+
+    def start_agreement(self, agree: tuple) -> Callable[[], None]:
+        """Start `_agree`'s all-reduce; return the function that finishes it (and raises where
+        signatures differ), so a caller may do work that touches no peer's data meanwhile."""
         word, count = agree[0], agree[1]
-        sig = self._sig
-        sig[:] = (word, count, -word, -count)
-        self._wait(self._pg.allreduce([self._torch.from_numpy(sig)],
-                                      self._opts("AllreduceOptions",
-                                                 reduceOp=self._dist.ReduceOp.MAX)),
-                   "the other ranks to reach the collective")
-        if sig[0] == -sig[2] and sig[1] == -sig[3]:
-            return
-        mine = np.zeros(2 + _REASON_BYTES // 8, np.int64)
-        mine[0], mine[1] = word, count
-        reason = (agree[2] if len(agree) > 2 else "").encode()[:_REASON_BYTES]
-        mine[2:].view(np.uint8)[:len(reason)] = np.frombuffer(reason, np.uint8)
-        everyone = [np.zeros_like(mine) for _ in range(self.size)]
-        self._wait(self._pg.allgather([[self._torch.from_numpy(e) for e in everyone]],
-                                      [self._torch.from_numpy(mine)]),
-                   "the other ranks' signatures")
-        words = [(int(e[0]), int(e[1])) for e in everyone]
-        reasons = {r: bytes(e[2:].view(np.uint8)).rstrip(b"\0").decode(errors="replace")
-                   for r, e in enumerate(everyone) if e[2:].any()}
-        raise agreement.mismatch(self.rank, self._record, words, reasons, "gloo")
+        sig = np.array([word, count, -word, -count], np.int64)
+        work = self._pg.allreduce([self._torch.from_numpy(sig)],
+                                  self._opts("AllreduceOptions", reduceOp=self._dist.ReduceOp.MAX))
+
+        def finish() -> None:
+            self._wait(work, "the other ranks to reach the collective")
+            if sig[0] == -sig[2] and sig[1] == -sig[3]:
+                return
+            mine = np.zeros(2 + _REASON_BYTES // 8, np.int64)
+            mine[0], mine[1] = word, count
+            reason = (agree[2] if len(agree) > 2 else "").encode()[:_REASON_BYTES]
+            mine[2:].view(np.uint8)[:len(reason)] = np.frombuffer(reason, np.uint8)
+            everyone = [np.zeros_like(mine) for _ in range(self.size)]
+            self._wait(self._pg.allgather([[self._torch.from_numpy(e) for e in everyone]],
+                                          [self._torch.from_numpy(mine)]),
+                       "the other ranks' signatures")
+            words = [(int(e[0]), int(e[1])) for e in everyone]
+            reasons = {r: bytes(e[2:].view(np.uint8)).rstrip(b"\0").decode(errors="replace")
+                       for r, e in enumerate(everyone) if e[2:].any()}
+            raise agreement.mismatch(self.rank, self._record, words, reasons, "gloo")
+        return finish
 
     def end(self, record: OpRecord) -> None:
         self._record = None
@@ -396,13 +414,20 @@ class GlooBackend(Backend):
         finish(out, op, self.size)
 
     def all_reduce(self, x: np.ndarray, op: ReduceOp) -> None:
+        self.all_reduce_start(x, op)()
+
+    def all_reduce_start(self, x: np.ndarray, op: ReduceOp) -> Callable[[], None]:
+        """Start an all_reduce of `x`; return the function that finishes it (x holds the
+        result after), so that a caller can overlap it with work of its own."""
         if not self._native(x.dtype, op):
-            self._reduce_gathered(self._gathered(x), x, op)
-            return
-        self._wait(self._pg.allreduce([self._t(x)], self._opts("AllreduceOptions",
-                                                               reduceOp=self._reduce_op(op))),
-                   "the other ranks' all_reduce")
-        finish(x, op, self.size)
+            return lambda: self._reduce_gathered(self._gathered(x), x, op)
+        work = self._pg.allreduce([self._t(x)], self._opts("AllreduceOptions",
+                                                           reduceOp=self._reduce_op(op)))
+
+        def finish() -> None:
+            self._wait(work, "the other ranks' all_reduce")
+            finish_op(x, op, self.size)
+        return finish
 
     def reduce(self, x: np.ndarray, root: int, op: ReduceOp) -> None:
         if not self._native(x.dtype, op):

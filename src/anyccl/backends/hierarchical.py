@@ -31,12 +31,17 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..errors import PeerLostError
+from ..errors import CollectiveMismatchError, PeerLostError
 from ..ops import ReduceOp, finish
 from ..trace import OpRecord
 from .base import Backend, Completion
 
 SLICE_MIN_BYTES = 64 << 10   # all_reduce below this: inside, then on every column at once
+# a large all_reduce crosses the network in chunks of this many bytes (or more, at most
+# MAX_CHUNKS of them), by engine: each of gloo's operations costs about 1-2 ms here, MPI's less
+# (2 and 3 hosts x 2 ranks, links at 2 Gbit/s: benchmarks/results/2026-11-25-ci2core-*-hosts-*)
+CHUNK_BYTES = {"gloo": 2 << 20, "mpi": 512 << 10}
+MAX_CHUNKS = 16
 
 
 def _plain(record: OpRecord) -> OpRecord:
@@ -56,6 +61,9 @@ def _explains_losses(method: Callable) -> Callable:
         except PeerLostError as exc:
             if self._heartbeat is not None and not getattr(exc, "inside_host", False):
                 self._heartbeat.tell_lost(str(exc))
+            raise
+        except CollectiveMismatchError:
+            self._agreed()   # shm saw this host's ranks differ: say what every rank called
             raise
     return guarded
 
@@ -91,6 +99,8 @@ class HierarchicalBackend(Backend):
         self.name = f"{local.name}+{net.name}"
         self.hosts = hosts
         self._local, self._net = _Local(local, self), net
+        net.defer_agreement = True   # begin() starts it, and each step awaits it in time
+        self._agreement: Callable[[], None] | None = None
         order = list(dict.fromkeys(hosts))               # hosts in order of their first rank
         self._members = [[r for r in range(self.size) if hosts[r] == h] for h in order]
         self._position = {}
@@ -131,13 +141,24 @@ class HierarchicalBackend(Backend):
     @_explains_losses
     def begin(self, record: OpRecord, deadline: float) -> None:
         self._record = record
-        self._net.begin(record, deadline)          # compares the signature across all ranks
-        inner = _plain(record)
-        self._local.begin(inner, deadline)
+        # the signature: compared inside the host by shm at its first step, and across every
+        # rank on the engine, started here and awaited (`_agreed`) before anything is written
+        # that another rank or the caller can see
+        self._local.begin(record, deadline)
+        self._net.begin(record, deadline)
         if self._column is not None:
-            self._column.begin(inner, deadline)
+            self._column.begin(_plain(record), deadline)
+        self._agreement = None if record.agree is None else \
+            self._net.start_agreement(record.agree)
+
+    def _agreed(self) -> None:
+        """Wait for the signatures' comparison across every rank (raises where they differ)."""
+        pending, self._agreement = self._agreement, None
+        if pending is not None:
+            pending()
 
     def end(self, record: OpRecord) -> None:
+        self._agreed()
         self._local.end(record)
         self._net.end(record)
         if self._column is not None:
@@ -149,36 +170,60 @@ class HierarchicalBackend(Backend):
     def all_reduce(self, x: np.ndarray, op: ReduceOp) -> None:
         column = self._column
         if column is None:
+            self._agreed()
             self._net.all_reduce(x, op)
             return
         base = ReduceOp.SUM if op is ReduceOp.AVG else op
         per_host, n = self._per_host, x.size
         if x.nbytes < SLICE_MIN_BYTES or n < per_host:
-            self._local.all_reduce(x, base)
-            column.all_reduce(x, base)
-        else:
-            piece = -(-n // per_host)
-            whole = x if piece * per_host == n else np.zeros(piece * per_host, x.dtype)
-            if whole is not x:
-                whole[:n] = x
-            pieces = [whole[i * piece:(i + 1) * piece] for i in range(per_host)]
-            mine = np.empty(piece, x.dtype)
-            self._local.reduce_scatter(mine, pieces, base)
+            mine = x.copy()          # x is written only once every rank has agreed
+            self._local.all_reduce(mine, base)
+            self._agreed()
             column.all_reduce(mine, base)
-            self._local.all_gather(pieces, mine)
-            if whole is not x:
-                x[...] = whole[:n]
+            x[...] = mine
+            finish(x, op, self.size)
+            return
+        # in chunks, so that chunk k crosses the network while chunk k+1 is reduced inside
+        # the host and chunk k-1 gathered back
+        chunks = max(1, min(MAX_CHUNKS, x.nbytes // CHUNK_BYTES.get(self._net.name, 1 << 20)))
+        piece = -(-n // (per_host * chunks))
+        span = piece * per_host
+        whole = x if span * chunks == n else np.zeros(span * chunks, x.dtype)
+        if whole is not x:
+            whole[:n] = x
+        mine = np.empty((chunks, piece), x.dtype)
+        waiting: tuple | None = None
+        for k in range(chunks):
+            chunk = whole[k * span:(k + 1) * span]
+            pieces = [chunk[i * piece:(i + 1) * piece] for i in range(per_host)]
+            self._local.reduce_scatter(mine[k], pieces, base)
+            if k == 0:
+                self._agreed()
+            started = column.all_reduce_start(mine[k], base)
+            if waiting is not None:
+                self._gather_back(*waiting)
+            waiting = (started, pieces, mine[k])
+        self._gather_back(*waiting)
+        if whole is not x:
+            x[...] = whole[:n]
         finish(x, op, self.size)
+
+    def _gather_back(self, crossing: Callable[[], None], pieces: list[np.ndarray],
+                     mine: np.ndarray) -> None:
+        crossing()
+        self._local.all_gather(pieces, mine)
 
     @_explains_losses
     def reduce(self, x: np.ndarray, root: int, op: ReduceOp) -> None:
         if self._column is None:
+            self._agreed()
             self._net.reduce(x, root, op)
             return
         base = ReduceOp.SUM if op is ReduceOp.AVG else op
         root_host, root_index = self._position[root]
         leads = self._index == root_index     # this rank reduces its host's part
         target = x if self.rank == root or not leads else x.copy()
+        self._agreed()
         self._local.reduce(target, root_index, base)
         if leads:
             self._column.reduce(target, root_host, base)
@@ -187,6 +232,7 @@ class HierarchicalBackend(Backend):
 
     @_explains_losses
     def broadcast(self, x: np.ndarray, root: int) -> None:
+        self._agreed()
         if self._column is None:
             self._net.broadcast(x, root)
             return
@@ -197,6 +243,7 @@ class HierarchicalBackend(Backend):
 
     @_explains_losses
     def all_gather(self, outs: list[np.ndarray], x: np.ndarray) -> None:
+        self._agreed()
         if self._column is None:
             self._net.all_gather(outs, x)
             return
@@ -214,6 +261,7 @@ class HierarchicalBackend(Backend):
 
     @_explains_losses
     def reduce_scatter(self, out: np.ndarray, inputs: list[np.ndarray], op: ReduceOp) -> None:
+        self._agreed()
         if self._column is None:
             self._net.reduce_scatter(out, inputs, op)
             return
@@ -230,18 +278,22 @@ class HierarchicalBackend(Backend):
 
     @_explains_losses
     def gather(self, x: np.ndarray, outs: list[np.ndarray] | None, root: int) -> None:
+        self._agreed()
         self._net.gather(x, outs, root)
 
     @_explains_losses
     def scatter(self, out: np.ndarray, chunks: list[np.ndarray] | None, root: int) -> None:
+        self._agreed()
         self._net.scatter(out, chunks, root)
 
     @_explains_losses
     def all_to_all(self, outs: list[np.ndarray], inputs: list[np.ndarray]) -> None:
+        self._agreed()
         self._net.all_to_all(outs, inputs)
 
     @_explains_losses
     def barrier(self) -> None:
+        self._agreed()
         self._net.barrier()
 
     # ---- point to point: on the network engine ----------------------------------------------
@@ -250,7 +302,8 @@ class HierarchicalBackend(Backend):
         self._net.post_send(x, dst, tag, record, deadline, on_done)
 
     def post_recv(self, x: np.ndarray, src: int | None, tag: int, record: OpRecord,
-                  deadline: float, on_done: Completion, found=None) -> None:
+                  deadline: float, on_done: Completion,
+                  found: Callable[[int], None] | None = None) -> None:
         self._net.post_recv(x, src, tag, record, deadline, on_done, found)
 
     def has_pending(self) -> bool:
@@ -269,7 +322,8 @@ class HierarchicalBackend(Backend):
         self._net.wake()
 
     @_explains_losses
-    def wait_for_messages(self, finished, record: OpRecord, deadline: float) -> None:
+    def wait_for_messages(self, finished: Callable[[], bool], record: OpRecord,
+                          deadline: float) -> None:
         self._net.wait_for_messages(finished, record, deadline)
 
     # ---- groups and lifetime ---------------------------------------------------------------
@@ -294,7 +348,7 @@ class HierarchicalBackend(Backend):
                 part.close()
 
 
-def creator(engine: str):
+def creator(engine: str) -> Callable[[Any], HierarchicalBackend]:
     """The `create` of backend `shm+<engine>` (engine: "gloo" or "mpi") for the registry."""
     from .registry import HostContext
 
@@ -344,7 +398,7 @@ def creator(engine: str):
     return create
 
 
-def status(engine: str):
+def status(engine: str) -> Callable[[], str]:
     """What `anyccl info` says of `shm+<engine>` here."""
     def says() -> str:
         import importlib.util

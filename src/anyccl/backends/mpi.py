@@ -45,6 +45,7 @@ from ..errors import (
     UnsupportedError,
 )
 from ..ops import ReduceOp, accumulate, dtype_kind, finish
+from ..ops import finish as finish_op
 from ..store import Store
 from ..trace import OpRecord, format_bytes
 from .base import Backend, Completion
@@ -255,6 +256,8 @@ class MpiBackend(Backend):
         self._types: list[Any] = []
         self._tag_limit = (int(self._comm.Get_attr(self.MPI.TAG_UB)) + 1) // _CODES
         self._next_source = 0   # where the next any-source receive starts probing
+        # set by a composite backend that starts the agreement itself (start_agreement)
+        self.defer_agreement = False
         self._closed = False
         self._agrees = self.size > 1 and settings.MPI_AGREE.get()
         self._signature = array.array("q", bytes(32))      # this rank's, for _agree
@@ -332,29 +335,50 @@ class MpiBackend(Backend):
         if self._late_error is not None:
             error, self._late_error = self._late_error, None
             raise error
-        if record.agree is not None and self._agrees:
+        if record.agree is not None and self._agrees and not self.defer_agreement:
             self._agree(record.agree)
 
     def _agree(self, agree: tuple) -> None:
         """The collective's signature (agreement.py) compared across ranks before it runs: one
         all-reduce (MAX) of (word, count, -word, -count) finds any difference; only then do
         the ranks gather every signature (and refusal reason) to say what differed."""
+        self.start_agreement(agree)()
+
+    def start_agreement(self, agree: tuple) -> Callable[[], None]:
+        """Start `_agree`'s all-reduce and return the function that finishes it (raising
+        CollectiveMismatchError on every rank where signatures differ), so that a caller can
+        do work of its own that touches no peer's data in between (hierarchical.py)."""
         word, count = agree[0], agree[1]
         _SIGNATURE.pack_into(self._signature, 0, word, count, -word, -count)
         request = self._comm.Iallreduce(self._signature, self._signature_max, self.MPI.MAX)
-        for _ in range(_QUICK_TESTS):   # the common case: every rank is already there
-            if request.Test():
-                break
-        else:
-            self._complete(request, "the other ranks to reach the collective")
-        top_word, top_count, low_word, low_count = _SIGNATURE.unpack_from(self._signature_max)
-        if top_word == -low_word and top_count == -low_count:
-            return
-        everyone = self._comm.allgather((agree[0], agree[1], agree[2] if len(agree) > 2
-                                         else ""))
-        words = [(w, c) for w, c, _ in everyone]
-        reasons = {r: why for r, (_, _, why) in enumerate(everyone) if why}
-        raise agreement.mismatch(self.rank, self._record, words, reasons, self.name)
+
+        def finish() -> None:
+            for _ in range(_QUICK_TESTS):   # the common case: every rank is already there
+                if request.Test():
+                    break
+            else:
+                self._complete(request, "the other ranks to reach the collective")
+            top_word, top_count, low_word, low_count = _SIGNATURE.unpack_from(
+                self._signature_max)
+            if top_word == -low_word and top_count == -low_count:
+                return
+            everyone = self._comm.allgather((agree[0], agree[1], agree[2] if len(agree) > 2
+                                             else ""))
+            words = [(w, c) for w, c, _ in everyone]
+            reasons = {r: why for r, (_, _, why) in enumerate(everyone) if why}
+            raise agreement.mismatch(self.rank, self._record, words, reasons, self.name)
+        return finish
+
+    def all_reduce_start(self, x: np.ndarray, op: ReduceOp) -> Callable[[], None]:
+        """Start an all_reduce of `x` and return the function that finishes it (x holds the
+        result after), so that a caller can overlap it with work of its own."""
+        _, mpi_op = self._reduction(op, x.dtype)
+        request = self._comm.Iallreduce(self.MPI.IN_PLACE, self._reduced(x, op), mpi_op)
+
+        def finish() -> None:
+            self._complete(request, "the other ranks' all_reduce")
+            finish_op(x, op, self.size)
+        return finish
 
     def end(self, record: OpRecord) -> None:
         self._record = None

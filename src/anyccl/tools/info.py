@@ -152,8 +152,19 @@ def main(argv: list[str] | None = None) -> int:
     print("\nrouting: host arrays (NumPy, torch CPU) -> shm (mpi when started by mpiexec); GPU "
           "arrays (torch, CuPy, JAX, DLPack) -> "
           + ("nccl" if _try(_nccl_version) else "nccl once installed"))
+    print("  ranks on several hosts: host arrays -> shm+mpi under mpiexec, else shm+gloo (shm "
+          "inside each host, MPI or torch's gloo between); GPU arrays -> nccl")
+    print(f"  address other hosts reach this one at: {_try(_address, 'none found')}")
     print(f"\ntorch.distributed backend: {torch_backend()}")
     return 0
+
+
+def _address() -> str:
+    from ..netaddr import named_interface, reachable_address
+
+    name = named_interface()
+    how = f"interface {name}" if name else "the hostname's address, else the first interface"
+    return f"{reachable_address()} ({how})"
 
 
 def _cuda_calls() -> str:
