@@ -37,10 +37,11 @@ from ..trace import OpRecord
 from .base import Backend, Completion
 
 SLICE_MIN_BYTES = 64 << 10   # all_reduce below this: inside, then on every column at once
-# a large all_reduce crosses the network in chunks of this many bytes (or more, at most
-# MAX_CHUNKS of them), by engine: each of gloo's operations costs about 1-2 ms here, MPI's less
-# (2 and 3 hosts x 2 ranks, links at 2 Gbit/s: benchmarks/results/2026-11-25-ci2core-*-hosts-*)
-CHUNK_BYTES = {"gloo": 2 << 20, "mpi": 512 << 10}
+# a large all_reduce crosses the network in chunks of this many bytes (or more: at most
+# MAX_CHUNKS). Smaller chunks cost more (one gloo operation takes 1-2 ms on a 2-core machine;
+# MPI does not progress while the host reduces), larger ones overlap less: measured on 2 and 3
+# hosts x 2 ranks with 2 Gbit/s links (benchmarks/results/2026-11-25-ci2core-*hosts*)
+CHUNK_BYTES = 2 << 20
 MAX_CHUNKS = 16
 
 
@@ -185,7 +186,7 @@ class HierarchicalBackend(Backend):
             return
         # in chunks, so that chunk k crosses the network while chunk k+1 is reduced inside
         # the host and chunk k-1 gathered back
-        chunks = max(1, min(MAX_CHUNKS, x.nbytes // CHUNK_BYTES.get(self._net.name, 1 << 20)))
+        chunks = max(1, min(MAX_CHUNKS, x.nbytes // CHUNK_BYTES))
         piece = -(-n // (per_host * chunks))
         span = piece * per_host
         whole = x if span * chunks == n else np.zeros(span * chunks, x.dtype)
