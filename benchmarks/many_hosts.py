@@ -12,9 +12,9 @@ Builds the hosts (tests/simhosts.py: network namespaces on a bridge, each with i
    (`/sys/class/net/eth0/statistics`) around 8 all_reduces of each library, against a flat
    ring's 2(n-1)/n * S * (ranks per host) and the hierarchical bound S;
 
-and writes the tables, with the link's bound (each host's link carries at least S each way for
-a hierarchical all_reduce, a flat ring 2(n-1)/n * S * ranks-per-host * ... see the docstring of
-`_bounds`), into a markdown file.
+and writes the tables, with the share each library reaches of the link's bound for a
+hierarchical all_reduce (each host's link sends 2(H-1)/H * S at the rate one TCP stream
+reaches over the shaped links, measured first), into a markdown file.
 """
 
 from __future__ import annotations
@@ -75,6 +75,40 @@ comm.close()
 '''
 
 
+_STREAM = r'''
+import socket, sys, time
+role, total = sys.argv[1], int(sys.argv[2])
+if role == "serve":
+    with socket.create_server(("0.0.0.0", 29777)) as server:
+        print("ready", flush=True)
+        conn, _ = server.accept()
+        got, started = 0, None
+        while got < total:
+            chunk = conn.recv(1 << 20)
+            if not chunk:
+                break
+            started = started or time.perf_counter()
+            got += len(chunk)
+        print(f"{got / (time.perf_counter() - started) / 1e6:.1f}", flush=True)
+else:
+    block = bytes(1 << 20)
+    with socket.create_connection((sys.argv[3], 29777), timeout=60) as conn:
+        for _ in range(total >> 20):
+            conn.sendall(block)
+'''
+
+
+def one_stream_mb_s(cluster: Cluster, total: int = 256 << 20) -> float:
+    """What one TCP stream carries from h2 to h1 over the shaped links (MB/s)."""
+    server = cluster.run(0, [sys.executable, "-c", _STREAM, "serve", str(total)])
+    assert server.stdout.readline().strip() == "ready"
+    client = cluster.run(1, [sys.executable, "-c", _STREAM, "send", str(total),
+                             cluster.addresses[0]])
+    client.communicate(timeout=600)
+    out, _ = server.communicate(timeout=600)
+    return float(out.strip())
+
+
 def _mpiexec(cluster: Cluster, per_host: int, argv: list[str], env: dict) -> str:
     command = ["mpiexec", "-launcher", "ssh", "-launcher-exec", cluster.ssh_stand_in(),
                "-hosts", ",".join(cluster.names), "-ppn", str(per_host), "-n",
@@ -102,6 +136,7 @@ def main() -> int:
     env.pop("ANYCCL_BACKEND", None)
     with Cluster(ns.hosts) as cluster, tempfile.TemporaryDirectory() as tmp:
         cluster.shape(ns.rate)
+        stream = one_stream_mb_s(cluster)
         results = {}
         for op in ns.ops.split(","):
             json_path = os.path.join(tmp, f"{op}.json")
@@ -119,28 +154,22 @@ def main() -> int:
                                               "anyccl-shm+gloo,torch,mpi"], env)
         report = json.loads(next(line for line in out.splitlines()
                                  if line.startswith("BYTES "))[6:])
-    write(ns, results, report)
+    write(ns, results, report, stream)
     return 0
 
 
 def _bounds(n: int, per_host: int) -> tuple[float, float]:
-    """(flat ring, hierarchical) bytes each host's link sends per all_reduce, per byte of S.
-    A ring over n ranks in host order crosses each host boundary once per direction... every
-    rank sends 2(n-1)/n * S, and of a host's `per_host` ranks one sends to the next host:
-    measured libraries place rings as they like, so the bound used is the data a host must
-    export: flat algorithms that treat every rank alike send per_host * 2(n-1)/n * S * (share
-    of peers off-host); a hierarchical all_reduce sends 2(H-1)/H * S per host."""
+    """Bytes sent per all_reduce, per byte of S: (by each rank of a flat ring over all n ranks,
+    2(n-1)/n; by each host's link in a hierarchical all_reduce, 2(H-1)/H for H hosts)."""
     hosts = n // per_host
-    ring = 2 * (n - 1) / n                      # per byte of S, per rank, any ring
-    hierarchical = 2 * (hosts - 1) / hosts      # per byte of S, per host link
-    return ring, hierarchical
+    return 2 * (n - 1) / n, 2 * (hosts - 1) / hosts
 
 
 def _ratio(bw: dict, a: str, b: str) -> str:
     return f"{bw[a] / bw[b]:.2f}x" if bw.get(a) and bw.get(b) else "-"
 
 
-def write(ns: argparse.Namespace, results: dict, report: list) -> None:
+def write(ns: argparse.Namespace, results: dict, report: list, stream: float) -> None:
     import platform
 
     import anyccl
@@ -160,7 +189,9 @@ def write(ns: argparse.Namespace, results: dict, report: list) -> None:
              f"veth limited to {ns.rate} each way by `tc qdisc replace dev ... root tbf rate "
              f"{ns.rate} burst 256kb latency 50ms` (netem is not in this kernel: no added delay)",
              "- each row: the median of the rounds, libraries alternating; busbw = S * 2(n-1)/n "
-             "/ t for all_reduce (nccl-tests' factors for the others)", ""]
+             "/ t for all_reduce (nccl-tests' factors for the others)",
+             f"- one TCP stream from h2 to h1 over the shaped links carried {stream:.1f} MB/s "
+             f"(256 MiB); the link bound of an all_reduce below uses it", ""]
     from anyccl.tools.bench import comparison_variant
 
     for op, (bench, data, _) in results.items():
@@ -183,6 +214,19 @@ def write(ns: argparse.Namespace, results: dict, report: list) -> None:
                 + " | ".join(_ratio(bw, a, b) for a, b in (("anyccl", "torch"), ("anyccl", "mpi"),
                                                        ("anyccl-shm+gloo", "torch"),
                                                        ("anyccl-shm+gloo", "mpi"))) + " |")
+        if op == "all_reduce":
+            ring, hierarchical = _bounds(n, ns.per_host)
+            # busbw when every host link sends at the stream's rate: hierarchical sends
+            # `hierarchical` S per host, and busbw counts 2(n-1)/n S
+            bound = stream / 1e3 * (2 * (n - 1) / n) / hierarchical
+            lines += ["", f"Link bound for a hierarchical all_reduce: busbw {bound:.3f} GB/s "
+                      f"(each host link sends {hierarchical:.3f} S at {stream:.1f} MB/s). "
+                      "Share of it reached:", "",
+                      "| size | " + " | ".join(libs) + " |", "|---:|" + "---:|" * len(libs)]
+            for size, found in sorted(by_size.items()):
+                lines.append(f"| {size >> 20} MiB | " + " | ".join(
+                    f"{found[lib]['busbw'] / bound:.0%}" if lib in found and found[lib]["busbw"]
+                    else "-" for lib in libs) + " |")
         lines.append("")
     ring, hierarchical = _bounds(n, ns.per_host)
     lines += ["## bytes each host's link sent per all_reduce of 16 MiB (veth counters)", "",

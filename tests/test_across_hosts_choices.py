@@ -70,8 +70,8 @@ class _Made(Exception):
 
 
 @pytest.mark.parametrize("policy", ["ipc", "auto"])
-@pytest.mark.parametrize("hosts, expected", [(("h1", "h1", "h2", "h2"), "nccl"),
-                                             (("h1", "h1", "h1", "h1"), "kernels"), ((), "kernels")])
+@pytest.mark.parametrize("hosts, expected", [
+    (("h1", "h1", "h2", "h2"), "nccl"), (("h1", "h1", "h1", "h1"), "kernels"), ((), "kernels")])
 def test_gpu_arrays_across_hosts_never_get_peer_memory_kernels(monkeypatch, policy, hosts,
                                                                expected):
     from anyccl.backends.ipc import backend as ipc

@@ -223,13 +223,15 @@ def abort_job_on_uncaught_exceptions() -> None:
 
 
 class _Pending:
-    __slots__ = ("request", "on_done", "record", "deadline", "check", "keep", "tag")
+    __slots__ = ("request", "on_done", "record", "deadline", "check", "keep", "tag", "source")
 
     def __init__(self, request: Any, on_done: Completion, record: OpRecord, deadline: float,
                  check: Callable[[Any], BaseException | None] | None, keep: Any) -> None:
         self.request, self.on_done, self.record = request, on_done, record
         self.deadline, self.check, self.keep = deadline, check, keep
-        self.tag = -1   # an any-source receive not yet matched: the MPI tag it waits for
+        # a receive not yet posted to MPI (request None): the MPI tag it waits for, and its
+        # source (None: any source, found by probing)
+        self.tag, self.source = -1, None
 
 
 class MpiBackend(Backend):
@@ -605,11 +607,19 @@ class MpiBackend(Backend):
 
         # From any source: found by probing each peer in turn, then received from that one. An
         # MPI_ANY_SOURCE receive was seen to miss a message for ever (MPICH 5.0, ranks on two
-        # hosts: shared memory and network both in play).
-        request = None if src is None else self._comm.Irecv(self._bytes(x), src, mpi_tag)
+        # hosts: shared memory and network both in play). A receive posted after an any-source
+        # one of the same tag waits until that one is matched, as MPI's matching order says.
+        waits = src is None or any(p.request is None and p.tag == mpi_tag
+                                   for p in self._pending)
+        request = None if waits else self._comm.Irecv(self._bytes(x), src, mpi_tag)
         self._pending.append(_Pending(request, on_done, record, deadline, check, x))
-        if src is None:
-            self._pending[-1].tag = mpi_tag
+        if waits:
+            self._pending[-1].tag, self._pending[-1].source = mpi_tag, src
+
+    def _post(self, p: _Pending) -> bool:
+        """Post a receive from a named source that waited for an earlier any-source one."""
+        p.request = self._comm.Irecv(self._bytes(p.keep), p.source, p.tag)
+        return True
 
     def _probe_any(self, p: _Pending) -> bool:
         """Start the receive of an any-source message once a peer's message with its tag is
@@ -657,9 +667,13 @@ class MpiBackend(Backend):
             return
         now = time.monotonic()
         still = []
+        waiting_tags: set[int] = set()   # tags of any-source receives not yet matched
         for p in self._pending:
             status = self.MPI.Status()
-            if p.request is None and not self._probe_any(p):
+            if p.request is None and (p.tag in waiting_tags or (
+                    not self._probe_any(p) if p.source is None else not self._post(p))):
+                if p.source is None:
+                    waiting_tags.add(p.tag)
                 if now >= p.deadline:
                     p.on_done(TimeoutError(f"rank {self.rank}: {p.record} timed out after "
                                            f"{now - p.record.issued_at:.3g} s waiting for its "
