@@ -195,7 +195,9 @@ def write(ns: argparse.Namespace, results: dict, report: list, stream: float) ->
     from anyccl.tools.bench import comparison_variant
 
     for op, (bench, data, _) in results.items():
-        rows = [r for r in data["rows"] if r["variant"] == comparison_variant(op)]
+        main = f"anyccl-{data['meta']['backend']}"   # the job's own communicator
+        rows = [dict(r, library=main if r["library"] == "anyccl" else r["library"])
+                for r in data["rows"] if r["variant"] == comparison_variant(op)]
         libs = list(dict.fromkeys(r["library"] for r in rows))
         lines += [f"## {op} (busbw, {comparison_variant(op)})", "",
                   f"`mpiexec ... {' '.join(bench[1:])}`", "",
@@ -211,7 +213,7 @@ def write(ns: argparse.Namespace, results: dict, report: list, stream: float) ->
 
             lines.append(f"| {size >> 20} MiB | " + " | ".join(
                 f"{bw[lib]:.3f}" if bw[lib] else "-" for lib in libs) + " | "
-                + " | ".join(_ratio(bw, a, b) for a, b in (("anyccl", "torch"), ("anyccl", "mpi"),
+                + " | ".join(_ratio(bw, a, b) for a, b in ((main, "torch"), (main, "mpi"),
                                                        ("anyccl-shm+gloo", "torch"),
                                                        ("anyccl-shm+gloo", "mpi"))) + " |")
         if op == "all_reduce":

@@ -29,6 +29,9 @@ if WHY_NOT:
     pytestmark = [pytestmark, pytest.mark.skip(reason=WHY_NOT)]
 
 SCRIPT = Path(__file__).parent / "scripts" / "across_hosts.py"
+SOURCE = Path(__file__).resolve().parents[1] / "src"
+# a Python whose mpi4py runs on Open MPI (.ci/run makes one beside the MPICH of the main venv)
+OPENMPI_PYTHON = os.environ.get("ANYCCL_TEST_OPENMPI_PYTHON", "")
 KEY = "5e" * 32
 PORT = 29400
 JOB_S = 150   # the most one job may take before the test kills it
@@ -132,6 +135,26 @@ def test_every_collective_runs_across_hosts_with_each_launcher(launcher, hosts, 
             assert sent > 2e6 and received > 2e6, (cluster.names[i], sent, received)
             assert not [f for f in cluster.shm_files(i) if f.startswith("anyccl-")], \
                 cluster.shm_files(i)
+
+
+@pytest.mark.skipif(not OPENMPI_PYTHON, reason="set ANYCCL_TEST_OPENMPI_PYTHON to a Python "
+                    "whose mpi4py runs on Open MPI (.ci/run makes one) to launch with Open MPI")
+def test_every_collective_runs_across_hosts_under_open_mpi():
+    """Open MPI's mpirun, its ssh launcher standing in for ssh; anyccl from this checkout."""
+    env = _env(PATH=f"{Path(OPENMPI_PYTHON).parent}:{os.environ['PATH']}",
+               PYTHONPATH=str(SOURCE), OMPI_ALLOW_RUN_AS_ROOT="1",
+               OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    with Cluster(2) as cluster:
+        results = finish([cluster.run(0, [
+            "mpirun", "--prtemca", "plm_ssh_agent", cluster.ssh_stand_in(), "--host",
+            "h1:2,h2:2", "-n", "4", "-x", "PYTHONPATH", "-x", "ANYCCL_TIMEOUT", "-x",
+            "PYTHONUNBUFFERED", OPENMPI_PYTHON, str(SCRIPT), "suite"], env=env)])
+        assert results[0][0] == 0, results[0][1][-4000:]
+        oks = _lines(results, r"rank \d+ ok")
+        assert len(oks) == 4 and all("ok shm+mpi on h" in line for line in oks), oks
+        for i in range(2):
+            sent, received = cluster.link_bytes(i)
+            assert sent > 2e6 and received > 2e6, (cluster.names[i], sent, received)
 
 
 @pytest.mark.parametrize("launcher", ["anyccl run", "mpiexec"])
