@@ -127,3 +127,33 @@ class Backend(ABC):
     @abstractmethod
     def close(self) -> None:
         """Release every resource; peers still waiting on this rank learn that it left."""
+
+
+class PolledMessages:
+    """What a backend whose messages a library completes when polled (mpi, gloo) does alike
+    with its list `_pending` of posted messages (each with an `on_done`). Sends are buffered:
+    they complete at once, and a delivery that fails later (`_late`) is kept in `_late_error`
+    for the backend's next call to raise."""
+
+    _pending: list
+    _late_error: BaseException | None
+
+    def _late(self, error: BaseException | None) -> None:
+        if error is not None and self._late_error is None:
+            self._late_error = error
+
+    def has_pending(self) -> bool:
+        return bool(self._pending)
+
+    def fail_pending(self, error: BaseException) -> None:
+        pending, self._pending = self._pending, []
+        for p in pending:
+            p.on_done(error)
+
+    def wait_for_activity(self, timeout_s: float) -> None:
+        import time
+
+        time.sleep(min(timeout_s, 1e-4))   # the library progresses only when polled
+
+    def wake(self) -> None:
+        pass

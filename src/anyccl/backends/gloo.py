@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import re
 import sys
+import threading
 import time
 from datetime import timedelta
 from typing import Any, Callable
@@ -39,7 +40,7 @@ from ..ops import ReduceOp, accumulate, finish
 from ..ops import finish as finish_op
 from ..store import Store
 from ..trace import OpRecord
-from .base import Backend, Completion
+from .base import Backend, Completion, PolledMessages
 
 _CODES = 16           # the low 4 bits of a Gloo tag name the dtype (as on mpi)
 _SPIN_S = 0.002       # how long a wait for messages polls without sleeping
@@ -190,7 +191,7 @@ class Peers:
         return [r for r, a in enumerate(self.addresses) if a == address]
 
 
-class GlooBackend(Backend):
+class GlooBackend(PolledMessages, Backend):
     """A ProcessGroupGloo over `size` ranks meeting through `store`; `job_ranks[i]` is the
     job rank of this group's rank i (for naming lost peers and their hosts)."""
 
@@ -315,6 +316,14 @@ class GlooBackend(Backend):
                     what: str) -> AnycclError:
         text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         where = f"{record}" if record is not None else "setting up the gloo engine"
+        if ("Timed out" in text or "timed out" in text) and record is not None:
+            # Gloo's own timer (set just past the deadline) fired before this rank's: the same
+            # report, with what the heartbeat knows of the peers and of the store
+            saved, self._record = self._record, record
+            try:
+                return self._timed_out(what, time.monotonic())
+            finally:
+                self._record = saved
         if "Timed out" in text or "timed out" in text:
             return TimeoutError(f"rank {self._said_rank}: {where} timed out waiting for {what} "
                                 f"(gloo between hosts: {text})")
@@ -500,10 +509,6 @@ class GlooBackend(Backend):
         self._pending.append(_Pending(work, self._late, record, deadline, None, copy))
         on_done(None)
 
-    def _late(self, error: BaseException | None) -> None:
-        if error is not None and self._late_error is None:
-            self._late_error = error
-
     def post_recv(self, x: np.ndarray, src: int | None, tag: int, record: OpRecord,
                   deadline: float, on_done: Completion,
                   found: Callable[[int], None] | None = None) -> None:
@@ -519,9 +524,6 @@ class GlooBackend(Backend):
             return None
 
         self._pending.append(_Pending(work, on_done, record, deadline, check, x))
-
-    def has_pending(self) -> bool:
-        return bool(self._pending)
 
     def progress(self) -> None:
         if not self._pending:
@@ -543,17 +545,6 @@ class GlooBackend(Backend):
             else:
                 still.append(p)
         self._pending = still
-
-    def fail_pending(self, error: BaseException) -> None:
-        pending, self._pending = self._pending, []
-        for p in pending:
-            p.on_done(error)
-
-    def wait_for_activity(self, timeout_s: float) -> None:
-        time.sleep(min(timeout_s, 2e-4))
-
-    def wake(self) -> None:
-        pass
 
     def wait_for_messages(self, finished: Callable[[], bool], record: OpRecord,
                           deadline: float) -> None:
@@ -601,3 +592,19 @@ class GlooBackend(Backend):
         if sends:
             print(f"anyccl: rank {self.rank} closed with sends not delivered: "
                   f"{'; '.join(str(p.record) for p in sends)}", file=sys.stderr)
+        # End Gloo's threads now, while the interpreter is whole: left to exit-time
+        # destructors, torch's CPU build was seen to abort the process ("terminate called
+        # without an active exception") after the job was done
+        pg, self._pg = self._pg, None
+        closer = threading.Thread(target=_shut_down, args=(pg,), daemon=True,
+                                  name="anyccl-gloo-close")
+        del pg
+        closer.start()
+        closer.join(timeout=5.0)
+
+
+def _shut_down(pg: Any) -> None:
+    try:
+        pg.shutdown()
+    except Exception:  # noqa: BLE001 - a group whose peers are gone: nothing left to end
+        pass

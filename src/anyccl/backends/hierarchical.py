@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..errors import CollectiveMismatchError, PeerLostError
+from ..errors import CollectiveMismatchError, PeerLostError, TimeoutError
 from ..ops import ReduceOp, finish
 from ..trace import OpRecord
 from .base import Backend, Completion
@@ -88,6 +88,8 @@ class _Local:
                 return attribute(*args)
             except PeerLostError as exc:
                 raise self._owner._lost_inside(exc) from None
+            except TimeoutError as exc:
+                raise self._owner._timed_out_inside(exc) from None
         return call
 
 
@@ -120,6 +122,21 @@ class HierarchicalBackend(Backend):
         heartbeat = getattr(getattr(net, "peers", None), "heartbeat", None)
         self._heartbeat = heartbeat if heartbeat is not None else \
             next((o for o in self._owns if hasattr(o, "tell_lost")), None)
+
+    def _timed_out_inside(self, exc: TimeoutError) -> TimeoutError:
+        """A step inside the host timed out, most likely because a rank of this host waits on
+        another host: add what the heartbeat knows (silent peers, or a store that stopped
+        answering this host)."""
+        heartbeat = self._heartbeat
+        if heartbeat is None:
+            return exc
+        silent = heartbeat.silent([r for r in range(len(heartbeat.hosts)) if r != heartbeat.rank])
+        note = heartbeat.describe(silent) if silent else heartbeat.store_silence()
+        if not note:
+            return exc
+        error = TimeoutError(f"{exc}; {note}")
+        error.inside_host = True   # type: ignore[attr-defined]
+        return error
 
     def _lost_inside(self, exc: PeerLostError) -> PeerLostError:
         """See `_Local`."""

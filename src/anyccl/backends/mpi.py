@@ -48,7 +48,7 @@ from ..ops import ReduceOp, accumulate, dtype_kind, finish
 from ..ops import finish as finish_op
 from ..store import Store
 from ..trace import OpRecord, format_bytes
-from .base import Backend, Completion
+from .base import Backend, Completion, PolledMessages
 from .registry import HostContext
 
 _DTYPE_CODE = {d: i for i, d in enumerate(SUPPORTED_DTYPES)}
@@ -234,7 +234,7 @@ class _Pending:
         self.tag, self.source = -1, None
 
 
-class MpiBackend(Backend):
+class MpiBackend(PolledMessages, Backend):
     """One MPI communicator (a duplicate of the one given, so anyccl's traffic never meets the
     program's own MPI messages)."""
 
@@ -585,10 +585,6 @@ class MpiBackend(Backend):
         self._pending.append(_Pending(request, self._late, record, deadline, None, copy))
         on_done(None)
 
-    def _late(self, error: BaseException | None) -> None:
-        if error is not None and self._late_error is None:
-            self._late_error = error
-
     def post_recv(self, x: np.ndarray, src: int | None, tag: int, record: OpRecord,
                   deadline: float, on_done: Completion,
                   found: Callable[[int], None] | None = None) -> None:
@@ -659,9 +655,6 @@ class MpiBackend(Backend):
             f"{nbytes // theirs.itemsize} ({format_bytes(nbytes)}) with tag {tag}, but the "
             f"receiving array is {x.dtype.name} x {x.size}; the message was discarded")
 
-    def has_pending(self) -> bool:
-        return bool(self._pending)
-
     def progress(self) -> None:
         if not self._pending:
             return
@@ -675,9 +668,7 @@ class MpiBackend(Backend):
                 if p.source is None:
                     waiting_tags.add(p.tag)
                 if now >= p.deadline:
-                    p.on_done(TimeoutError(f"rank {self.rank}: {p.record} timed out after "
-                                           f"{now - p.record.issued_at:.3g} s waiting for its "
-                                           f"peer (mpi backend)" + self._what_peers_do()))
+                    p.on_done(self._expired(p, now))
                 else:
                     still.append(p)
                 continue
@@ -692,25 +683,17 @@ class MpiBackend(Backend):
             if done:
                 p.on_done(p.check(status) if p.check is not None else None)
             elif now >= p.deadline:
-                p.on_done(TimeoutError(f"rank {self.rank}: {p.record} timed out after "
-                                       f"{now - p.record.issued_at:.3g} s waiting for its peer "
-                                       f"(mpi backend)" + self._what_peers_do()))
+                p.on_done(self._expired(p, now))
             else:
                 still.append(p)
         self._pending = still
         if still:  # messages from (or to) a rank that left will never complete
             self._check_peers(still[0].record, "its peer")
 
-    def fail_pending(self, error: BaseException) -> None:
-        pending, self._pending = self._pending, []
-        for p in pending:
-            p.on_done(error)
-
-    def wait_for_activity(self, timeout_s: float) -> None:
-        time.sleep(min(timeout_s, 1e-4))
-
-    def wake(self) -> None:
-        pass
+    def _expired(self, p: _Pending, now: float) -> TimeoutError:
+        return TimeoutError(f"rank {self.rank}: {p.record} timed out after "
+                            f"{now - p.record.issued_at:.3g} s waiting for its peer (mpi "
+                            f"backend)" + self._what_peers_do())
 
     def wait_for_messages(self, finished: Callable[[], bool], record: OpRecord,
                           deadline: float) -> None:
