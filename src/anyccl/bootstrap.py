@@ -122,8 +122,6 @@ def _loopback_store(host: str, port: int, rank: int, timeout_s: float) -> Store:
     (private.py), where this user's other ranks read it and no other local user can; the
     store's handshake then admits the job's ranks alone. A key file left by an earlier job on
     the same port may be read before rank 0 replaces it: a refused rank reads it again."""
-    import time
-
     from . import private
 
     path = os.path.join(private.user_directory(), f"store-{host}-{port}.key")

@@ -90,6 +90,7 @@ class _Local:
                 raise self._owner._lost_inside(exc) from None
             except TimeoutError as exc:
                 raise self._owner._timed_out_inside(exc) from None
+        setattr(self, name, call)   # made once per method: later calls find it directly
         return call
 
 
