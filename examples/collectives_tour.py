@@ -3,7 +3,7 @@ holds a disk or a square, runs the collective, saves a PNG of what it held befor
 (one file per collective and rank), and checks the result against what every rank's images
 must give.
 
-    anyccl run -n 4 examples/collectives_tour.py [--out tour]
+    anyccl run -n 4 examples/collectives_tour.py [--out DIR]   # default: a new temporary DIR
     anyccl run -n 2 examples/collectives_tour.py --device cuda   # CuPy arrays on the GPUs (nccl)
 
 (`anyccl viz all -n 4` draws all ranks in one picture.)
@@ -12,6 +12,7 @@ must give.
 import argparse
 import os
 import sys
+import tempfile
 
 import numpy as np
 
@@ -19,12 +20,15 @@ import anyccl
 from anyccl.tools.viz import OPS, draw, image, run_collective
 
 parser = argparse.ArgumentParser()
-parser.add_argument("--out", default="tour")
+parser.add_argument("--out", help="where the PNGs go (default: a new temporary directory)")
 parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
 args = parser.parse_args()
 
 comm = anyccl.init("nccl" if args.device == "cuda" else None)
 r, n, root = comm.rank, comm.size, 0
+if args.out is None:   # rank 0 makes one directory for everyone
+    args.out = comm.broadcast_object(tempfile.mkdtemp(prefix="anyccl-tour-") if r == 0 else None,
+                                     src=0)
 os.makedirs(args.out, exist_ok=True)
 
 
@@ -40,7 +44,7 @@ def expected(op):
     if op == "all_gather":
         return everyone
     if op == "gather":
-        return everyone if r == root else [np.zeros_like(image(r))]
+        return everyone if r == root else [image(r)]   # the others keep their image
     if op == "scatter":
         return [image(root, salt=r + 1)]
     if op == "reduce_scatter":

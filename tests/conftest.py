@@ -1,15 +1,14 @@
-import glob
-
 import pytest
-from harness import close_pools
+from harness import close_pools, job_segments
 
 
 @pytest.fixture(scope="session", autouse=True)
 def _pools_closed_and_no_segments_left():
-    before = set(glob.glob("/dev/shm/anyccl-*"))
+    """The suite's own jobs leave no shared memory behind (other jobs on the machine may)."""
+    before = job_segments()
     yield
     close_pools()
-    leftover = set(glob.glob("/dev/shm/anyccl-*")) - before
+    leftover = job_segments() - before
     assert not leftover, f"shared-memory segments left behind: {sorted(leftover)}"
 
 

@@ -23,6 +23,23 @@ from anyccl.store import StoreServer
 
 DEFAULT_DEADLINE_S = 120.0
 
+# Every job this test session starts names its shared memory with this prefix (children inherit
+# ANYCCL_JOB_PREFIX), so that leftover checks judge only the suite's own jobs, never another
+# anyccl job running on the same machine.
+SUITE_JOB_PREFIX = os.environ.setdefault("ANYCCL_JOB_PREFIX", "t" + secrets.token_hex(4))
+
+
+def job_segments(prefix: str = SUITE_JOB_PREFIX) -> set[str]:
+    """The shared-memory segments of the jobs whose ids start with `prefix`."""
+    import glob
+
+    return set(glob.glob(f"/dev/shm/anyccl-{prefix}*"))
+
+
+def new_job_id() -> str:
+    """A fresh id for a job a test starts by hand (the suite's prefix in front)."""
+    return SUITE_JOB_PREFIX + secrets.token_hex(4)
+
 
 class RankFailure(AssertionError):
     """One or more ranks raised; `errors[rank]` is the exception, `tracebacks[rank]` its text."""
@@ -85,7 +102,7 @@ class RankPool:
         key = secrets.token_bytes(32)
         self.server = StoreServer(key)
         full_env = {"WORLD_SIZE": str(world_size), "ANYCCL_STORE": self.server.address,
-                    "ANYCCL_JOB_KEY": key.hex(), "ANYCCL_JOB_ID": secrets.token_hex(4),
+                    "ANYCCL_JOB_KEY": key.hex(), "ANYCCL_JOB_ID": new_job_id(),
                     "ANYCCL_TIMEOUT": "30",
                     **(env or {})}
         ctx = mp.get_context("spawn")

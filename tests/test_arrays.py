@@ -86,3 +86,56 @@ def test_a_gpu_array_splits_into_consecutive_pieces_like_its_slices():
             (want.ptr, want.size, want.dtype, want.device, want.stream, want.kind)
         assert piece.owner is owner                       # keeps the user's array alive
     assert pieces[1].ptr == whole.ptr + 8                 # 4 float16 elements further
+
+
+def check_results_are_returned_for_every_kind(comm):
+    """`y = comm.all_reduce(x)` works for every array: a writable one is written in place and
+    returned; one that cannot be written (a read-only NumPy array, a JAX array) is left as it
+    was, and a new array of its kind holds the result. The same for broadcast and reduce."""
+    import torch
+
+    n, total = comm.size, comm.size * (comm.size + 1) // 2
+    x = np.full(5, comm.rank + 1.0)
+    assert comm.all_reduce(x) is x and (x == total).all()
+    t = torch.full((2, 3), comm.rank + 1.0)
+    assert comm.all_reduce(t) is t and bool((t == total).all())
+    frozen = np.full(5, comm.rank + 1.0)
+    frozen.flags.writeable = False
+    y = comm.all_reduce(frozen, "max")
+    assert type(y) is np.ndarray and y.flags.writeable and (y == n).all()
+    assert (frozen == comm.rank + 1).all()
+    b = comm.broadcast(frozen, src=n - 1)
+    assert (b == n).all() and (frozen == comm.rank + 1).all()
+    r = comm.reduce(frozen, dst=0)
+    assert (r == (total if comm.rank == 0 else comm.rank + 1)).all()
+    return True
+
+
+def test_every_in_place_collective_returns_the_array_holding_its_result():
+    pytest.importorskip("torch")
+    assert all(run_ranks(check_results_are_returned_for_every_kind, 3))
+
+
+def check_jax_arrays(comm):
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.arange(6, dtype=jnp.float32).reshape(2, 3) + comm.rank
+    y = comm.all_reduce(x)
+    assert isinstance(y, jax.Array) and y.shape == (2, 3) and y.dtype == jnp.float32
+    expected = sum(np.arange(6, dtype=np.float32).reshape(2, 3) + r for r in range(comm.size))
+    assert np.array_equal(np.asarray(y), expected)
+    assert np.array_equal(np.asarray(x), np.arange(6).reshape(2, 3) + comm.rank)   # unchanged
+    assert list(y.devices()) == list(x.devices())
+    h = comm.all_reduce(jnp.ones(4, jnp.bfloat16) * (comm.rank + 1), "avg")
+    assert h.dtype == jnp.bfloat16 and np.allclose(np.asarray(h, np.float32), (comm.size + 1) / 2)
+    b = comm.broadcast(jnp.full(3, comm.rank, jnp.int32), src=1)
+    assert b.dtype == jnp.int32 and (np.asarray(b) == 1).all()
+    with pytest.raises(anyccl.InvalidArgumentError, match="use what it returns"):
+        comm.all_reduce(x, async_op=True)
+    return True
+
+
+def test_jax_arrays_on_the_host_reduce_into_new_jax_arrays():
+    pytest.importorskip("jax")
+    assert all(run_ranks(check_jax_arrays, 2))

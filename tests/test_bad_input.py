@@ -28,8 +28,11 @@ def _read_only():
 BAD_CALLS = {
     "non_contiguous": (lambda c: c.all_reduce(np.ones((4, 4), F4)[:, 0]),
                        anyccl.InvalidArgumentError, "not C-contiguous"),
-    "read_only_output": (lambda c: c.all_reduce(_read_only()), anyccl.InvalidArgumentError,
-                         "read-only"),
+    "read_only_output": (lambda c: c.all_gather(_read_only(), _ones(2)),
+                         anyccl.InvalidArgumentError, "out is read-only"),
+    "read_only_input_async": (lambda c: c.all_reduce(_read_only(), async_op=True),
+                              anyccl.InvalidArgumentError, "cannot be written in place, so "
+                              "async_op=True has nowhere to put the result"),
     "python_scalar": (lambda c: c.all_reduce(3.0), anyccl.InvalidArgumentError,
                       "Python float"),
     "object_dtype": (lambda c: c.all_reduce(np.array([object()])), anyccl.UnsupportedError,
@@ -117,7 +120,8 @@ def test_errors_are_the_python_types_users_expect():
     assert issubclass(anyccl.TimeoutError, TimeoutError)
     for cls in (anyccl.InvalidArgumentError, anyccl.UnsupportedError, anyccl.TimeoutError,
                 anyccl.PeerLostError, anyccl.CollectiveMismatchError,
-                anyccl.CommunicatorClosedError, anyccl.RendezvousError):
+                anyccl.CommunicatorClosedError, anyccl.RendezvousError,
+                anyccl.NotInitializedError):
         assert issubclass(cls, anyccl.AnycclError)
 
 

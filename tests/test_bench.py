@@ -76,8 +76,11 @@ def test_compare_with_torch_prints_ratios_and_plots(tmp_path):
     proc = _bench("-n", "2", "--op", "all_reduce,broadcast", "--min", "1K", "--max", "64K",
                   "--factor", "8", "--iters", "3", "--compare", "torch", "--plot", str(png))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "# all_reduce: busbw (GB/s, in-place); ratio = anyccl / peer" in proc.stdout
-    assert "# torch: broadcast" in proc.stdout
+    assert "# all_reduce: busbw (GB/s, in-place); ratio = anyccl (shm) / peer" in proc.stdout
+    assert "# Out of bounds values : 0 OK (torch)" in proc.stdout
+    lines = [ln.split() for ln in proc.stdout.splitlines() if ln.split()[:1] == ["1024"]]
+    table = [ln[-1] for ln in lines if len(ln) == 15]   # nccl-tests' 13, spread, library
+    assert table == ["anyccl", "torch"] * 2   # each line says whose it is
     assert png.stat().st_size > 10_000
 
 
@@ -90,10 +93,76 @@ def test_bad_options_are_refused_clearly():
     assert proc.returncode != 0 and "--compare gloo: expected some of torch, symm, mpi, shm, " \
         "shm+gloo, shm+mpi, nccl, ipc, auto" in proc.stderr
     proc = _bench("--compare", "symm")
-    assert proc.returncode != 0 and "--compare symm is torch's symmetric-memory all_reduce on " \
-        "GPUs: add --device cuda" in proc.stderr
+    assert proc.returncode != 0 and "--compare symm measures GPU arrays: add --device cuda" \
+        in proc.stderr
     proc = _bench("--rounds", "0")
     assert proc.returncode != 0 and "--rounds 0: expected at least 1" in proc.stderr
+
+
+@pytest.mark.parametrize("args, said", [
+    (["--max", "1X"], "anyccl bench: --max='1X' is not a size"),
+    (["--compare", "nccl"], "anyccl bench: --compare nccl measures GPU arrays: add --device cuda"),
+    (["--backend", "bogus"], "anyccl bench: --backend bogus: backend='bogus' is unknown"),
+    ([], "anyccl bench: -n N: how many ranks to start"),
+    (["-n", "0"], "anyccl bench: -n 0: need at least one rank"),
+])
+def test_arguments_are_checked_once_before_any_rank_starts(args, said):
+    proc = _bench(*[*(["-n", "2"] if args and args[0] != "-n" else []), *args], timeout=60)
+    assert proc.returncode == 2 and said in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stderr.count(said) == 1
+    assert proc.stdout == ""
+
+
+def test_without_a_gpu_gpu_measurements_are_refused_before_starting():
+    from anyccl import gpu
+
+    if gpu.device_count():
+        pytest.skip("this machine has a GPU")
+    proc = _bench("-n", "2", "--device", "cuda", "--compare", "nccl", timeout=60)
+    assert proc.returncode == 2 and "--device cuda: no CUDA GPU is visible here" in proc.stderr
+    proc = _bench("-n", "2", "--backend", "nccl", timeout=60)
+    assert proc.returncode == 2 and "--backend nccl: nccl runs on CUDA GPUs, and none is " \
+        "visible here" in proc.stderr
+
+
+def test_comparing_with_mpi_keeps_anyccl_on_its_default_backend():
+    """--compare mpi starts the job with mpiexec; anyccl itself still runs shm (the default on
+    one machine) and the table says so, instead of comparing MPICH with MPICH."""
+    pytest.importorskip("mpi4py")
+    import shutil
+
+    if shutil.which("mpiexec") is None:
+        pytest.skip("needs mpiexec")
+    proc = _bench("-n", "2", "--op", "all_reduce", "--min", "1K", "--max", "1K", "--iters", "3",
+                  "--rounds", "1", "--compare", "mpi", timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "backend shm (cpu)" in proc.stdout
+    assert "ratio = anyccl (shm) / peer" in proc.stdout
+
+
+def test_rows_stream_as_they_are_measured_with_the_spread_of_their_rounds():
+    """The first size's line arrives before the last size is measured; every line ends with
+    the spread of its rounds in percent."""
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "anyccl", "bench", "-n", "2", "--op",
+                             "all_reduce", "--min", "1K", "--max", "32M", "--factor", "32",
+                             "--rounds", "3"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    first_at = last_at = None
+    start = time.monotonic()
+    lines = []
+    for line in proc.stdout:
+        if line.split()[:1] == ["1024"]:
+            first_at = time.monotonic() - start
+        if line.split()[:1] == [str(32 << 20)]:
+            last_at = time.monotonic() - start
+        lines.append(line)
+    assert proc.wait(timeout=120) == 0, proc.stderr.read()
+    assert first_at is not None and last_at is not None and first_at < last_at
+    assert "spread" in "".join(lines)
+    rows = [ln.split() for ln in lines if ln[:1] == " " and ln.split()[0].isdigit()]
+    assert len(rows) == 4 and all(r[-1].isdigit() for r in rows)
 
 
 class _Recording:

@@ -194,3 +194,16 @@ def test_all_gather_gather_and_scatter_with_a_size_per_rank(world_size):
         assert len(refused) == 1 and "the sizes do not match" in refused[0], refused
         if r == 1:
             assert "rank 0 has 1 elements where this rank's list holds 2" in refused[0]
+
+
+def test_a_call_before_init_process_group_says_so_as_torch_does():
+    import anyccl.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("an earlier test of this process initialized the default group")
+    with pytest.raises(anyccl.NotInitializedError, match="call init_process_group\\(\\) first") \
+            as raised:
+        dist.all_reduce(np.ones(2))
+    assert isinstance(raised.value, ValueError)   # what torch.distributed raises there
+    with pytest.raises(anyccl.NotInitializedError):
+        dist.get_rank()

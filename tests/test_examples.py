@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -40,10 +41,13 @@ def _run_example(n: int, name: str, *args: str, timeout: float = 180):
     ("gradient_average.py", ["--size", "300000", "--repeat", "2"], "max relative error"),
     ("train_mlp.py", ["--epochs", "20"], "weights identical on every rank: True"),
     ("train_mlp.py", ["--epochs", "20", "--torch"], "(shm, torch on cpu)"),
+    ("jax_data_parallel.py", [], "weights identical on every rank: True"),
 ])
 def test_seed_examples_check_themselves_on_cpu(n, example, args, success):
     if example == "train_mlp.py":
         pytest.importorskip("sklearn")
+    if example.startswith("jax"):
+        pytest.importorskip("jax")
     if "--torch" in args:
         pytest.importorskip("torch")
     proc = _run_example(n, example, *args)
@@ -72,6 +76,19 @@ def test_collectives_tour_and_classifier_check_themselves(n, tmp_path):
     proc = _run_example(n, "single_layer_classifier.py")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "one process:" in proc.stdout and ": OK" in proc.stdout
+
+
+def test_the_tour_leaves_nothing_in_the_directory_it_runs_in(tmp_path):
+    pytest.importorskip("matplotlib")
+    proc = subprocess.run([sys.executable, "-m", "anyccl", "run", "-n", "2",
+                           str(EXAMPLES / "collectives_tour.py")], capture_output=True, text=True,
+                          timeout=180, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert list(tmp_path.iterdir()) == []
+    written = {line.split()[-1] for line in proc.stdout.splitlines() if line.endswith(".png")}
+    folders = {os.path.dirname(p) for p in written}
+    assert len(written) == 16 and len(folders) == 1   # one temporary folder, named in the output
+    shutil.rmtree(folders.pop())
 
 
 def test_anyccl_viz_draws_what_the_collective_did(tmp_path):

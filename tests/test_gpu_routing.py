@@ -3,6 +3,8 @@ refusals on machines without CUDA, and `anyccl info`. Runs everywhere (CI has no
 
 from __future__ import annotations
 
+import os
+import re
 import subprocess
 import sys
 
@@ -106,3 +108,16 @@ def test_anyccl_info_lists_backends_and_gpus():
         assert needle in out.stdout
     # `pip install -e .` builds the CUDA core even where there is no CUDA
     assert "CUDA calls: compiled core built" in out.stdout, out.stdout
+
+
+def test_anyccl_info_says_what_applies_to_this_machine():
+    """No run of spaces inside a version, no GPU extra advised where there is no GPU, and the
+    same word for an unset CUDA_VISIBLE_DEVICES as the errors use."""
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    out = subprocess.run([sys.executable, "-m", "anyccl", "info"], capture_output=True, text=True,
+                         timeout=60, env=env).stdout
+    assert not re.search(r"Version:\s{2,}", out), out
+    assert "CUDA_VISIBLE_DEVICES=(all)" in out and "(unset)" not in out
+    if not gpu.machine_has_gpu():
+        assert "anyccl[gpu]" not in out, out
+        assert re.search(r"^  nccl .*this machine has no NVIDIA GPU$", out, re.M), out

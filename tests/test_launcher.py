@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import re
+import secrets
 import shutil
 import signal
 import subprocess
@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from harness import job_segments, new_job_id
 
 SCRIPT_DIR = Path(__file__).parent / "scripts"
 SCRIPT = str(SCRIPT_DIR / "rank_behaviour.py")
@@ -50,16 +51,149 @@ def _pids(pid_dir: Path, n: int, timeout_s: float = 30) -> list[int]:
 
 
 @pytest.fixture
-def no_leftovers(tmp_path):
-    """Yields a pid folder; afterwards no rank may be alive and no new segment may exist."""
-    before = set(glob.glob("/dev/shm/anyccl-*"))
+def no_leftovers(tmp_path, monkeypatch):
+    """Yields a pid folder; afterwards no rank may be alive and the test's jobs (named by a
+    prefix of their own) may have left no segment."""
+    prefix = new_job_id()
+    monkeypatch.setenv("ANYCCL_JOB_PREFIX", prefix)
     yield tmp_path
     pids = [int(f.read_text()) for f in tmp_path.glob("rank*.pid") if f.read_text()]
     end = time.monotonic() + 5
     while any(_alive(p) for p in pids) and time.monotonic() < end:
         time.sleep(0.05)
     assert not [p for p in pids if _alive(p)], "orphan rank processes survived the launcher"
-    assert set(glob.glob("/dev/shm/anyccl-*")) <= before, "shared-memory segments left behind"
+    assert not job_segments(prefix), "shared-memory segments left behind"
+
+
+def test_a_job_names_its_shared_memory_after_the_prefix_it_was_started_with(tmp_path):
+    """ANYCCL_JOB_PREFIX tells one's own jobs' segments (/dev/shm/anyccl-<job id>-...) from
+    other jobs' on the machine."""
+    script = tmp_path / "named.py"
+    script.write_text("import anyccl\nc = anyccl.init()\nprint('ID', c.job_id)\nc.barrier()\n")
+    prefix = new_job_id()
+    proc = subprocess.run([sys.executable, "-m", "anyccl", "run", "-n", "2", str(script)],
+                          capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "ANYCCL_JOB_PREFIX": prefix})
+    assert proc.returncode == 0, proc.stderr
+    ids = set(re.findall(r"^ID (\S+)$", proc.stdout, re.M))
+    assert len(ids) == 1 and next(iter(ids)).startswith(prefix) and len(ids.pop()) > len(prefix)
+    assert not job_segments(prefix)
+    bad = subprocess.run([sys.executable, "-m", "anyccl", "run", "-n", "2", str(script)],
+                         capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "ANYCCL_JOB_PREFIX": "../x"})
+    assert bad.returncode != 0 and "ANYCCL_JOB_PREFIX='../x'" in bad.stderr
+    assert "letters and digits" in bad.stderr and "Traceback" not in bad.stderr
+
+
+@pytest.mark.parametrize("args, said", [
+    (["missing_script.py"], "anyccl run: missing_script.py: no such file (looked in "),
+    (["-m", "no_such_module_here"], "anyccl run: -m no_such_module_here: no module of that "
+     "name can be imported from "),
+    (["--backend", "bogus", SCRIPT, "ok"], "anyccl run: --backend bogus: backend='bogus' is "
+     "unknown; available: shm"),
+    (["--backend", "mpi", SCRIPT, "ok"], "anyccl run: --backend mpi: the mpi backend's ranks "
+     "are started by mpiexec: mpiexec -n N python SCRIPT"),
+])
+def test_the_launcher_checks_the_job_once_before_starting_any_rank(args, said, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "anyccl", "run", "-n", "3", *args],
+                          capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count(said) == 1 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stdout == ""
+
+
+def test_without_a_gpu_the_launcher_refuses_a_gpu_backend_before_starting(tmp_path):
+    from anyccl import gpu
+
+    if gpu.device_count():
+        pytest.skip("this machine has a GPU")
+    proc = subprocess.run([sys.executable, "-m", "anyccl", "run", "-n", "2", "--backend", "nccl",
+                           SCRIPT, "ok", str(tmp_path)], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == ("anyccl run: --backend nccl: nccl runs on CUDA GPUs, and "
+                                   "none is visible here")
+    assert not list(tmp_path.glob("*.pid"))   # no rank started
+
+
+@pytest.mark.parametrize("words, got", [
+    (["-m", "showargs", "--foo", "-x", "1"], ["--foo", "-x", "1"]),
+    (["-m", "showargs", "--", "--foo"], ["--foo"]),
+    (["showargs.py", "--foo", "--backend", "x"], ["--foo", "--backend", "x"]),
+    (["--tag-output", "--", "showargs.py", "--", "-n"], ["-n"]),
+])
+def test_the_script_gets_its_own_arguments_as_python_would_pass_them(words, got, tmp_path):
+    (tmp_path / "showargs.py").write_text("import sys\nprint('ARGS', sys.argv[1:])\n")
+    proc = subprocess.run([sys.executable, "-m", "anyccl", "run", "-n", "1", *words],
+                          capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().endswith(f"ARGS {got!r}"), proc.stdout
+
+
+def test_a_rank_s_traceback_starts_in_the_user_s_code_and_is_never_interleaved(tmp_path):
+    """Tracebacks show the user's frames only (no launcher or runpy frames) and reach the
+    terminal whole: three ranks raising at once give three intact blocks, each after a line
+    naming its rank."""
+    script = tmp_path / "boom.py"
+    script.write_text("import anyccl\n\n\ndef deep(k):\n    if k == 0:\n"
+                      "        raise ValueError('boom from ' + str(c.rank))\n    deep(k - 1)\n\n\n"
+                      "c = anyccl.init()\nc.barrier()\ndeep(30)\n")
+    proc = subprocess.run([sys.executable, "-m", "anyccl", "run", "-n", "3", str(script)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1
+    err = proc.stderr
+    assert "_child.py" not in err and "runpy" not in err, err
+    blocks = re.findall(r"anyccl run: rank (\d) raised:\nTraceback \(most recent call last\):\n"
+                        r"((?:  .*\n)+)ValueError: boom from (\d)\n", err)
+    assert len(blocks) >= 1 and all(a == b for a, _, b in blocks), err
+    assert err.count("Traceback (most recent call last)") == len(blocks), err   # all intact
+    for _, frames, _ in blocks:   # the script's frames alone, from its top level down
+        assert frames.startswith(f'  File "{script}", line 12, in <module>\n'), frames
+        assert "[Previous line repeated 27 more times]" in frames and \
+            frames.count("  File ") == frames.count(f'  File "{script}"'), frames
+
+
+def test_ctrl_c_gives_one_line_per_rank_not_a_traceback(no_leftovers):
+    proc = subprocess.Popen([sys.executable, "-m", "anyccl", "run", "-n", "3", SCRIPT, "forever",
+                             str(no_leftovers)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    _pids(no_leftovers, 3)
+    os.killpg(proc.pid, signal.SIGINT)   # what a Ctrl-C in the terminal does
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGINT, err
+    assert "Traceback" not in err, err
+    assert len(err.splitlines()) <= 3 + 2, err   # a line per rank, and the launcher's
+
+
+def test_a_peer_that_closed_and_exited_normally_is_not_said_to_have_died(tmp_path):
+    script = tmp_path / "leave.py"
+    script.write_text("import numpy as np, time, anyccl\nc = anyccl.init()\nc.barrier()\n"
+                      "if c.rank == 1:\n    c.close()\nelse:\n    time.sleep(0.3)\n"
+                      "    c.all_reduce(np.ones(4))\n")
+    proc = subprocess.run([sys.executable, "-m", "anyccl", "run", "-n", "2", str(script)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1
+    assert "PeerLostError: rank 0: rank 1" in proc.stderr, proc.stderr
+    assert "died" not in proc.stderr, proc.stderr
+    assert "closed its communicator" in proc.stderr
+
+
+@pytest.fixture
+def another_job_beside():
+    """A segment of another anyccl job on this machine, appearing while the test runs and
+    outliving its leftover check (removed only after it)."""
+    path = f"/dev/shm/anyccl-{secrets.token_hex(4)}-w-0-{secrets.token_hex(4)}"
+    yield path
+    if os.path.exists(path):
+        os.unlink(path)
+
+
+def test_leftover_checks_judge_only_their_own_jobs(another_job_beside, no_leftovers):
+    with open(another_job_beside, "wb") as f:   # another user's job starts meanwhile
+        f.write(bytes(4096))
+    proc = _launch(2, "ok", str(no_leftovers))
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
 
 
 def test_a_clean_job_exits_zero_and_tags_output_with_ranks(no_leftovers):
@@ -101,8 +235,9 @@ def test_a_failing_rank_stops_the_others_and_sets_the_exit_code(no_leftovers):
     proc = _launch(3, "exit", str(no_leftovers), "1", "3")
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 3, err
-    assert "rank 1 exited with code 3 (first failure)" in err, err
-    assert "rank 1 failed first" in err
+    said = [line for line in err.splitlines() if line.startswith("anyccl run: rank")]
+    assert said == ["anyccl run: rank 1 failed first: it exited with code 3; the other ranks "
+                    "were stopped"], err   # once, not a second time in other words
 
 
 def test_the_rank_the_others_lost_is_named_first_even_when_they_fail_before_it(no_leftovers):
@@ -119,7 +254,7 @@ def test_a_rank_killed_by_sigkill_stops_the_job_within_five_seconds(no_leftovers
     out, err = proc.communicate(timeout=60)
     assert time.monotonic() - start < 5 + 1, "the others were not stopped in time"
     assert proc.returncode == 128 + signal.SIGKILL, err
-    assert "rank 2 was killed by SIGKILL" in err, err
+    assert "rank 2 failed first: it was killed by SIGKILL" in err, err
 
 
 def test_sigterm_to_the_launcher_stops_every_rank(no_leftovers):

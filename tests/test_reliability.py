@@ -3,7 +3,6 @@ clean-up on every exit path, and a rendezvous no foreign client can stall."""
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import re
@@ -17,7 +16,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from harness import launch_job, run_ranks, run_ranks_outcomes, spawn_processes, suite_backend
+from harness import (
+    job_segments,
+    launch_job,
+    new_job_id,
+    run_ranks,
+    run_ranks_outcomes,
+    spawn_processes,
+    suite_backend,
+)
 
 import anyccl
 from anyccl.store import StoreServer
@@ -53,7 +60,7 @@ def _job_env(world_size: int) -> tuple[StoreServer, list[dict[str, str]]]:
     key = secrets.token_bytes(32)
     server = StoreServer(key)
     common = {"WORLD_SIZE": str(world_size), "ANYCCL_STORE": server.address,
-              "ANYCCL_JOB_KEY": key.hex(), "ANYCCL_JOB_ID": secrets.token_hex(4)}
+              "ANYCCL_JOB_KEY": key.hex(), "ANYCCL_JOB_ID": new_job_id()}
     return server, [{**common, "RANK": str(r), "LOCAL_RANK": str(r)} for r in range(world_size)]
 
 
@@ -171,8 +178,8 @@ def test_the_launcher_summarises_where_each_rank_was(tmp_path):
     assert re.search(r"world rank [01]: all_reduce\(float32 x 1000, op=SUM\) #\d+", proc.stderr)
 
 
-def test_an_exception_in_one_rank_leaves_nothing_behind(tmp_path):
-    before = set(glob.glob("/dev/shm/anyccl-*"))
+def test_an_exception_in_one_rank_leaves_nothing_behind(tmp_path, monkeypatch):
+    monkeypatch.setenv("ANYCCL_JOB_PREFIX", prefix := new_job_id())
     source = ("import anyccl, numpy as np\nc = anyccl.init()\nc.barrier()\n"
               "if c.rank == 1: raise RuntimeError('boom')\nc.barrier()\n")
     script = tmp_path / "boom.py"
@@ -180,11 +187,11 @@ def test_an_exception_in_one_rank_leaves_nothing_behind(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "anyccl", "run", "-n", "2", str(script)],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1 and "RuntimeError: boom" in proc.stderr
-    assert set(glob.glob("/dev/shm/anyccl-*")) <= before
+    assert not job_segments(prefix)
 
 
-def test_sigkill_of_every_rank_leaves_no_segment_and_no_process(tmp_path):
-    before = set(glob.glob("/dev/shm/anyccl-*"))
+def test_sigkill_of_every_rank_leaves_no_segment_and_no_process(tmp_path, monkeypatch):
+    monkeypatch.setenv("ANYCCL_JOB_PREFIX", prefix := new_job_id())
     script = os.path.join(os.path.dirname(__file__), "scripts", "rank_behaviour.py")
     launcher = subprocess.Popen([sys.executable, "-m", "anyccl", "run", "-n", "3", script,
                                  "forever", str(tmp_path)], stdout=subprocess.PIPE,
@@ -198,7 +205,7 @@ def test_sigkill_of_every_rank_leaves_no_segment_and_no_process(tmp_path):
         os.kill(pid, signal.SIGKILL)
     launcher.communicate(timeout=30)
     assert launcher.returncode == 128 + signal.SIGKILL
-    assert set(glob.glob("/dev/shm/anyccl-*")) <= before
+    assert not job_segments(prefix)
     for pid in pids:
         assert not os.path.exists(f"/proc/{pid}") or \
             open(f"/proc/{pid}/stat").read().split(")")[-1].split()[0] == "Z"

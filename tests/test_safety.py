@@ -150,11 +150,12 @@ def test_the_mpi_check_can_be_turned_off_for_latency():
 
 
 def check_read_only_on_one_rank(comm):
-    x = np.full(4, 2.0 + comm.rank)
+    out = np.zeros(4 * comm.size)
     if comm.rank == 1:
-        x.flags.writeable = False
+        out.flags.writeable = False   # an output that cannot receive the result
+    error = None
     try:
-        comm.broadcast(x, 0)
+        comm.all_gather(out, np.full(4, 2.0 + comm.rank))
     except anyccl.AnycclError as exc:
         error = exc
     y = np.full(3, comm.rank + 1.0)
@@ -166,7 +167,7 @@ def test_a_rank_refusing_its_arguments_makes_every_rank_raise_and_the_next_sum_i
     (kind0, text0, y0), (kind1, text1, y1) = run_ranks(check_read_only_on_one_rank, 2)
     assert kind1 == "InvalidArgumentError" and "read-only" in text1
     assert kind0 == "CollectiveMismatchError", text0
-    assert "rank 1 refused its arguments to broadcast()" in text0 and "read-only" in text0
+    assert "rank 1 refused its arguments to all_gather()" in text0 and "read-only" in text0
     assert y0 == y1 == [3.0, 3.0, 3.0]
 
 

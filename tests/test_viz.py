@@ -31,6 +31,8 @@ def test_viz_states_are_the_collectives_real_results(op):
             assert np.array_equal(after[0], everyone[root])
         elif op == "all_gather" or (op == "gather" and r == root):
             assert all(np.array_equal(a, e) for a, e in zip(after, everyone))
+        elif op == "gather":   # the others receive nothing and keep their image
+            assert len(after) == 1 and np.array_equal(after[0], everyone[r])
         elif op == "scatter":
             assert np.array_equal(after[0], image(root, salt=r + 1))
         elif op == "reduce_scatter":

@@ -1,7 +1,10 @@
 """mkdocs hook: pages made from the repository itself. README.md is the site's front page (its
-links made relative to docs/), the settings page is generated from `anyccl.settings`, the
-recorded runs in benchmarks/results/ become pages of the site (results/...), and the benchmarks
-page lists them, newest first, each with its own first heading."""
+links made relative to docs/), the recorded runs in benchmarks/results/ become pages of the
+site (results/...), and the benchmarks page lists them, newest first, each with its own first
+heading.
+
+docs/settings.md is generated from `anyccl.settings` by running this file
+(`python docs/_hooks/results.py`); a test checks that it is up to date."""
 
 from __future__ import annotations
 
@@ -42,7 +45,6 @@ def settings_page() -> str:
 
 def on_files(files: Files, config) -> Files:
     files.append(File.generated(config, "index.md", content=front_page()))
-    files.append(File.generated(config, "settings.md", content=settings_page()))
     for path in sorted(RESULTS.iterdir()):
         if path.suffix in (".md", ".png"):
             files.append(File.generated(config, f"results/{path.name}", abs_src_path=str(path)))
@@ -57,8 +59,17 @@ def _title(path: Path) -> str:
 
 
 def on_page_markdown(markdown: str, page, config, files) -> str:
+    # the docs link recorded runs where they lie in the repository (so the links work there
+    # too); the site keeps them under results/
+    depth = page.file.src_uri.count("/")
+    markdown = markdown.replace("](" + "../" * (depth + 1) + "benchmarks/results/",
+                                "](" + "../" * depth + "results/")
     if MARKER not in markdown:
         return markdown
     rows = [f"- [{p.stem}](results/{p.name}): {_title(p)}"
             for p in sorted(RESULTS.glob("*.md"), reverse=True)]
     return markdown.replace(MARKER, "\n".join(rows))
+
+
+if __name__ == "__main__":
+    (ROOT / "docs" / "settings.md").write_text(settings_page())

@@ -12,6 +12,7 @@ from .errors import (
     CollectiveMismatchError,
     CommunicatorClosedError,
     InvalidArgumentError,
+    NotInitializedError,
     PeerLostError,
     RendezvousError,
     TimeoutError,
@@ -25,5 +26,6 @@ __version__ = "0.1.0"
 __all__ = [
     "init", "Communicator", "ReduceOp", "Work",
     "AnycclError", "InvalidArgumentError", "UnsupportedError", "TimeoutError", "PeerLostError",
-    "CollectiveMismatchError", "CommunicatorClosedError", "RendezvousError",
+    "CollectiveMismatchError", "CommunicatorClosedError", "NotInitializedError",
+    "RendezvousError",
 ]

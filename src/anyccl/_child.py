@@ -8,6 +8,8 @@ import os
 import runpy
 import signal
 import sys
+import traceback
+from types import TracebackType
 
 from . import settings
 from .errors import AnycclError, PeerLostError
@@ -33,6 +35,14 @@ def lost_marker(job_id: str, rank: int) -> str:
     return os.path.join(flight_directory(job_id), f"lost-by-rank{rank}")
 
 
+def _user_frames(tb: TracebackType | None) -> TracebackType | None:
+    """`tb` without its first frames of this module and runpy: the user's code only."""
+    while tb is not None and (tb.tb_frame.f_code.co_filename == __file__ or
+                              tb.tb_frame.f_globals.get("__name__") == "runpy"):
+        tb = tb.tb_next
+    return tb
+
+
 def main() -> None:
     _die_with_launcher()
     mode, target, *args = sys.argv[1:]
@@ -43,15 +53,32 @@ def main() -> None:
         else:
             sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
             runpy.run_path(target, run_name="__main__")
-    except PeerLostError as exc:
-        try:
-            from . import private
-
-            path = lost_marker(settings.JOB_ID.get() or "local", int(os.environ["RANK"]))
-            private.write(path, str(exc.lost_rank).encode())
-        except (OSError, KeyError, ValueError, AnycclError):
-            pass
+    except SystemExit:
         raise
+    except KeyboardInterrupt as exc:
+        # one line, not a traceback per rank: where the interrupt found this rank
+        where = traceback.extract_tb(_user_frames(exc.__traceback__))
+        at = f" at {where[-1].filename}:{where[-1].lineno}" if where else ""
+        print(f"KeyboardInterrupt{at}", file=sys.stderr, flush=True)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)   # end as an interrupted process does
+    except BaseException as exc:
+        if isinstance(exc, PeerLostError):
+            _note_lost(exc)
+        traceback.print_exception(type(exc), exc, _user_frames(exc.__traceback__))
+        sys.stderr.flush()
+        sys.exit(1)   # what Python exits with on an uncaught exception
+
+
+def _note_lost(exc: PeerLostError) -> None:
+    """Tell the launcher which rank this one lost (see `lost_marker`)."""
+    try:
+        from . import private
+
+        path = lost_marker(settings.JOB_ID.get() or "local", int(os.environ["RANK"]))
+        private.write(path, str(exc.lost_rank).encode())
+    except (OSError, KeyError, ValueError, AnycclError):
+        pass
 
 
 if __name__ == "__main__":

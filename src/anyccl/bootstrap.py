@@ -421,21 +421,44 @@ def init(backend: str | None = None, *, rank: int | None = None,
          device_id: object = None) -> Communicator:
     """Join the job and return the communicator of all its ranks.
 
-    backend:     "shm" (default; "gloo" is accepted as its alias) for host arrays; "nccl" or
-                 "cpu:shm,cuda:nccl" also creates the NCCL communicator for GPU arrays now
-                 (otherwise the first collective on GPU arrays creates it); "ipc" runs GPU
-                 arrays on anyccl's own peer-memory kernels where they apply (NCCL for the
-                 rest), "auto" only where they were measured faster; or ANYCCL_BACKEND.
-    device_id:   this rank's CUDA device (int or torch.device); default local_rank % number of
-                 visible devices. Giving it creates the NCCL communicator now, as torch does.
-    rank, world_size: this process's rank and the number of ranks; default from the launcher's
-                 environment, else a world of one.
-    init_method: "env://" (MASTER_ADDR/MASTER_PORT), "tcp://host:port" (rank 0 serves it) or
-                 "file:///path" (a directory every rank sees); default from the environment.
-    timeout:     seconds (or a timedelta) any one operation may wait before it fails with
-                 anyccl.TimeoutError; default ANYCCL_TIMEOUT or 600.
-    debug:       check before every collective that all ranks called the same one with
-                 agreeing arguments (CollectiveMismatchError otherwise); default ANYCCL_DEBUG.
+    Args:
+        backend: "shm" (the default on one host; "gloo" is accepted as its alias) for host
+            arrays; "nccl" or "cpu:shm,cuda:nccl" also creates the NCCL communicator for GPU
+            arrays now (otherwise the first collective on GPU arrays creates it); "ipc" runs
+            GPU arrays on anyccl's own peer-memory kernels where they apply (NCCL for the
+            rest), "auto" only where they were measured faster. Default: ANYCCL_BACKEND, else
+            mpi under mpiexec (with mpi4py), else shm; ranks on several hosts get shm inside
+            each host and MPI or torch's gloo between hosts.
+        rank: this process's rank. Default: from the launcher's environment (anyccl run,
+            torchrun, mpiexec, SLURM), else 0 in a world of one.
+        world_size: the number of ranks. Default: as `rank`.
+        init_method: "env://" (MASTER_ADDR and MASTER_PORT), "tcp://host:port" (rank 0 serves
+            it) or "file:///path" (a directory every rank sees). Default: from the
+            environment.
+        timeout: seconds (or a timedelta) any one operation may wait before it fails with
+            anyccl.TimeoutError. Default: ANYCCL_TIMEOUT, else 600.
+        local_rank: this process's rank among the ranks of its host. Default: from the
+            launcher's environment, else counted from the hosts the ranks report.
+        debug: check before every collective that all ranks called the same one with agreeing
+            arguments (CollectiveMismatchError otherwise). Default: ANYCCL_DEBUG.
+        device_id: this rank's CUDA device (int or torch.device). Default: local_rank modulo
+            the number of visible devices. Giving it creates the NCCL communicator now, as
+            torch does.
+
+    Returns:
+        The communicator of all ranks of the job.
+
+    Raises:
+        InvalidArgumentError: a rank, world size or device that cannot be.
+        UnsupportedError: a backend that is unknown, or that nothing on this machine can run.
+        RendezvousError: the ranks could not find each other.
+        TimeoutError: a rank did not arrive within `timeout`.
+
+    Example:
+        ```python
+        comm = anyccl.init()                  # from anyccl run, torchrun, mpiexec or SLURM
+        comm = anyccl.init("nccl", timeout=60)
+        ```
     """
     if debug is None:
         debug = settings.DEBUG.get()
@@ -462,6 +485,14 @@ def init(backend: str | None = None, *, rank: int | None = None,
                 local_rank=local_rank, debug=debug, device_id=device_id, owns_store=True)
 
 
+def new_job_id(token: str) -> str:
+    """A job id: `token` (hexadecimal, unique to the job) after ANYCCL_JOB_PREFIX, if set."""
+    prefix = settings.JOB_PREFIX.get() or ""
+    if prefix and (not prefix.isascii() or not prefix.isalnum() or len(prefix) > 24):
+        settings.JOB_PREFIX._refuse(prefix, "at most 24 letters and digits")
+    return prefix + token
+
+
 def join(connection: Store, rank: int, world_size: int, *, backend: str | None,
          timeout_s: float, local_rank: int | None, debug: bool, device_id: object = None,
          owns_store: bool = False) -> Communicator:
@@ -479,7 +510,7 @@ def join(connection: Store, rank: int, world_size: int, *, backend: str | None,
         job_id = settings.JOB_ID.get()
         if not job_id:
             if rank == 0:
-                store.set("job_id", secrets.token_hex(4).encode())
+                store.set("job_id", new_job_id(secrets.token_hex(4)).encode())
             job_id = store.get("job_id", timeout_s).decode()
         hosts, addresses = _hosts(store, rank, world_size, timeout_s)
         if local_rank is None:

@@ -117,6 +117,26 @@ def as_numpy(x: Any, name: str, *, writable: bool) -> np.ndarray:
     return arr
 
 
+def immutable_copy(x: Any) -> tuple[np.ndarray, Callable[[np.ndarray], Any]] | None:
+    """For an input an in-place collective cannot write (a JAX array on the host, a read-only
+    NumPy array): a writable NumPy copy of it and the function that makes the result an array
+    of `x`'s kind again (a JAX array with `x`'s sharding, a NumPy array). None for everything
+    else: arrays written in place, and what `as_array` refuses as before."""
+    if isinstance(x, np.ndarray):
+        return None if x.flags.writeable else (x.copy(), _same)
+    if type(x).__module__.startswith(("jax", "jaxlib")) and hasattr(x, "sharding") and \
+            all(d.platform == "cpu" for d in x.devices()):
+        import jax
+
+        sharding = x.sharding
+        return np.array(x), lambda result: jax.device_put(result, sharding)
+    return None
+
+
+def _same(result: np.ndarray) -> np.ndarray:
+    return result
+
+
 # ---- GPU arrays ---------------------------------------------------------------------------------
 _KDL_CUDA = 2  # DLPack's device type of CUDA memory
 

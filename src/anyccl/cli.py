@@ -83,8 +83,38 @@ def main(argv: list[str] | None = None) -> int:
         from .tools.viz import main as viz
 
         return viz(argv[1:])
+    if argv[:1] == ["run"]:   # the script's own arguments never meet anyccl's parser
+        options, target = _split_run(argv[1:])
+        ns = build_parser().parse_args(["run", *options])
+        ns.args = target
+        return ns.handler(ns)
     ns = build_parser().parse_args(argv)
     return ns.handler(ns)
+
+
+_RUN_VALUED = {"-n", "--nprocs", "--nproc-per-node", "--nnodes", "--node-rank", "--master-addr",
+               "--master-port", "--job-key-file", "--backend"}
+
+
+def _split_run(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(anyccl run's options, the script and its arguments): the options end at the script
+    (the first word that is no option), after `-m MODULE`, or at `--`. What follows the script
+    or the module is its own, passed on as python does (a `--` right after it is dropped)."""
+    def own(rest: list[str]) -> list[str]:
+        return rest[1:] if rest[:1] == ["--"] else rest
+
+    for i, word in enumerate(argv):
+        before = argv[i - 1] if i else ""
+        if before == "-m":
+            return argv[:i + 1], own(argv[i + 1:])
+        if before in _RUN_VALUED:
+            continue
+        if word == "--":
+            rest = argv[i + 1:]
+            return argv[:i], rest[:1] + own(rest[1:])
+        if not word.startswith("-"):
+            return argv[:i], [word, *own(argv[i + 1:])]
+    return argv, []
 
 
 if __name__ == "__main__":

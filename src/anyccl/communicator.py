@@ -34,6 +34,7 @@ from .buffers import (
     GpuArray,
     Pieces,
     current_stream,
+    immutable_copy,
     lives_on_gpu,
     overlaps,
 )
@@ -78,11 +79,14 @@ class Communicator:
     the GPU backend once it exists), and `backend_reason` says why it was chosen (e.g. "ranks
     on 2 hosts: shared memory inside each host, torch's gloo between hosts").
 
-    Example, on 2 ranks::
+    Example:
+        On 2 ranks:
 
+        ```python
         comm = anyccl.init()
         x = np.full(4, comm.rank + 1.0)
         comm.all_reduce(x)            # both ranks: [3. 3. 3. 3.]
+        ```
     """
 
     def __init__(self, backend: Backend, store: Store, *, rank: int, size: int, local_rank: int,
@@ -453,12 +457,13 @@ class Communicator:
         NCCL group when the block ends (so rings of sends and receives cannot deadlock); wait
         on their Works after the block. Host messages progress together anyway.
 
-        Example::
-
+        Example:
+            ```python
             with comm.batch():
                 comm.isend(x, (rank + 1) % size)
                 work = comm.irecv(y, (rank - 1) % size)
             work.wait()
+            ```
         """
         self._check_open("batch")
         if self._batch is not None:
@@ -546,12 +551,21 @@ class Communicator:
     # GPU arrays: each call is queued after the work on the caller's current stream (torch's or
     # CuPy's, or `stream=`) and returns once queued; that stream waits for the result.
     def broadcast(self, tensor: Any, src: int, async_op: bool = False, *,
-                  stream: Any = None) -> Work | None:
-        """Every rank's `tensor` becomes a copy of rank `src`'s `tensor`."""
+                  stream: Any = None) -> Any:
+        """Every rank's `tensor` becomes a copy of rank `src`'s `tensor`.
+
+        Returns:
+            Blocking: the array that holds the result (see `all_reduce`). Else a `Work`.
+        """
+        if type(tensor) is not np.ndarray or not tensor.flags.writeable:
+            staged = immutable_copy(tensor)
+            if staged is not None:
+                return self._on_copy("broadcast", tensor, staged, async_op,
+                                     lambda copy: self.broadcast(copy, src))
         if self._plans is not None:  # a GPU call ran: this one may replay a plan
             replayed = self._replayed(("broadcast", src), (tensor,), async_op, stream)
             if replayed is not _FULL_PATH:
-                return replayed
+                return tensor if replayed is None else replayed
         self._check_open("broadcast")
         try:
             x = self._check.array("broadcast", tensor, "tensor", writable=True)
@@ -559,17 +573,31 @@ class Communicator:
         except _REFUSALS as exc:
             self._refused("broadcast", exc, (tensor,))
             raise
-        return self._collective("broadcast", _about(x, ", src={}", src), x.nbytes,
+        work = self._collective("broadcast", _about(x, ", src={}", src), x.nbytes,
                                 lambda b: b.broadcast(x, src), async_op, like=x, root=src,
                                 arrays=[("tensor", x)], stream=stream)
+        return tensor if work is None else work
 
     def all_reduce(self, tensor: Any, op: ReduceOp | str = ReduceOp.SUM,
-                   async_op: bool = False, *, stream: Any = None) -> Work | None:
-        """Every rank's `tensor` becomes the element-wise reduction of all ranks' `tensor`."""
+                   async_op: bool = False, *, stream: Any = None) -> Any:
+        """Every rank's `tensor` becomes the element-wise reduction of all ranks' `tensor`.
+
+        Returns:
+            Blocking: the array that holds the result. That is `tensor` itself, written in
+            place, except for an input that cannot be written (a JAX array on the host, a
+            read-only NumPy array): that one is left as it was and a new array of its kind
+            holds the result, so `y = comm.all_reduce(x)` works for every array. With
+            `async_op=True`: a `Work` (in place only).
+        """
+        if type(tensor) is not np.ndarray or not tensor.flags.writeable:
+            staged = immutable_copy(tensor)
+            if staged is not None:
+                return self._on_copy("all_reduce", tensor, staged, async_op,
+                                     lambda copy: self.all_reduce(copy, op))
         if self._plans is not None:  # a GPU call ran: this one may replay a plan
             replayed = self._replayed(("all_reduce", op), (tensor,), async_op, stream)
             if replayed is not _FULL_PATH:
-                return replayed
+                return tensor if replayed is None else replayed
         self._check_open("all_reduce")
         try:
             x = self._check.array("all_reduce", tensor, "tensor", writable=True)
@@ -577,18 +605,28 @@ class Communicator:
         except _REFUSALS as exc:
             self._refused("all_reduce", exc, (tensor,))
             raise
-        return self._collective("all_reduce", _about(x, ", op={0.name}", rop), x.nbytes,
+        work = self._collective("all_reduce", _about(x, ", op={0.name}", rop), x.nbytes,
                                 lambda b: b.all_reduce(x, rop), async_op, like=x, op=rop,
                                 arrays=[("tensor", x)], stream=stream)
+        return tensor if work is None else work
 
     def reduce(self, tensor: Any, dst: int, op: ReduceOp | str = ReduceOp.SUM,
-               async_op: bool = False, *, stream: Any = None) -> Work | None:
+               async_op: bool = False, *, stream: Any = None) -> Any:
         """Rank `dst`'s `tensor` becomes the reduction of all ranks' `tensor`; the other ranks'
-        arrays are left as they were."""
+        arrays are left as they were.
+
+        Returns:
+            Blocking: the array that holds the result (see `all_reduce`). Else a `Work`.
+        """
+        if type(tensor) is not np.ndarray or not tensor.flags.writeable:
+            staged = immutable_copy(tensor)
+            if staged is not None:
+                return self._on_copy("reduce", tensor, staged, async_op,
+                                     lambda copy: self.reduce(copy, dst, op))
         if self._plans is not None:  # a GPU call ran: this one may replay a plan
             replayed = self._replayed(("reduce", dst, op), (tensor,), async_op, stream)
             if replayed is not _FULL_PATH:
-                return replayed
+                return tensor if replayed is None else replayed
         self._check_open("reduce")
         try:
             x = self._check.array("reduce", tensor, "tensor", writable=True)
@@ -597,10 +635,27 @@ class Communicator:
         except _REFUSALS as exc:
             self._refused("reduce", exc, (tensor,))
             raise
-        return self._collective("reduce", _about(x, ", dst={}, op={.name}", dst, rop),
+        work = self._collective("reduce", _about(x, ", dst={}, op={.name}", dst, rop),
                                 x.nbytes, lambda b: b.reduce(x, dst, rop), async_op, like=x,
-                                root=dst,
-                                op=rop, arrays=[("tensor", x)], stream=stream)
+                                root=dst, op=rop, arrays=[("tensor", x)], stream=stream)
+        return tensor if work is None else work
+
+    def _on_copy(self, name: str, tensor: Any, staged: tuple[np.ndarray, Callable],
+                 async_op: bool, call: Callable[[np.ndarray], Any]) -> Any:
+        """Collective `name` on a writable copy of `tensor`, which cannot be written in place;
+        the result as an array of `tensor`'s kind. Blocking only: an async call is refused (on
+        every rank, as any refused argument is)."""
+        copy, back = staged
+        if async_op:
+            self._check_open(name)
+            exc = InvalidArgumentError(
+                f"rank {self.rank}: {name}: tensor ({type(tensor).__name__}) cannot be written "
+                f"in place, so async_op=True has nowhere to put the result; call it blocking "
+                f"and use what it returns: y = comm.{name}(x, ...)")
+            self._refused(name, exc, (copy,))
+            raise exc
+        call(copy)
+        return back(copy)
 
     def all_gather(self, out: Any, tensor: Any, async_op: bool = False, *,
                    stream: Any = None) -> Work | None:

@@ -18,7 +18,7 @@ from typing import Any
 from .algorithms.uneven import split_elements
 from .bootstrap import init
 from .communicator import Communicator
-from .errors import CommunicatorClosedError
+from .errors import NotInitializedError
 from .ops import ReduceOp
 from .work import Work
 
@@ -46,8 +46,9 @@ def _group(group: Any) -> Communicator | None:
     if group is not None:
         return group
     if GroupMember.WORLD is None:
-        raise CommunicatorClosedError(
-            "anyccl.distributed: call init_process_group() before any collective")
+        raise NotInitializedError(
+            "anyccl.distributed: the default process group is not initialized: call "
+            "init_process_group() first")
     return GroupMember.WORLD
 
 

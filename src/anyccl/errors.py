@@ -45,5 +45,10 @@ class CommunicatorClosedError(AnycclError, RuntimeError):
     """The communicator was closed, or broken by an earlier failure, and cannot be used."""
 
 
+class NotInitializedError(AnycclError, ValueError):
+    """A call that needs the default process group came before init_process_group() (a
+    ValueError, as torch.distributed raises there)."""
+
+
 class RendezvousError(AnycclError, RuntimeError):
     """The ranks could not find each other: bad init_method, missing environment, refused store."""

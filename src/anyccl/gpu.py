@@ -306,6 +306,17 @@ def visible_devices() -> str:
     return os.environ.get("CUDA_VISIBLE_DEVICES", "(all)")
 
 
+def machine_has_gpu() -> bool:
+    """Whether this machine has an NVIDIA GPU at all (its driver's device files), whatever
+    Python packages are installed: what `anyccl info` advises depends on it."""
+    import glob
+
+    return os.path.isdir("/proc/driver/nvidia/gpus") or bool(glob.glob("/dev/nvidia[0-9]*"))
+
+
+NO_GPU = "not usable: this machine has no NVIDIA GPU"
+
+
 def imported(module: str) -> Any:
     """A framework module only if the user already imported it: anyccl never imports one."""
     return sys.modules.get(module)

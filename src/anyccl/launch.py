@@ -55,13 +55,28 @@ def _describe(returncode: int) -> str:
     return f"exited with code {returncode}"
 
 
+_TRACEBACK_START = b"Traceback (most recent call last):\n"
+_TRACEBACK_LINKS = (_TRACEBACK_START, b"\n",
+                    b"During handling of the above exception, another exception occurred:\n",
+                    b"The above exception was the direct cause of the following exception:\n")
+_LONGEST_BLOCK = 2000   # lines: a traceback longer than this is passed on in parts
+
+
+def _ends_traceback(line: bytes) -> bool:
+    """Whether `line` is a traceback's last: the exception itself, the first line neither
+    indented (frames, source, carets) nor linking one exception to the next."""
+    return not line.startswith((b" ", b"\t")) and line not in _TRACEBACK_LINKS
+
+
 class _LineRelay:
     """Copies every rank's output to the launcher's own stdout/stderr a whole line at a time.
 
     Ranks run unbuffered (their output shows as it is printed), so one `print` may reach the
     pipe in several writes; a line is passed on only once it is complete, with one write under
-    a lock shared by every rank, so lines of different ranks never mix. A last line without a
-    newline is passed on, with one, when the rank closes its end.
+    a lock shared by every rank, so lines of different ranks never mix. A traceback is passed on
+    whole, in one write (untagged: after a line saying whose it is), so the tracebacks of
+    several failing ranks never interleave. A last line without a newline is passed on, with
+    one, when the rank closes its end.
     """
 
     def __init__(self, tag_output: bool) -> None:
@@ -77,23 +92,39 @@ class _LineRelay:
 
     def _pump(self, stream: IO[bytes], rank: int, out: TextIO) -> None:
         prefix = f"[rank {rank}] ".encode() if self.tag_output else b""
+        block: list[bytes] = []   # a traceback being read: passed on whole, never interleaved
+        chained = False           # only the links of a chained exception since the last one
         try:
             for line in iter(stream.readline, b""):
                 if not line.endswith(b"\n"):
                     line += b"\n"
-                with self._lock:
-                    out.flush()  # what the launcher itself printed comes first
-                    raw = getattr(out, "buffer", None)
-                    if raw is None:  # a text-only stream (one a caller swapped in)
-                        out.write((prefix + line).decode(errors="replace"))
-                        out.flush()
-                    else:
-                        raw.write(prefix + line)
-                        raw.flush()
+                if block or line == _TRACEBACK_START:
+                    if not block and not self.tag_output and not chained:
+                        block.append(f"anyccl run: rank {rank} raised:\n".encode())
+                    block.append(prefix + line)
+                    if _ends_traceback(line) or len(block) > _LONGEST_BLOCK:
+                        self._write(out, b"".join(block))
+                        block, chained = [], True
+                    continue
+                chained = chained and line in _TRACEBACK_LINKS
+                self._write(out, prefix + line)
+            if block:
+                self._write(out, b"".join(block))
         except ValueError:  # the launcher's own stream was closed under us: nothing to copy to
             pass
         finally:
             stream.close()
+
+    def _write(self, out: TextIO, data: bytes) -> None:
+        with self._lock:
+            out.flush()  # what the launcher itself printed comes first
+            raw = getattr(out, "buffer", None)
+            if raw is None:  # a text-only stream (one a caller swapped in)
+                out.write(data.decode(errors="replace"))
+                out.flush()
+            else:
+                raw.write(data)
+                raw.flush()
 
     def join(self, timeout_s: float) -> None:
         end = time.monotonic() + timeout_s
@@ -164,6 +195,60 @@ def job_key_for(nodes: Nodes, env: dict, timeout_s: float = 60.0) -> bytes:
         raise AnycclError("anyccl run: the job key is not hexadecimal digits") from None
 
 
+def check_before_start(target: str, module: bool, backend: str | None,
+                       command: str = "anyccl run") -> None:
+    """AnycclError, said once before any rank starts, when the job cannot run: `target` is no
+    file (or no importable module), or the backend (given or ANYCCL_BACKEND) is unknown, is
+    mpi (whose ranks mpiexec starts), or needs a GPU this machine does not have."""
+    if module:
+        if not _module_found(target):
+            raise AnycclError(f"{command}: -m {target}: no module of that name can be imported "
+                              f"from {os.getcwd()}")
+    elif not os.path.isfile(target):
+        raise AnycclError(f"{command}: {target}: no such file" + (
+            "" if os.path.isabs(target) else f" (looked in {os.getcwd()})"))
+    try:
+        check_backend(backend or settings.BACKEND.get())
+    except AnycclError as exc:
+        raise AnycclError(f"{command}: {exc}") from None
+
+
+def check_backend(backend: str | None, mpiexec_starts: bool = False) -> None:
+    """See `check_before_start`: the backend's part (`mpiexec_starts`: the command starts the
+    ranks with mpiexec itself, so mpi is fine)."""
+    if not backend:
+        return
+    from .bootstrap import parse_backend
+
+    try:
+        host, gpu_backend = parse_backend(backend)
+    except AnycclError as exc:
+        raise AnycclError(f"--backend {backend}: {exc}") from None
+    if host == "mpi" and not mpiexec_starts:
+        raise AnycclError(f"--backend {backend}: the mpi backend's ranks are "
+                          f"started by mpiexec: mpiexec -n N python SCRIPT (pip install mpich "
+                          f"mpi4py)")
+    if gpu_backend is not None:
+        from . import gpu
+
+        if gpu.device_count() == 0:
+            raise AnycclError(f"--backend {backend}: {gpu_backend} runs on CUDA "
+                              f"GPUs, and none is visible here")
+
+
+def _module_found(name: str) -> bool:
+    """Whether `python -m name`, started in this directory, would find the module."""
+    import importlib.util
+
+    sys.path.insert(0, os.getcwd())
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+    finally:
+        sys.path.remove(os.getcwd())
+
+
 def run(nprocs: int, target: str, args: list[str], *, module: bool = False,
         backend: str | None = None, tag_output: bool = False, env: dict | None = None,
         nodes: Nodes | None = None) -> int:
@@ -171,11 +256,14 @@ def run(nprocs: int, target: str, args: list[str], *, module: bool = False,
     machine (of every node, with `nodes`); return the exit code the launcher should exit with."""
     import hashlib
 
+    from .bootstrap import new_job_id
+
+    check_before_start(target, module, backend)
     base_env = dict(os.environ if env is None else env)
     server: StoreServer | None
     if nodes is None or nodes.count == 1 and nodes.rank == 0 and not nodes.master_addr:
         job_key = secrets.token_bytes(32)
-        job_id = secrets.token_hex(4)
+        job_id = new_job_id(secrets.token_hex(4))
         server = StoreServer(job_key, host="127.0.0.1")
         store_address = server.address
         first_rank, world = 0, nprocs
@@ -184,7 +272,8 @@ def run(nprocs: int, target: str, args: list[str], *, module: bool = False,
         master = ("127.0.0.1", _free_port())
     else:
         job_key = job_key_for(nodes, base_env)
-        job_id = hashlib.sha256(job_key).hexdigest()[:8]   # the same on every node
+        # the same on every node
+        job_id = new_job_id(hashlib.sha256(job_key).hexdigest()[:8])
         server = StoreServer(job_key, host=_bind_address(nodes.master_addr),
                              port=nodes.master_port) if nodes.rank == 0 else None
         store_address = f"{nodes.master_addr}:{nodes.master_port}"
@@ -310,6 +399,7 @@ def _lost_by(job_id: str, rank: int) -> int | None:
 def _watch(ranks: list[RankProcess], stop_requested: list[int], job_id: str) -> int:
     first_failure: RankProcess | None = None
     cause: tuple[int, str] | None = None
+    stopped = False
     grace_until = 0.0
     while True:
         if stop_requested:
@@ -333,10 +423,8 @@ def _watch(ranks: list[RankProcess], stop_requested: list[int], job_id: str) -> 
             first_failure = min(failed, key=lambda rp: (rp.rank in reacting,
                                                         rp.proc.returncode >= 0, rp.rank))
             cause = _cause(ranks, running, first_failure, lost.get(first_failure.rank))
-            if running:
-                what = _describe(first_failure.proc.returncode)
-                print(f"anyccl run: rank {first_failure.rank} {what} (first failure); stopping "
-                      f"the other ranks", file=sys.stderr)
+            stopped = bool(running)
+            if stopped:
                 _stop(ranks)
             break
         if not running:
@@ -344,13 +432,14 @@ def _watch(ranks: list[RankProcess], stop_requested: list[int], job_id: str) -> 
         time.sleep(_POLL_S)
     if first_failure is None:
         return 0
+    then = "; the other ranks were stopped" if stopped else ""
     if cause is not None:
         print(f"anyccl run: rank {cause[0]} failed first: it {cause[1]}; rank "
-              f"{first_failure.rank} then {_describe(first_failure.proc.returncode)}",
+              f"{first_failure.rank} then {_describe(first_failure.proc.returncode)}{then}",
               file=sys.stderr)
     else:
         print(f"anyccl run: rank {first_failure.rank} failed first: it "
-              f"{_describe(first_failure.proc.returncode)}", file=sys.stderr)
+              f"{_describe(first_failure.proc.returncode)}{then}", file=sys.stderr)
     return _exit_code(first_failure.proc.returncode)
 
 

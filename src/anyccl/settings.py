@@ -142,6 +142,13 @@ STORE = _declare("STORE", "text", None,
 JOB_ID = _declare("JOB_ID", "text", None,
                   "A short name for the job, used in shared-memory and flight-record names.",
                   set_by_launcher=True)
+JOB_PREFIX = _declare("JOB_PREFIX", "text", None,
+                      "Letters and digits put in front of the id of every job started under it "
+                      "(anyccl run, init() without a launcher's ANYCCL_JOB_ID), so that its "
+                      "shared-memory segments (/dev/shm/anyccl-<prefix>...) and flight records "
+                      "can be told apart from other jobs' on the same machine.")
+
+
 SOCKET_IFNAME = _declare("SOCKET_IFNAME", "text", None,
                          "The network interface (e.g. eth0) whose address other hosts reach this "
                          "one at: for the rendezvous store and the engine between hosts. "

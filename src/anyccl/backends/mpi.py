@@ -73,7 +73,7 @@ def _mpi() -> Any:
 
 def library_version() -> str:
     """The MPI library in use, e.g. 'MPICH Version: 5.0.2'."""
-    return _mpi().Get_library_version().strip().splitlines()[0]
+    return " ".join(_mpi().Get_library_version().strip().splitlines()[0].split())
 
 
 class Departures:

@@ -310,5 +310,7 @@ def version() -> str | None:
 def status() -> str:
     """What `anyccl info` says of the nccl backend here."""
     found = version()
-    return f"available ({found})" if found else \
-        "not usable: pip install 'anyccl[gpu]' (nccl4py and the NCCL runtime)"
+    if found:
+        return f"available ({found})"
+    return "not usable: pip install 'anyccl[gpu]' (nccl4py and the NCCL runtime)" \
+        if gpu.machine_has_gpu() else gpu.NO_GPU

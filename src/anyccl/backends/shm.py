@@ -567,8 +567,9 @@ class SharedMemoryBackend(Backend):
             after = "" if origin == lost[0] else f" ({lost[1]} after losing it)"
             if origin == lost[0] or not process_alive(self._pids[origin]):
                 # the first rank lost died: name its death, not an exit it caused
-                raise self._lost(origin, f"rank {origin} (pid {self._pids[origin]}) died while "
-                                         f"this rank was in {self._record}{after}")
+                raise self._lost(origin, f"rank {origin} (pid {self._pids[origin]}) "
+                                         f"{self._gone(origin)} while this rank was in "
+                                         f"{self._record}{after}")
             raise self._lost(origin, f"rank {origin} left while this rank was in "
                                      f"{self._record}{after}")
         for j in range(self.size):
@@ -603,8 +604,13 @@ class SharedMemoryBackend(Backend):
             return None
         for j in range(self.size):
             if j != self.rank and not process_alive(self._pids[j]):
-                return j, f"rank {j} (pid {self._pids[j]}) died"
+                return j, f"rank {j} (pid {self._pids[j]}) {self._gone(j)}"
         return None
+
+    def _gone(self, j: int) -> str:
+        """How rank j's process ended: after closing its communicator (a normal exit), or
+        without (a crash, a signal, os._exit)."""
+        return "closed its communicator and exited" if self._ctl[j][_W_CLOSED] else "died"
 
     def wait_for_activity(self, timeout_s: float) -> None:
         self._bell.sleep(timeout_s)
@@ -749,8 +755,8 @@ class SharedMemoryBackend(Backend):
             # the peer's process is gone (ESRCH) or its mapping with it (EFAULT): a lost peer
             # if it died; anything else is reported as what it is, naming the peer
             if not process_alive(pid) or self._ctl[rank][_W_CLOSED]:
-                raise self._lost(rank, f"rank {rank} (pid {pid}) died while this rank was in "
-                                       f"{self._record}") from None
+                raise self._lost(rank, f"rank {rank} (pid {pid}) {self._gone(rank)} while "
+                                       f"this rank was in {self._record}") from None
             raise PeerLostError(f"rank {self.rank}: {self._record}: a direct {verb} of "
                                 f"{format_bytes(data.nbytes)} from rank {rank}'s memory failed: "
                                 f"{exc}", rank) from None

@@ -29,6 +29,7 @@ from .._optional import missing
 from .._units import parse_size
 from ..buffers import BFLOAT16
 from ..communicator import Communicator
+from ..errors import AnycclError
 from ..ops import COLLECTIVES, ReduceOp
 from .peers import AnycclPeer, peers
 
@@ -67,6 +68,7 @@ class Row:
     algbw: float | None
     busbw: float | None
     wrong: int | None
+    spread: float | None = None  # (slowest - fastest round) / median round
 
 
 # ---- inputs, buffers and expected results -------------------------------------------------
@@ -357,6 +359,7 @@ def measure(comm: Communicator, peers: list[Any], op: str, nbytes: int, s: Setti
         wrong = np.array([count_wrong(fresh)], np.int64)
         comm.all_reduce(wrong)
         seconds = float(np.median(t.seconds))
+        t.row.spread = (max(t.seconds) - min(t.seconds)) / seconds if seconds > 0 else 0.0
         t.row.time_us = seconds * 1e6
         t.row.algbw = size / seconds / 1e9
         t.row.busbw = t.row.algbw * bus_factor(op, n)
@@ -408,33 +411,53 @@ def _fmt_variant(r: Row | None) -> str:
     return f"  {t}  {r.algbw:6.2f}  {r.busbw:6.2f}  {r.wrong:5d}"
 
 
-def print_table(out, library: str, op: str, rows: list[Row]) -> None:
-    print(f"#\n# {library}: {op}", file=out)
-    print(_HEADER, file=out)
-    by_size: dict[int, dict[str, Row]] = {}
-    for r in rows:
-        by_size.setdefault(r.size, {})[r.variant] = r
-    for size, variants in by_size.items():
-        first = next(iter(variants.values()))
-        print(f"{size:12d}  {first.count:12d}  {first.type:>8}  {first.redop:>6}  "
-              f"{first.root:6d}" + _fmt_variant(variants.get("out-of-place"))
-              + _fmt_variant(variants.get("in-place")), file=out)
+def print_header(out, op: str, libraries: list[str]) -> None:
+    """The head of `op`'s table: nccl-tests' columns, then the spread of the rounds and, when
+    several libraries are measured, which one a line is."""
+    print(f"#\n# {op}", file=out)
+    lines = _HEADER.split("\n")
+    extra = [("", ""), ("  spread", "  library" if len(libraries) > 1 else ""),
+             ("     (%)", "")]
+    print("\n".join(line + a + b for line, (a, b) in zip(lines, extra)), file=out)
+
+
+def print_size(out, library: str, rows: list[Row], several: bool) -> None:
+    """One table line: `library`'s rows (its variants) of one size, as soon as measured."""
+    by_variant = {r.variant: r for r in rows}
+    first = rows[0]
+    spreads = [r.spread for r in rows if r.spread is not None]
+    spread = f"{100 * max(spreads):8.0f}" if spreads else f"{'N/A':>8}"
+    print(f"{first.size:12d}  {first.count:12d}  {first.type:>8}  {first.redop:>6}  "
+          f"{first.root:6d}" + _fmt_variant(by_variant.get("out-of-place"))
+          + _fmt_variant(by_variant.get("in-place")) + spread
+          + (f"  {library}" if several else ""), file=out, flush=True)
+
+
+def print_footer(out, library: str, rows: list[Row], several: bool) -> None:
     wrong = sum(r.wrong or 0 for r in rows)
     busbws = [r.busbw for r in rows if r.busbw is not None]
-    print(f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}", file=out)
+    who = f" ({library})" if several else ""
+    print(f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}{who}", file=out)
     avg = sum(busbws) / len(busbws) if busbws else 0.0
-    print(f"# Avg bus bandwidth    : {avg:g} ", file=out)
+    print(f"# Avg bus bandwidth    : {avg:g}{who or ' '}", file=out)
+    noisy = [r for r in rows if r.spread is not None and r.spread > 0.5]
+    if noisy:
+        print(f"# Noisy                : {len(noisy)} of {len(rows)} rows{who} had rounds more "
+              f"than 50% apart; the machine was busy, or use more --rounds", file=out)
 
 
 def comparison_variant(op: str) -> str:
     return "in-place" if op in _IN_PLACE_ONLY else "out-of-place"
 
 
-def print_comparison(out, op: str, rows: list[Row], libraries: list[str]) -> None:
+def print_comparison(out, op: str, rows: list[Row], libraries: list[str],
+                     ours_label: str = "anyccl") -> None:
+    """busbw side by side and anyccl's ratio to each peer (`ours_label` says which anyccl:
+    its backend)."""
     variant = comparison_variant(op)
     peers = [lib for lib in libraries if lib != "anyccl"]
     head = f"# {'size':>10}  {'anyccl':>8}" + "".join(f"  {p:>8}  {'ratio':>6}" for p in peers)
-    print(f"#\n# {op}: busbw (GB/s, {variant}); ratio = anyccl / peer\n{head}", file=out)
+    print(f"#\n# {op}: busbw (GB/s, {variant}); ratio = {ours_label} / peer\n{head}", file=out)
     table: dict[int, dict[str, Row]] = {}
     for r in rows:
         if r.variant == variant:
@@ -448,9 +471,9 @@ def print_comparison(out, op: str, rows: list[Row], libraries: list[str]) -> Non
                      and theirs.busbw else f"{'N/A':>6}")
             line += f"  {_bw(theirs):>8}  {ratio}"
         print(line, file=out)
-    print("# latency at the smallest size (us): " + ", ".join(
-        f"{lib} {r.time_us:.1f}" for lib, r in table[min(table)].items() if r.time_us)
-        if table else "#", file=out)
+    print("# latency at the smallest size (us, spread of the rounds): " + ", ".join(
+        f"{lib} {r.time_us:.1f} ({100 * (r.spread or 0):.0f}%)"
+        for lib, r in table[min(table)].items() if r.time_us) if table else "#", file=out)
 
 
 def _bw(r: Row | None) -> str:
@@ -490,22 +513,6 @@ def plot(rows: list[Row], path: str, title: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-class Progress:
-    def __init__(self, total: int, enabled: bool) -> None:
-        self.total, self.done, self.enabled = total, 0, enabled
-
-    def step(self, what: str) -> None:
-        self.done += 1
-        if self.enabled:
-            width = 30
-            filled = int(width * self.done / self.total)
-            sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] "
-                             f"{self.done}/{self.total} {what:<40}")
-            if self.done == self.total:
-                sys.stderr.write("\n")
-            sys.stderr.flush()
-
-
 # ---- the command --------------------------------------------------------------------------
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="anyccl bench", description=__doc__.split("\n\n")[0])
@@ -541,11 +548,10 @@ def _settings(ns: argparse.Namespace) -> Settings:
     ops = list(OPS) if ns.op == "all" else [o.strip() for o in ns.op.split(",")]
     for op in ops:
         if op not in OPS:
-            raise SystemExit(f"anyccl bench: --op {op}: expected one of {', '.join(OPS)}, all")
+            raise AnycclError(f"--op {op}: expected one of {', '.join(OPS)}, all")
     by_name = {d.name: d for d in SUPPORTED_DTYPES}
     if ns.dtype not in by_name:
-        raise SystemExit(f"anyccl bench: --dtype {ns.dtype}: expected one of "
-                         f"{', '.join(by_name)}")
+        raise AnycclError(f"--dtype {ns.dtype}: expected one of {', '.join(by_name)}")
     return Settings(ops, parse_size(ns.min, "--min"), parse_size(ns.max, "--max"), ns.factor,
                     by_name[ns.dtype], ReduceOp.parse(ns.redop), ns.root, ns.iters, ns.warmup,
                     _graph_needs_cuda(ns), _positive(ns.rounds, "--rounds"))
@@ -553,13 +559,13 @@ def _settings(ns: argparse.Namespace) -> Settings:
 
 def _positive(value: int, flag: str) -> int:
     if value < 1:
-        raise SystemExit(f"anyccl bench: {flag} {value}: expected at least 1")
+        raise AnycclError(f"{flag} {value}: expected at least 1")
     return value
 
 
 def _graph_needs_cuda(ns: argparse.Namespace) -> bool:
     if ns.graph and ns.device != "cuda":
-        raise SystemExit("anyccl bench: --graph times CUDA graph replays: add --device cuda")
+        raise AnycclError("--graph times CUDA graph replays: add --device cuda")
     return bool(ns.graph)
 
 
@@ -570,22 +576,48 @@ def _in_a_job() -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     ns = parse_args(argv)
-    settings = _settings(ns)
+    try:   # every argument is checked here, once, before any rank starts
+        chosen = _settings(ns)
+        compare = _compared(ns)
+    except AnycclError as exc:
+        print(f"anyccl bench: {exc}", file=sys.stderr)
+        return 2
     problem = ns.plot and missing("matplotlib", extra="plot", feature="anyccl bench --plot")
-    if problem:  # said once, before any rank starts or any time is spent measuring
+    if problem:
         print(problem, file=sys.stderr)
         return 2
+    if not _in_a_job():
+        if not ns.nprocs:
+            print("anyccl bench: -n N: how many ranks to start (-n 1 measures one rank alone); "
+                  "or start it under a launcher: anyccl run, mpiexec, torchrun", file=sys.stderr)
+            return 2
+        return _launch(ns, argv if argv is not None else sys.argv[1:], compare)
+    return _bench(ns, chosen, compare)
+
+
+def _compared(ns: argparse.Namespace) -> list[str]:
+    """The --compare list, each peer known and runnable here (GPU peers: on GPUs that exist),
+    and the backend anyccl itself runs on; AnycclError naming the option otherwise."""
+    from ..backends import registry
+    from ..launch import check_backend
+
     compare = [c.strip() for c in ns.compare.split(",") if c.strip()]
     for c in compare:
         if c not in peers():
-            raise SystemExit(f"anyccl bench: --compare {c}: expected some of "
-                             f"{', '.join(peers())}")
-    if "symm" in compare and ns.device != "cuda":
-        raise SystemExit("anyccl bench: --compare symm is torch's symmetric-memory all_reduce "
-                         "on GPUs: add --device cuda")
-    if ns.nprocs and not _in_a_job():
-        return _launch(ns, argv if argv is not None else sys.argv[1:], compare)
-    return _bench(ns, settings, compare)
+            raise AnycclError(f"--compare {c}: expected some of {', '.join(peers())}")
+    if ns.nprocs is not None and ns.nprocs < 1:
+        raise AnycclError(f"-n {ns.nprocs}: need at least one rank")
+    on_gpus = [c for c in compare if c == "symm" or c in registry.selectable_gpu_backends()]
+    if on_gpus and ns.device != "cuda":
+        raise AnycclError(f"--compare {','.join(on_gpus)} measures GPU arrays: add --device "
+                          f"cuda")
+    check_backend(ns.backend, mpiexec_starts=True)
+    if ns.device == "cuda":
+        from .. import gpu
+
+        if gpu.device_count() == 0:
+            raise AnycclError("--device cuda: no CUDA GPU is visible here")
+    return compare
 
 
 def _launch(ns: argparse.Namespace, argv: list[str], compare: list[str]) -> int:
@@ -609,8 +641,8 @@ def _communicator(ns: argparse.Namespace) -> tuple[Communicator, Any]:
     communicator up front on this rank's GPU (local rank modulo the visible GPUs)."""
     import anyccl
 
-    if ns.device == "cpu":
-        return anyccl.init(ns.backend), HostPlacement()
+    if ns.device == "cpu":   # anyccl's default even where a peer needs mpiexec (--compare mpi)
+        return anyccl.init(ns.backend or settings.BACKEND.get() or "shm"), HostPlacement()
     from .. import gpu
 
     count = gpu.device_count()
@@ -660,30 +692,33 @@ def _bench(ns: argparse.Namespace, s: Settings, compare: list[str]) -> int:
         for r, (pid, host, device) in enumerate(hosts):
             print(f"#  Rank {r:2d} Pid {pid:7d} on {host} device {device}", file=out)
         out.flush()
-    progress = Progress(len(s.ops) * len(sizes),
-                        lead and sys.stderr.isatty())
+    names = [peer.name for peer in libraries]
+    several = len(names) > 1
     rows: list[Row] = []
     for op in s.ops:
         if op == "sendrecv" and comm.size == 1:
             continue
+        if lead:
+            print_header(out, op, names)
         op_rows: list[Row] = []
         for nbytes in sizes:
             if sizes_of(op, nbytes, s.dtype.itemsize, comm.size)[0] == 0:
-                progress.step(f"{op} {nbytes} B (no element per rank)")
-                continue
+                continue   # no element per rank at this size
             variants = [True] if op in _IN_PLACE_ONLY else \
                 [False] if op in _OUT_OF_PLACE_ONLY else [False, True]
+            measured: list[Row] = []
             for in_place in variants:
-                op_rows += measure(comm, libraries, op, nbytes, s, in_place, where)
-            progress.step(f"{op} {nbytes} B")
+                measured += measure(comm, libraries, op, nbytes, s, in_place, where)
+            op_rows += measured
+            if lead:   # each size's lines as soon as it is measured
+                for name in names:
+                    print_size(out, name, [r for r in measured if r.library == name], several)
         rows += op_rows
-        for peer in libraries:
-            if lead:
-                print_table(out, peer.name, op, [r for r in op_rows if r.library == peer.name])
-                out.flush()
-        if lead and compare:
-            print_comparison(out, op, [r for r in rows if r.op == op],
-                             [p.name for p in libraries])
+        if lead:
+            for name in names:
+                print_footer(out, name, [r for r in op_rows if r.library == name], several)
+            if compare:
+                print_comparison(out, op, op_rows, names, f"anyccl ({comm.backend})")
             out.flush()
         if lead and ns.json:  # after every op: a run cut short keeps what it measured
             meta = {"ranks": comm.size, "backend": comm.backend, "memory_copy_gbs": membw,
@@ -716,9 +751,10 @@ def _versions(compare: list[str], device: str = "cpu") -> list[str]:
         found.append(f"torch {torch.__version__} " + (f"(nccl {nccl})" if nccl else "(gloo)"))
     if "mpi" in compare:
         import mpi4py
-        from mpi4py import MPI
 
-        found.append(f"mpi4py {mpi4py.__version__} on {MPI.Get_library_version().splitlines()[0]}")
+        from ..backends.mpi import library_version
+
+        found.append(f"mpi4py {mpi4py.__version__} on {library_version()}")
     return found
 
 

@@ -135,8 +135,9 @@ def main(argv: list[str] | None = None) -> int:
     for name, serves, status in backends():
         print(f"  {name:<10} {serves:<26} {status}")
     devices = _try(gpus, [])
-    print(f"\nGPUs: {len(devices)} visible (CUDA_VISIBLE_DEVICES="
-          f"{os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')})")
+    from .. import gpu
+
+    print(f"\nGPUs: {len(devices)} visible (CUDA_VISIBLE_DEVICES={gpu.visible_devices()})")
     for d in devices:
         print(f"  GPU {d['index']}: {d['name']}, {d['memory_gib']} GiB, compute capability "
               f"{d['capability']}, PCI {d['pci']}")

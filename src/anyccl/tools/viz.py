@@ -76,7 +76,8 @@ def run_collective(comm: Any, op: str, redop: ReduceOp = ReduceOp.SUM,
             comm.all_gather(outs, x)
             return [picture(r)], [get(o) for o in outs]
         comm.gather(x, outs if r == root else None, root)
-        return [picture(r)], [get(o) for o in outs] if r == root else [np.zeros_like(picture(r))]
+        # a rank other than the root receives nothing: it keeps its own image
+        return [picture(r)], [get(o) for o in outs] if r == root else [get(x)]
     if op == "scatter":
         chunks = [picture(r, salt=j + 1) for j in range(n)] if r == root else None
         out = blank()
@@ -123,7 +124,7 @@ def describe(op: str, redop: ReduceOp, root: int) -> str:
         "reduce": f"rank {root} gets the {how} of all images; the others keep theirs",
         "broadcast": f"every rank gets rank {root}'s image",
         "all_gather": "every rank gets every rank's image, in rank order",
-        "gather": f"rank {root} gets every rank's image, in rank order",
+        "gather": f"rank {root} gets every rank's image, in rank order; the others keep theirs",
         "scatter": f"rank {root}'s i-th image goes to rank i",
         "reduce_scatter": f"rank i gets the {how} of every rank's i-th image",
         "all_to_all": "rank i's j-th image goes to rank j, as its i-th",

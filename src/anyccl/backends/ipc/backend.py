@@ -467,4 +467,7 @@ def status() -> str:
         nvrtc = True
     if nccl.version() and nvrtc:
         return "available (anyccl's kernels over CUDA IPC, compiled by NVRTC; NCCL for the rest)"
-    return "not usable: pip install 'anyccl[gpu]' (cuda-core, NVRTC and nccl4py)"
+    from ... import gpu
+
+    return "not usable: pip install 'anyccl[gpu]' (cuda-core, NVRTC and nccl4py)" \
+        if gpu.machine_has_gpu() else gpu.NO_GPU
