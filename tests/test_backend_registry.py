@@ -14,6 +14,7 @@ import pytest
 from harness import run_ranks
 from test_collectives import CHECKS, check_reductions_are_bit_identical_on_every_rank
 
+import anyccl
 from anyccl.backends import registry
 from anyccl.backends.base import Backend, Completion
 from anyccl.errors import TimeoutError
@@ -168,6 +169,25 @@ def register() -> None:
         lambda: "available (a transport defined in a test file)"))
 
 
+class HalfwayFailing(StoreBackend):
+    """The store backend, but an all_reduce of 13 elements raises a plain ValueError after
+    every rank's data has moved (as a NumPy error inside a kernel would)."""
+
+    def all_reduce(self, x: np.ndarray, op: ReduceOp) -> None:
+        everyone = self._everyone(x)
+        if x.size == 13:
+            raise ValueError("operands could not be broadcast together (inside the kernel)")
+        x[...] = self._reduced(everyone, op)
+
+
+def register_failing() -> None:
+    registry.register_host(registry.HostEntry(
+        "store-failing", "cpu (through the rendezvous store; fails halfway on 13 elements)",
+        lambda ctx: HalfwayFailing(PrefixStore("store", ctx.store), ctx.rank, ctx.size,
+                                   ctx.timeout_s),
+        lambda: "available (a transport defined in a test file)"))
+
+
 def backend_name(comm) -> str:
     return comm.backend
 
@@ -217,3 +237,27 @@ def test_every_table_lists_a_registered_backend(monkeypatch):
     assert ("store", "cpu (through the rendezvous store)",
             "available (a transport defined in a test file)") in info.backends()
     assert "store" in peers.peers()
+
+
+def fail_halfway_then_call_again(comm) -> tuple[str, str]:
+    with pytest.raises(anyccl.UnsupportedError):   # refused before any byte moves
+        comm.all_reduce(np.ones(4), "median")
+    comm.all_reduce(np.ones(4))                          # ... so it stays usable
+    with pytest.raises(ValueError, match="inside the kernel") as halfway:
+        comm.all_reduce(np.ones(13))
+    assert not isinstance(halfway.value, anyccl.AnycclError)
+    with pytest.raises(anyccl.CommunicatorClosedError) as after:
+        comm.all_reduce(np.ones(4))
+    return str(after.value), type(after.value.__cause__).__name__
+
+
+@pytest.mark.shm_only
+def test_an_error_after_bytes_moved_breaks_the_communicator_whatever_its_type():
+    """A refusal (before any byte moves) leaves the communicator usable; any other error inside
+    an operation, a plain ValueError included, breaks it: the ranks may be out of step."""
+    env = {"ANYCCL_TEST_SETUP": "test_backend_registry:register_failing",
+           "ANYCCL_BACKEND": "store-failing"}
+    for text, cause in run_ranks(fail_halfway_then_call_again, 2, env=env):
+        assert "broke on an earlier error" in text and "inside the kernel" in text, text
+        assert cause == "ValueError"
+

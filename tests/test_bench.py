@@ -190,3 +190,30 @@ def test_libraries_take_turns_in_rotating_rounds_then_each_result_is_checked():
     assert "".join(calls) == "aabb" + "bbaa" + "aabb" + "ab"  # the order turns each round
     assert [(r.library, r.wrong) for r in rows] == [("a", 0), ("b", 0)]
     assert all(r.time_us > 0 and r.busbw is not None for r in rows)
+
+
+@pytest.mark.parametrize("dtype, redop", [
+    (np.float32, ReduceOp.SUM), (np.float16, ReduceOp.AVG), (np.int32, ReduceOp.PROD),
+    (np.uint8, ReduceOp.BXOR), (np.bool_, ReduceOp.SUM), (np.bool_, ReduceOp.MIN),
+    (np.complex64, ReduceOp.SUM), (np.int64, ReduceOp.MIN),
+])
+def test_the_check_judges_anyccl_s_kernels_against_numpy_not_against_themselves(
+        dtype, redop, monkeypatch):
+    """#wrong's expected values come from NumPy alone: a bug in anyccl's own reduction kernels
+    (here: every reduction made to give the first rank's values) is counted, not copied."""
+    from anyccl import ops
+
+    n, count = 3, 64
+    inputs = [bench.build("all_reduce", count, np.dtype(dtype), r, n, 0, True, redop)[0]["buf"]
+              for r in range(n)]
+    buffers, wrong = bench.build("all_reduce", count, np.dtype(dtype), 0, n, 0, True, redop)
+    right = inputs[0].copy()
+    for other in inputs[1:]:        # what a correct all_reduce gives, with anyccl's kernels
+        ops.accumulate(right, other, redop)
+    ops.finish(right, redop, n)
+    buffers["buf"][...] = right
+    assert wrong(buffers) == 0
+    monkeypatch.setattr(ops, "accumulate", lambda acc, x, op: None)   # a broken kernel
+    buffers, wrong = bench.build("all_reduce", count, np.dtype(dtype), 0, n, 0, True, redop)
+    buffers["buf"][...] = inputs[0]   # what it would have left
+    assert wrong(buffers) > 0

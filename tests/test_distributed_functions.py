@@ -207,3 +207,21 @@ def test_a_call_before_init_process_group_says_so_as_torch_does():
     assert isinstance(raised.value, ValueError)   # what torch.distributed raises there
     with pytest.raises(anyccl.NotInitializedError):
         dist.get_rank()
+
+
+def test_torch_s_names_of_every_reduce_op_are_understood():
+    """torch.distributed.ReduceOp.PRODUCT (torch's name of PROD) and anyccl.distributed's own
+    ReduceOp.PRODUCT both mean PROD; an op anyccl lacks (PREMUL_SUM) is refused by name."""
+    torch = pytest.importorskip("torch")
+    names = ("SUM", "PRODUCT", "MIN", "MAX", "AVG", "BAND", "BOR", "BXOR")
+    for name in names:
+        ours = anyccl.ReduceOp.parse(getattr(torch.distributed.ReduceOp, name))
+        assert ours is anyccl.ReduceOp.parse(name) is getattr(dist.ReduceOp, name)
+    assert dist.ReduceOp.PRODUCT is anyccl.ReduceOp.PROD
+    with pytest.raises(anyccl.UnsupportedError, match="PREMUL_SUM"):
+        anyccl.ReduceOp.parse(torch.distributed.ReduceOp.PREMUL_SUM)
+    comm = anyccl.init("shm")
+    x = np.full(3, 5.0)
+    comm.all_reduce(x, torch.distributed.ReduceOp.PRODUCT)   # one rank: x as it was
+    comm.close()
+    assert (x == 5.0).all()

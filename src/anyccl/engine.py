@@ -17,7 +17,7 @@ from collections import deque
 from typing import Any, Callable
 
 from .backends.base import Backend
-from .errors import CommunicatorClosedError
+from .errors import REFUSALS, CommunicatorClosedError
 from .work import Work
 
 _IDLE_POLL_S = 0.25
@@ -243,9 +243,10 @@ class Engine:
 
     # ---- state -------------------------------------------------------------------------------
     def _note_failure(self, exc: BaseException) -> None:
-        """Errors of the arguments (ValueError, TypeError) leave the communicator usable;
-        anything else (a timeout, a lost peer) breaks it."""
-        if self.failure is None and not isinstance(exc, (ValueError, TypeError)):
+        """anyccl's refusals (errors.REFUSALS: raised before any byte moves) leave the
+        communicator usable; anything else (a timeout, a lost peer, a ValueError from NumPy
+        halfway through) breaks it."""
+        if self.failure is None and not isinstance(exc, REFUSALS):
             self.failure = exc
 
     def _raise_if_unusable(self) -> None:

@@ -52,3 +52,12 @@ class NotInitializedError(AnycclError, ValueError):
 
 class RendezvousError(AnycclError, RuntimeError):
     """The ranks could not find each other: bad init_method, missing environment, refused store."""
+
+
+# The errors anyccl raises only before any byte of an operation moves: the communicator stays
+# usable after them. Any other error inside an operation (a timeout, a lost peer, an exception
+# from a kernel or a library halfway through) breaks the communicator: its ranks may be out of
+# step, so every later call raises CommunicatorClosedError naming that first error.
+REFUSALS: tuple[type[AnycclError], ...] = (InvalidArgumentError, UnsupportedError,
+                                           CollectiveMismatchError)
+

@@ -27,6 +27,7 @@ class ReduceOp(enum.Enum):
 
     SUM = "sum"
     PROD = "prod"
+    PRODUCT = "prod"   # torch.distributed's name of PROD (the same member)
     MIN = "min"
     MAX = "max"
     AVG = "avg"
@@ -44,7 +45,7 @@ class ReduceOp(enum.Enum):
             key = name.strip().upper()
             if key in cls.__members__:
                 return cls[key]
-        choices = ", ".join(cls.__members__)
+        choices = ", ".join(member.name for member in cls)   # PRODUCT is PROD
         raise UnsupportedError(f"op={op!r} is not a reduce op; expected one of {choices}")
 
 
