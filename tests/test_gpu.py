@@ -467,7 +467,7 @@ def check_repeated_calls(comm) -> tuple[int, bool]:
 
     d, n, r = comm.device, comm.size, comm.rank
     dev = f"cuda:{d}"
-    before = len(comm._plans) if comm._plans is not None else 0
+    before = len(comm._gpu_side.plans) if comm._gpu_side.plans is not None else 0
     for count in (2, 70_000):   # ipc: the low-latency kernel and the one-shot one
         x = torch.zeros(count, device=dev)
         out = torch.zeros(count * n, device=dev)
@@ -486,7 +486,7 @@ def check_repeated_calls(comm) -> tuple[int, bool]:
             x.fill_(r + 10 * step)
             comm.broadcast(x, n - 1)
             assert (x == n - 1 + 10 * step).all(), (count, step)
-    planned = len(comm._plans) - before
+    planned = len(comm._gpu_side.plans) - before
     gone = weakref.ref(x)
     del x
     torch.cuda.synchronize()
@@ -516,7 +516,7 @@ def check_repeated_async_calls(comm) -> tuple[list[bool], int, bool]:
     import torch
 
     d, n, r = comm.device, comm.size, comm.rank
-    before = len(comm._plans) if comm._plans is not None else 0
+    before = len(comm._gpu_side.plans) if comm._gpu_side.plans is not None else 0
     side = torch.cuda.Stream(d)
     right = []
     with torch.cuda.stream(side):
@@ -528,7 +528,7 @@ def check_repeated_async_calls(comm) -> tuple[list[bool], int, bool]:
                 work.wait()
                 right.append(bool((x * 1 == sum(q + step for q in range(n))).all()))
     side.synchronize()
-    planned = len(comm._plans) - before
+    planned = len(comm._gpu_side.plans) - before
     gone = weakref.ref(x)
     del x
     torch.cuda.synchronize()

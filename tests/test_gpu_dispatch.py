@@ -348,7 +348,7 @@ def check_async_replays(comm) -> dict[str, Any]:
     n, r = comm.size, comm.rank
     with _as_torch_tensors():
         comm.all_reduce(FakeGpuArray(np.zeros(2, np.float32)))  # plans are kept from now on
-        before, first = len(comm._plans), comm._seq + 1
+        before, first = len(comm._gpu_side.plans), comm._seq + 1
         x = np.zeros(4, np.float32)
         right, full_path = [], []
         collective = comm._collective
@@ -360,7 +360,7 @@ def check_async_replays(comm) -> dict[str, Any]:
             _landed()
             right.append(bool((x == sum(q + step for q in range(n))).all()))
         del comm._collective
-        planned = len(comm._plans) - before
+        planned = len(comm._gpu_side.plans) - before
         launch(DEVICE, 0, lambda: time.sleep(0.3))   # the caller's stream is busy a while
         array = FakeGpuArray(x)
         held = weakref.ref(array)
@@ -375,7 +375,7 @@ def check_async_replays(comm) -> dict[str, Any]:
             gc.collect()
         released = held() is None
         seqs = [e["seq"] - first for e in comm.flight_recorder.entries() if e["seq"] >= first]
-        comm._plans.forget()   # the ranks' communicator serves the next tests
+        comm._gpu_side.plans.forget()   # the ranks' communicator serves the next tests
     return {"right": right, "planned": planned, "alive_while_queued": alive_while_queued,
             "released": released, "seqs": seqs, "full_path": full_path}
 
@@ -399,14 +399,14 @@ def check_uneven_calls_leave_no_plan(comm) -> tuple[list[bool], int]:
     right = []
     with _as_torch_tensors():
         comm.all_reduce(FakeGpuArray(np.zeros(2, np.float32)))  # plans are kept from now on
-        before = len(comm._plans)
+        before = len(comm._gpu_side.plans)
         for step in range(3):
             mine[...] = r + 10 * step
             comm.all_gather([FakeGpuArray(o) for o in outs], FakeGpuArray(mine))
             _landed()
             right.append(all((o == j + 10 * step).all() for j, o in enumerate(outs)))
-        planned = len(comm._plans) - before
-        comm._plans.forget()   # the ranks' communicator serves the next tests
+        planned = len(comm._gpu_side.plans) - before
+        comm._gpu_side.plans.forget()   # the ranks' communicator serves the next tests
         return right, planned
 
 
@@ -500,7 +500,7 @@ def _plans(comm) -> dict[str, Any]:
         comm.gather(FakeGpuArray(mine), [FakeGpuArray(g) for g in gathered] if r == 0 else None)
         _landed()
         results.append((x.copy(), whole.copy(), [g.copy() for g in gathered]))
-    planned = len(comm._plans)
+    planned = len(comm._gpu_side.plans)
     refused = []
     for call in (lambda: comm.broadcast(FakeGpuArray(x), True),       # 1 as a bool: refused
                  lambda: comm.all_reduce(FakeGpuArray(x), op="nonsense"),

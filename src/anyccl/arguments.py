@@ -4,6 +4,7 @@ What passes is handed on as flat arrays (`Array`) that backends trust."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -138,6 +139,64 @@ class Arguments:
             if i != self.rank:
                 self.disjoint(op, piece, f"{name}[{i}]", x, x_name)
 
+    def rooted(self, op: str, array: Any, name: str, root: Any, root_name: str, pieces: Any,
+               pieces_name: str, uneven: bool) -> tuple[Array, int, list[Array] | None]:
+        """gather's (op "gather": the root's pieces receive) or scatter's arguments: (array,
+        root, the root's pieces; None elsewhere and for the uneven forms, whose pieces are
+        checked once their sizes are known)."""
+        gathers = op == "gather"
+        x = self.array(op, array, name, writable=not gathers)
+        root = self.peer(op, root, root_name)
+        checked = None
+        if not uneven:
+            checked = self.root_pieces(op, pieces, pieces_name, x, root, root_name,
+                                       writable=gathers)
+            if not gathers:
+                self.others_disjoint(op, checked or [], pieces_name, x, name)
+        return x, root, checked
+
+    def all_to_all(self, out: Any, inp: Any) -> tuple[list[Array], list[Array], Array]:
+        """all_to_all's lists (or single arrays split evenly): (outs, inputs, inputs' first
+        piece), no out[i] overlapping an inp[j] of another rank's piece."""
+        op = "all_to_all"
+        if isinstance(inp, (list, tuple)):
+            if not inp:
+                raise self.fail(op, "inp is an empty list")
+            first = self.array(op, inp[0], "inp[0]", writable=False)
+        else:
+            whole = self.array(op, inp, "inp", writable=False)
+            if whole.size % self.size:
+                raise self.fail(op, f"inp has {whole.size} elements, not divisible into "
+                                    f"{self.size} equal pieces")
+            first = whole[: whole.size // self.size]
+        inputs = self.pieces(op, inp, "inp", first, writable=False)
+        outs = self.pieces(op, out, "out", first, writable=True)
+        for i, o in enumerate(outs):
+            for j, piece in enumerate(inputs):
+                if i != j:
+                    self.disjoint(op, o, f"out[{i}]", piece, f"inp[{j}]")
+        return outs, inputs, first
+
+    def all_to_all_uneven(self, out: Any, inp: Any, out_splits: Any, in_splits: Any
+                          ) -> tuple[Array, Array, list[int], list[int]]:
+        """all_to_all with split sizes: (inp, out, elements sent to each rank, received from
+        each), one dtype, separate arrays, the splits adding up to the arrays' sizes."""
+        from .algorithms import uneven
+
+        op, n = "all_to_all", self.size
+        x = self.array(op, inp, "inp", writable=False)
+        y = self.array(op, out, "out", writable=True)
+        if x.dtype != y.dtype:
+            raise self.fail(op, f"out has dtype {y.dtype.name} but inp has {x.dtype.name}")
+        if overlaps(x, y):
+            raise self.fail(op, "out and inp share memory; with split sizes pass separate "
+                                "arrays")
+        sends = uneven.check_splits(self.rank, n, [x.size // n] * n if in_splits is None else
+                                    in_splits, "in_splits", x.size, "inp")
+        receives = uneven.check_splits(self.rank, n, [y.size // n] * n if out_splits is None
+                                       else out_splits, "out_splits", y.size, "out")
+        return x, y, sends, receives
+
     def disjoint(self, op: str, a: Array, a_name: str, b: Array, b_name: str) -> None:
         if overlaps(a, b):
             raise self.fail(op, f"{a_name} and {b_name} overlap in memory; the result would "
@@ -148,4 +207,12 @@ class Arguments:
                 0 <= tag < 2 ** 63:
             raise self.fail(op, f"tag={tag!r} must be an int from 0 to 2**63-1")
         return int(tag)
+
+
+def named(name: str, pieces: Sequence[Array]) -> list[tuple[str, Array]]:
+    """The arrays a call reads or writes, named for messages: one array split into pieces is
+    itself (its pieces share its device and stream), else each piece."""
+    if isinstance(pieces, Pieces):
+        return [(name, pieces.whole)]
+    return [(f"{name}[{i}]", p) for i, p in enumerate(pieces)]
 

@@ -1,4 +1,4 @@
-"""Runs a backend's operations in issue order, one thread at a time.
+"""The host engine: runs a backend's operations in issue order, one thread at a time.
 
 A blocking call runs inline on the caller's thread when nothing asynchronous is outstanding (the
 common case, and the fastest). An async message is posted inline too when nothing is queued (a
@@ -11,13 +11,26 @@ holds `_drive`; `_state` guards the queue and the counters.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections import deque
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
+import numpy as np
+
+from . import agreement
 from .backends.base import Backend
-from .errors import REFUSALS, CommunicatorClosedError
+from .buffers import SUPPORTED_DTYPES
+from .errors import (
+    REFUSALS,
+    CollectiveMismatchError,
+    CommunicatorClosedError,
+    PeerLostError,
+    TimeoutError,
+)
+from .ops import COLLECTIVES, ReduceOp
+from .trace import FlightRecorder, OpRecord, flight_directory
 from .work import Work
 
 _IDLE_POLL_S = 0.25
@@ -276,3 +289,224 @@ class Engine:
             self._thread.join(timeout=1.0)
         with self._drive:
             self.backend.close()
+
+
+# ---- the host operations -------------------------------------------------------------------
+_OP_CODES = list(COLLECTIVES)
+_REDOP_CODES = list(ReduceOp)
+_DTYPE_CODES = {d: i for i, d in enumerate(SUPPORTED_DTYPES)}
+_NAME_BITS, _DTYPE_BITS = agreement.NAME_BITS, agreement.DTYPE_BITS
+
+# a blocking host message: kind ("send" or "recv"), array, peer (None: any rank), tag
+HostMessage = tuple[str, np.ndarray, Optional[int], int]
+
+
+class HostEngine(Engine):
+    """The host engine of one communicator's rank: every host operation, collectives and
+    messages, reaches the host backend here, in issue order, with one deadline model (each
+    operation's deadline starts when it starts on the backend) and one failure policy
+    (`Engine._note_failure`). It also runs debug mode's agreement check for GPU collectives,
+    and writes the flight record when an operation times out or loses a peer."""
+
+    def __init__(self, backend: Backend, label: str, *, rank: int, size: int, timeout_s: float,
+                 recorder: FlightRecorder, job_id: str) -> None:
+        super().__init__(backend, label)
+        self.rank, self.size, self.timeout_s = rank, size, timeout_s
+        self._recorder, self._job_id = recorder, job_id
+
+    # ---- collectives -----------------------------------------------------------------------
+    def collective(self, record: OpRecord, entry: list, call: Callable[[Backend], Any],
+                   async_op: bool, like: np.ndarray | None, root: int, op: ReduceOp | None,
+                   debug: bool) -> Work | None:
+        """Run host collective `record`: `call(backend)` after everything issued before it,
+        with its signature (`like`'s dtype and size, `root`, `op`) for the backend to compare
+        across ranks, and in debug mode the full check first. Blocking: returns None once done
+        (raising its error); async: its Work."""
+        if like is not None:  # agreement.word(), inline
+            record.agree = (_NAME_BITS[record.name] | _DTYPE_BITS[like.dtype] | (root + 1) << 15
+                            | (0 if op is None else op.agree_bits), like.size)
+        else:
+            record.agree = (_NAME_BITS[record.name], 0)
+        signature = self._signature(record, like, root, op) if debug else None
+        if not async_op and signature is None and self.run_now(self._run, record, entry, call):
+            return None  # the common blocking case: run right here, nothing outstanding
+        task = self._task(record, entry, signature, call)
+        if async_op:
+            return self.submit(task, Work(record, self.rank))
+        self.call(task, lambda: Work(record, self.rank))
+        return None
+
+    def check_agreement(self, record: OpRecord, entry: list, like: Any, root: int,
+                        op: ReduceOp | None) -> None:
+        """Debug mode's check alone, for a collective that runs elsewhere (on a GPU)."""
+        self.call(self._task(record, entry, self._signature(record, like, root, op), None),
+                  lambda: Work(record, self.rank))
+
+    def refuse(self, record: OpRecord, entry: list, reason: str) -> None:
+        """This rank refused its arguments to collective `record.name`: arrive at it all the
+        same, with a refused signature and the reason, so that every other rank raises too."""
+        record.agree = agreement.refused(record.name, reason)
+        try:
+            self.call(self._task(record, entry, None, lambda b: b.barrier()),
+                      lambda: Work(record, self.rank))
+        except CollectiveMismatchError:
+            pass  # what the peers called: they raise their side of it
+
+    def _signature(self, record: OpRecord, like: Any, root: int,
+                   op: ReduceOp | None) -> np.ndarray:
+        return np.array([_OP_CODES.index(record.name), record.seq,
+                         _DTYPE_CODES[like.dtype] if like is not None else -1,
+                         like.size if like is not None else -1, root,
+                         _REDOP_CODES.index(op) if op is not None else -1], np.int64)
+
+    def _task(self, record: OpRecord, entry: list, signature: np.ndarray | None,
+              call: Callable[[Backend], Any] | None) -> Callable[[Work | None], None]:
+        """`_run` as the task the engine queues."""
+        return lambda _=None: self._run(record, entry, call, signature)
+
+    def _run(self, record: OpRecord, entry: list, call: Callable[[Backend], Any] | None,
+             signature: np.ndarray | None = None) -> None:
+        """One operation on the host backend: debug mode's agreement check (if `signature`),
+        then `call(backend)` (None: the operation itself runs on a GPU)."""
+        backend = self.backend
+        FlightRecorder.started(entry)
+        backend.begin(record, time.monotonic() + self.timeout_s)
+        try:
+            if signature is not None:
+                self._agree(record, signature)
+            if call is not None:
+                call(backend)
+        except BaseException as exc:
+            FlightRecorder.ended(entry, exc)
+            self.post_mortem(exc)
+            raise
+        if call is not None:
+            FlightRecorder.ended(entry)
+        backend.end(record)
+
+    def _agree(self, record: OpRecord, signature: np.ndarray) -> None:
+        """Debug mode: every rank learns what every rank called; all raise on a difference."""
+        everyone = [np.empty_like(signature) for _ in range(self.size)]
+        self.backend.all_gather(everyone, signature)
+        if all((s == signature).all() for s in everyone):
+            return
+        lines = [f"rank {self.rank}: collectives disagree at {record} (debug mode):",
+                 f"  {'rank':>4}  {'op':<15}{'seq':>6}  {'dtype':<10}{'count':>10}{'root':>6}  "
+                 f"redop"]
+        for r, (op, seq, dtype, count, root, redop) in enumerate(everyone):
+            lines.append(
+                f"  {r:>4}  {_OP_CODES[op]:<15}{seq:>6}  "
+                f"{SUPPORTED_DTYPES[dtype].name if dtype >= 0 else '-':<10}"
+                f"{count if count >= 0 else '-':>10}{root if root >= 0 else '-':>6}  "
+                f"{_REDOP_CODES[redop].name if redop >= 0 else '-'}")
+        raise CollectiveMismatchError("\n".join(lines))
+
+    def post_mortem(self, exc: BaseException) -> None:
+        """On a timeout or a lost peer: write the flight record once and point the error at it."""
+        if not isinstance(exc, (TimeoutError, PeerLostError)):
+            return
+        path = self._recorder.dumped_to or self._recorder.dump(flight_directory(self._job_id))
+        if exc.args and isinstance(exc.args[0], str) and path not in exc.args[0]:
+            exc.args = (f"{exc.args[0]}\n  flight record of rank {self.rank}: {path}",
+                        *exc.args[1:])
+
+    # ---- messages --------------------------------------------------------------------------
+    def message(self, kind: str, x: np.ndarray, peer: int | None, tag: int, record: OpRecord,
+                entry: list, async_op: bool) -> Work | int | None:
+        """Send or receive (peer=None: receive from any rank); a blocking receive returns the
+        sender, an async call its Work."""
+        if not async_op:
+            return self.exchange(record, entry, ((kind, x, peer, tag),))
+        work = Work(record, self.rank)
+        if peer is not None and self.run_now(self._at_once, kind, x, peer, tag, entry, work,
+                                             after_posted=True) and work.is_completed():
+            return work
+        backend = self.backend
+        sender: list[int] = []   # a receive from any rank: whose message it took
+        if kind == "send":
+            post = backend.post_send
+        elif peer is None:
+            post = functools.partial(backend.post_recv, found=sender.append)
+        else:
+            post = backend.post_recv
+
+        def task(w: Work) -> None:
+            FlightRecorder.started(entry)
+            done = self.completion(w)
+
+            def on_done(error: BaseException | None) -> None:
+                self._message_ended(entry, error)
+                if kind == "recv":
+                    w.source = sender[0] if sender else peer
+                done(error)
+            post(x, peer, tag, record, time.monotonic() + self.timeout_s, on_done)
+        return self.post(task, work)
+
+    def _at_once(self, kind: str, x: np.ndarray, peer: int, tag: int, entry: list,
+                 work: Work) -> None:
+        """An async message that the transport's fast path finishes right now (a send that
+        fits, a receive whose message is already there): `work` completes here, with no
+        engine bookkeeping; else nothing happens and the caller posts it."""
+        backend = self.backend
+        if backend.send_now(x, peer, tag) if kind == "send" else \
+                backend.receive_now(x, peer, tag, wait=False):
+            FlightRecorder.started(entry)
+            FlightRecorder.ended(entry)
+            work.source = peer if kind == "recv" else None
+            work.complete()
+
+    def exchange(self, record: OpRecord, entry: list,
+                 messages: tuple[HostMessage, ...]) -> int | None:
+        """Send and receive `messages` together as the one blocking operation `record`, on
+        this thread when it may drive the host backend (else in turn on the engine); return
+        the sender of the receive among them."""
+        found: list[int] = []
+        if not self.run_now(self._exchange_now, record, entry, messages, found,
+                            after_posted=True):
+            self.call(lambda: self._exchange_now(record, entry, messages, found),
+                      lambda: Work(record, self.rank))
+        return found[0] if found else messages[-1][2]
+
+    def _exchange_now(self, record: OpRecord, entry: list, messages: tuple[HostMessage, ...],
+                      found: list[int]) -> None:
+        """Blocking messages, on the thread that drives the host backend: each through the
+        transport's fast path where it takes it (send_now, receive_now: done at once), the
+        others posted; return once all are done, raising the first error. A receive from any
+        rank appends its sender to `found`. Only posted messages tell the backend that this
+        rank is in `record` (what peers see while it waits) and get a deadline."""
+        FlightRecorder.started(entry)
+        backend = self.backend
+        posted, deadline = 0, 0.0
+        outcomes: list[BaseException | None] = []
+        for kind, x, peer, tag in messages:
+            if peer is not None and (backend.send_now if kind == "send"
+                                     else backend.receive_now)(x, peer, tag):
+                continue
+            if not posted:
+                deadline = time.monotonic() + self.timeout_s
+                backend.begin(record, deadline)
+            posted += 1
+            if kind == "send":
+                backend.post_send(x, peer, tag, record, deadline, outcomes.append)
+            else:
+                backend.post_recv(x, peer, tag, record, deadline, outcomes.append,
+                                  found=found.append)
+        if not posted:
+            FlightRecorder.ended(entry)
+            return
+        if len(outcomes) < posted:
+            try:
+                backend.wait_for_messages(lambda: len(outcomes) == posted, record, deadline)
+            except BaseException as exc:
+                self._message_ended(entry, exc)
+                raise
+        backend.end(record)
+        error = next((e for e in outcomes if e is not None), None)
+        self._message_ended(entry, error)
+        if error is not None:
+            raise error
+
+    def _message_ended(self, entry: list, error: BaseException | None) -> None:
+        FlightRecorder.ended(entry, error)
+        if error is not None:
+            self.post_mortem(error)

@@ -1,13 +1,15 @@
-"""How a communicator's GPU arrays reach its GPU backend: which calls go to the GPU (and that
-their arrays are on this rank's device), the backend's creation on this device through the
-registry, and the stream policy of every queued operation (a blocking call runs right on the
-caller's stream; an async one on the backend's stream after the caller's, its Work waiting on
-the GPU)."""
+"""The GPU engine: how a communicator's GPU arrays reach its GPU backend. Which calls go to the
+GPU (and that their arrays are on this rank's device), the backend's creation on this device
+through the registry, the stream policy of every queued operation (a blocking call runs right
+on the caller's stream; an async one on the backend's stream after the caller's, its Work
+waiting on the GPU), the plans that replay a repeated call, and batches of messages."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, Callable
 
 from . import gpu
@@ -18,9 +20,12 @@ from .backends.gpu_base import GpuBackend
 from .backends.gpu_queue import Enqueue
 from .buffers import Array, GpuArray, current_stream
 from .errors import UnsupportedError
+from .plans import Plans
 from .store import Store
-from .trace import FlightRecorder, OpRecord
+from .trace import ArgsText, FlightRecorder, OpRecord
 from .work import GpuWork
+
+FULL_PATH = object()   # replay's answer when a call must take the full path
 
 
 class GpuDispatch:
@@ -28,15 +33,19 @@ class GpuDispatch:
 
     def __init__(self, check: Arguments, host: Backend, store: Store, *, rank: int, size: int,
                  local_rank: int, name: str, timeout_s: float, meet: Callable[[], Any],
-                 post_mortem: Callable[[BaseException], None], device: int | None,
-                 backend: GpuBackend | None, kind: str | None) -> None:
+                 post_mortem: Callable[[BaseException], None], number: Callable[[], int],
+                 recorder: FlightRecorder, device: int | None, backend: GpuBackend | None,
+                 kind: str | None) -> None:
         self._check, self._host, self._store = check, host, store
         self.rank, self.size, self.local_rank = rank, size, local_rank
         self._name, self.timeout_s = name, timeout_s
         self._meet, self._post_mortem = meet, post_mortem
+        self._number, self._recorder = number, recorder   # the communicator's numbering
         self.device = device    # this rank's GPU; chosen on first use when None
         self.gpu = backend      # the GPU backend; created by the first GPU collective
         self.kind = kind        # its registered name; None: the host backend's default
+        self.plans: Plans | None = None     # blocking calls' plans, once a GPU call ran
+        self.batched: list[tuple] | None = None   # GPU messages of an open comm.batch()
 
     def device_if_any(self) -> int | None:
         """This rank's device, or None where no GPU is visible."""
@@ -110,6 +119,101 @@ class GpuDispatch:
             device=device, label=f"rank {self.rank} ({self._name})", timeout_s=self.timeout_s,
             host=self._host, meet=self._meet)
         self.gpu = registry.gpu_entry(kind).create(context)
+
+    # ---- operations ------------------------------------------------------------------------
+    def collective(self, record: OpRecord, entry: list, args: ArgsText, enqueue: Enqueue,
+                   arrays: list[GpuArray], async_op: bool, stream: Any,
+                   plan: bool) -> GpuWork | None:
+        """Queue GPU collective `record` (see `queue`); with `plan`, keep its plan so that the
+        next such call on the same arrays replays it (`replay`)."""
+        # an async operation holds its tensors itself: a plan releases the arrays' owners
+        held = [a.owner[0] for a in arrays if type(a.owner) is list and a.owner] \
+            if plan and async_op else None
+        work = self.queue(record, [entry], enqueue, arrays, async_op, stream, keep=held)
+        if plan:
+            if self.plans is None:
+                self.plans = Plans()
+            self.plans.keep(record.name, args, record.nbytes, enqueue, arrays, self.gpu)
+        return work
+
+    def replay(self, tag: tuple, tensors: tuple, async_op: bool, stream: Any) -> Any:
+        """A GPU call on arrays an earlier call checked, replayed from its cached plan
+        (plans.py) with its own record, flight-recorder entry and deadline: a blocking one
+        queued right on the caller's current stream (returns None), an async one on the
+        backend's stream after it (returns its GpuWork; the queued operation holds `tensors`
+        until done). FULL_PATH: the call must take the full path. Called only once a GPU call
+        made a plan (`plans` set)."""
+        if stream is not None:
+            return FULL_PATH
+        plan = self.plans.find(tag, tensors)
+        if plan is None:
+            return FULL_PATH
+        record = OpRecord(plan.name, self._number(), plan.args, plan.nbytes)
+        entry = self._recorder.queued(record)
+        stream = plan.current_stream(plan.device)
+        deadline = record.issued_at + self.timeout_s
+        try:
+            if not async_op:
+                plan.run(record, (stream,), deadline, plan.enqueue, None, [entry], stream)
+                return None
+            event = plan.run(record, (stream,), deadline, plan.enqueue, tensors, [entry])
+        except BaseException as exc:
+            FlightRecorder.ended(entry, exc)
+            self._post_mortem(exc)
+            raise
+        work = GpuWork(record, self.rank, plan.backend,
+                       functools.partial(plan.current_stream, plan.device))
+        work.bind(event, deadline)
+        return work
+
+    def message(self, op: str, record: OpRecord, x: GpuArray, peer: int, tag: int,
+                async_op: bool, stream: Any) -> GpuWork | None:
+        """GPU point-to-point: messages between two ranks match in the order they were issued
+        (NCCL has no tags; the ipc backend checks them). Inside a batch, collected for it."""
+        backend = self.backend(op, collective=False)
+        enqueue = (backend.send if record.name == "send" else backend.recv)(x, peer, tag)
+        entry = self._recorder.queued(record)
+        if self.batched is not None:
+            if not async_op:
+                raise self._check.fail(op, f"use i{record.name} inside `with comm.batch():`")
+            waits_on = current_stream(x) if stream is None else (
+                lambda s=gpu.stream_pointer(stream): s)
+            work = GpuWork(record, self.rank, backend, waits_on)
+            self.batched.append((record, entry, enqueue, x, stream, work))
+            return work
+        return self.queue(record, [entry], enqueue, [x], async_op, stream)
+
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        """`comm.batch()`: the GPU messages issued inside the block, issued at its end as one
+        group (one NCCL group)."""
+        if self.batched is not None:
+            raise self._check.fail("batch", "comm.batch() blocks do not nest")
+        self.batched = []
+        try:
+            yield
+        except BaseException:
+            self.batched = None
+            raise
+        pending, self.batched = self.batched, None
+        if pending:
+            self._issue_batch(pending)
+
+    def _issue_batch(self, pending: list[tuple]) -> None:
+        streams = {s for *_, s, _ in pending if s is not None}
+        if len(streams) > 1:
+            raise self._check.fail("batch", "the messages of one batch name different stream= "
+                                   "values")
+        record = OpRecord("batch", pending[0][0].seq,
+                          ", ".join(f"{r.name} {r.args}" for r, *_ in pending),
+                          sum(r.nbytes for r, *_ in pending))
+        enqueue = self.gpu.group([e for _, _, e, *_ in pending])
+        arrays = [x for _, _, _, x, _, _ in pending]
+        works = [w for *_, w in pending]
+        self.queue(record, [entry for _, entry, *_ in pending], enqueue, arrays, True,
+                   next(iter(streams), None), works[0])
+        for w in works[1:]:
+            w.bind(*works[0].bound_to())
 
     def queue(self, record: OpRecord, entries: list[dict], enqueue: Enqueue,
               arrays: list[GpuArray], async_op: bool, stream: Any,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Callable, Union
+from typing import Any, Callable, Union
 
 ArgsText = Union[str, Callable[[], str]]
 
@@ -116,3 +116,21 @@ def flight_directory(job_id: str) -> str:
     from . import private, settings
 
     return private.job_directory(job_id, settings.FLIGHT_DIR.get())
+
+
+def about(x: Any, more: str = "", *values: Any) -> Callable[[], str]:
+    """An op record's argument text, made when read: array `x` as "float32 x 4", then `more`
+    formatted with `values` (str.format). Records are kept (flight recorder, plans), so the
+    text captures `x`'s dtype and size, never `x`: a record keeps no array alive."""
+    dtype, size = x.dtype, x.size
+    return lambda: f"{dtype.name} x {size}{more.format(*values)}"
+
+
+def message_text(kind: str, peer: int | None, tag: int, nbytes: int, src: int | None) -> str:
+    """A message's argument text ("dst=1, tag=0, 8 B"), made when first read."""
+    if kind == "sendrecv":
+        return (f"dst={peer}, src={'any' if src is None else src}, tag={tag}, "
+                f"{format_bytes(nbytes)}")
+    arrow = "dst" if kind == "send" else "src"
+    return f"{arrow}={'any' if peer is None else peer}, tag={tag}, {format_bytes(nbytes)}"
+
