@@ -160,12 +160,11 @@ class StoreBackend(Backend):
         pass
 
 
-def register() -> None:
+def register(name: str = "store", kind: type = StoreBackend, note: str = "") -> None:
     """The one registration (run in each rank before anyccl.init, by ANYCCL_TEST_SETUP)."""
     registry.register_host(registry.HostEntry(
-        "store", "cpu (through the rendezvous store)",
-        lambda ctx: StoreBackend(PrefixStore("store", ctx.store), ctx.rank, ctx.size,
-                                 ctx.timeout_s),
+        name, f"cpu (through the rendezvous store{note})",
+        lambda ctx: kind(PrefixStore("store", ctx.store), ctx.rank, ctx.size, ctx.timeout_s),
         lambda: "available (a transport defined in a test file)"))
 
 
@@ -181,11 +180,7 @@ class HalfwayFailing(StoreBackend):
 
 
 def register_failing() -> None:
-    registry.register_host(registry.HostEntry(
-        "store-failing", "cpu (through the rendezvous store; fails halfway on 13 elements)",
-        lambda ctx: HalfwayFailing(PrefixStore("store", ctx.store), ctx.rank, ctx.size,
-                                   ctx.timeout_s),
-        lambda: "available (a transport defined in a test file)"))
+    register("store-failing", HalfwayFailing, "; fails halfway on 13 elements")
 
 
 def backend_name(comm) -> str:
