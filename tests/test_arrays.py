@@ -139,3 +139,21 @@ def check_jax_arrays(comm):
 def test_jax_arrays_on_the_host_reduce_into_new_jax_arrays():
     pytest.importorskip("jax")
     assert all(run_ranks(check_jax_arrays, 2))
+
+
+def test_an_array_known_only_through_dlpack_is_used_in_place_and_a_foreign_device_refused():
+    from arraykinds import DLPackOnly
+
+    comm = anyccl.init("shm")
+    x = np.arange(5.0)
+    address = x.ctypes.data
+    comm.all_reduce(DLPackOnly(x))   # one rank: the sum is x itself, written where x lies
+    assert x.ctypes.data == address and (x == np.arange(5.0)).all()
+
+    class OnSomeAccelerator(DLPackOnly):
+        def __dlpack_device__(self):
+            return (14, 0)   # DLPack's kDLOneAPI: neither host nor CUDA
+
+    with pytest.raises(anyccl.UnsupportedError, match="DLPack array on device type 14"):
+        comm.all_reduce(OnSomeAccelerator(x))
+    comm.close()

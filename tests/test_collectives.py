@@ -3,8 +3,11 @@ against NumPy. Staging halves of 256 KiB make the larger counts cross many chunk
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
+from arraykinds import KINDS, as_kind
 from harness import run_ranks, suite_backend
 from reference import (
     COUNTS,
@@ -37,24 +40,26 @@ def cases():
             yield np.dtype(dtype), count
 
 
-def check_all_reduce(comm):
+def check_all_reduce(comm, kind="numpy"):
+    k = functools.partial(as_kind, kind)
     checked = 0
     for dtype, count in cases():
         for op in valid_ops(dtype):
             x = make_input(comm.rank, count, dtype)
-            comm.all_reduce(x, op=op)
+            comm.all_reduce(k(x), op=op)
             expected = reduce_reference([make_input(r, count, dtype) for r in range(comm.size)], op)
             assert_matches(x, expected, f"all_reduce {dtype} x {count} {op}")
             checked += 1
     return checked
 
 
-def check_reduce(comm):
+def check_reduce(comm, kind="numpy"):
+    k = functools.partial(as_kind, kind)
     for dtype, count in cases():
         for op in valid_ops(dtype):
             root = (count + 1) % comm.size
             x = make_input(comm.rank, count, dtype)
-            comm.reduce(x, dst=root, op=op)
+            comm.reduce(k(x), dst=root, op=op)
             if comm.rank == root:
                 expected = reduce_reference([make_input(r, count, dtype)
                                              for r in range(comm.size)], op)
@@ -64,22 +69,24 @@ def check_reduce(comm):
     return True
 
 
-def check_broadcast(comm):
+def check_broadcast(comm, kind="numpy"):
+    k = functools.partial(as_kind, kind)
     for dtype, count in cases():
         root = count % comm.size
         x = make_input(comm.rank, count, dtype)
-        comm.broadcast(x, src=root)
+        comm.broadcast(k(x), src=root)
         assert_matches(x, make_input(root, count, dtype), f"broadcast {dtype} x {count}")
     return True
 
 
-def check_all_gather(comm):
+def check_all_gather(comm, kind="numpy"):
+    k = functools.partial(as_kind, kind)
     for dtype, count in cases():
         x = make_input(comm.rank, count, dtype)
         as_list = [np.empty(count, dtype) for _ in range(comm.size)]
-        comm.all_gather(as_list, x)
+        comm.all_gather(k(as_list), k(x))
         as_array = np.empty(comm.size * count, dtype)
-        comm.all_gather(as_array, x)
+        comm.all_gather(k(as_array), k(x))
         for r in range(comm.size):
             expected = make_input(r, count, dtype)
             assert_matches(as_list[r], expected, f"all_gather list {dtype} x {count} from {r}")
@@ -88,55 +95,59 @@ def check_all_gather(comm):
     return True
 
 
-def check_gather(comm):
+def check_gather(comm, kind="numpy"):
+    k = functools.partial(as_kind, kind)
     for dtype, count in cases():
         root = (count + 2) % comm.size
         outs = [np.empty(count, dtype) for _ in range(comm.size)] if comm.rank == root else None
-        comm.gather(make_input(comm.rank, count, dtype), outs, dst=root)
+        comm.gather(k(make_input(comm.rank, count, dtype)), k(outs), dst=root)
         if comm.rank == root:
             for r in range(comm.size):
                 assert_matches(outs[r], make_input(r, count, dtype), f"gather {dtype} from {r}")
     return True
 
 
-def check_scatter(comm):
+def check_scatter(comm, kind="numpy"):
+    k = functools.partial(as_kind, kind)
     for dtype, count in cases():
         root = (count + 3) % comm.size
         chunks = [make_input(r, count, dtype, salt=1) for r in range(comm.size)] \
             if comm.rank == root else None
         out = np.empty(count, dtype)
-        comm.scatter(out, chunks, src=root)
+        comm.scatter(k(out), k(chunks), src=root)
         assert_matches(out, make_input(comm.rank, count, dtype, salt=1),
                        f"scatter {dtype} x {count}")
     return True
 
 
-def check_reduce_scatter(comm):
+def check_reduce_scatter(comm, kind="numpy"):
+    k = functools.partial(as_kind, kind)
     for dtype, count in cases():
         for op in valid_ops(dtype):
             inputs = [make_input(comm.rank, count, dtype, salt=j) for j in range(comm.size)]
             out = np.empty(count, dtype)
-            comm.reduce_scatter(out, inputs, op=op)
+            comm.reduce_scatter(k(out), k(inputs), op=op)
             expected = reduce_reference([make_input(r, count, dtype, salt=comm.rank)
                                          for r in range(comm.size)], op)
             assert_matches(out, expected, f"reduce_scatter {dtype} x {count} {op}")
             whole = np.concatenate(inputs) if count else np.empty(0, dtype)
             out2 = np.empty(count, dtype)
-            comm.reduce_scatter(out2, whole, op=op)
+            comm.reduce_scatter(k(out2), k(whole), op=op)
             assert_matches(out2, expected, f"reduce_scatter (one array) {dtype} x {count} {op}")
     return True
 
 
-def check_all_to_all(comm):
+def check_all_to_all(comm, kind="numpy"):
+    k = functools.partial(as_kind, kind)
     for dtype, count in cases():
         inputs = [make_input(comm.rank, count, dtype, salt=j) for j in range(comm.size)]
         outs = [np.empty(count, dtype) for _ in range(comm.size)]
-        comm.all_to_all(outs, inputs)
+        comm.all_to_all(k(outs), k(inputs))
         for j in range(comm.size):
             assert_matches(outs[j], make_input(j, count, dtype, salt=comm.rank),
                            f"all_to_all {dtype} x {count} from {j}")
         in_place = np.concatenate(inputs) if count else np.empty(0, dtype)
-        comm.all_to_all(in_place, in_place)
+        comm.all_to_all(k(in_place), k(in_place))
         assert_matches(in_place, np.concatenate(outs) if count else in_place,
                        f"all_to_all in place {dtype} x {count}")
     return True
@@ -152,6 +163,16 @@ CHECKS = [check_all_reduce, check_reduce, check_broadcast, check_all_gather, che
 def test_collective_matches_numpy(check, world_size, path):
     shm_path(path)
     assert all(run_ranks(check, world_size, env=PATHS[path], deadline_s=300))
+
+
+@pytest.mark.parametrize("kind", [k for k in KINDS if k != "numpy"])
+@pytest.mark.parametrize("world_size", (2, 3))
+@pytest.mark.parametrize("check", CHECKS, ids=lambda f: f.__name__.removeprefix("check_"))
+def test_collective_matches_numpy_over_every_array_kind(check, world_size, kind):
+    """The whole matrix (ops x dtypes x counts) on torch CPU tensors and on arrays known only
+    through DLPack, each sharing the NumPy memory the check reads."""
+    pytest.importorskip("torch")
+    assert all(run_ranks(check, world_size, kind, env=SMALL_STAGING, deadline_s=300))
 
 
 def check_path(comm):

@@ -69,6 +69,26 @@ def _torch_to_numpy(t: Any, name: str) -> np.ndarray:
     return np.asarray(_TorchMemory(t, dtype.str))
 
 
+_KDL_CPU = 1  # DLPack's device type of host memory
+
+
+def _from_host_dlpack(x: Any, name: str) -> np.ndarray:
+    """A NumPy view of a host array known only through DLPack (`__dlpack__`); torch imports
+    what NumPy cannot (bfloat16), when torch is there."""
+    device_type = int(x.__dlpack_device__()[0])
+    if device_type != _KDL_CPU:
+        raise UnsupportedError(f"{name} is a DLPack array on device type {device_type}; "
+                               f"expected host memory or a CUDA GPU")
+    try:
+        return np.from_dlpack(x)
+    except (BufferError, RuntimeError) as exc:   # a dtype NumPy lacks (bfloat16)
+        torch = _torch_module()
+        if torch is None:
+            raise UnsupportedError(f"{name} is a DLPack array NumPy cannot read ({exc}); "
+                                   f"import torch, or pass a NumPy array") from None
+        return _torch_to_numpy(torch.from_dlpack(x), name)
+
+
 def as_numpy(x: Any, name: str, *, writable: bool) -> np.ndarray:
     """Return a contiguous NumPy array sharing memory with `x`.
 
@@ -94,16 +114,21 @@ def as_numpy(x: Any, name: str, *, writable: bool) -> np.ndarray:
             raise UnsupportedError(
                 f"{name} is a GPU array ({type(x).__name__}); this communicator's backend serves "
                 f"CPU arrays only")
-        try:
-            arr = np.asarray(x)
-        except Exception as exc:  # numpy raises many types for objects it cannot view
-            raise UnsupportedError(f"{name} of type {type(x).__name__} is not an array") from exc
-        if arr.dtype == object:
-            raise UnsupportedError(f"{name} of type {type(x).__name__} is not an array")
-        if writable and arr.base is None:  # NumPy had to build a new array: writes would be lost
-            raise InvalidArgumentError(
-                f"{name} of type {type(x).__name__} cannot be written in place; pass a NumPy "
-                f"array or a tensor")
+        if hasattr(x, "__dlpack__") and not hasattr(x, "__array__") \
+                and not hasattr(x, "__array_interface__"):
+            arr = _from_host_dlpack(x, name)   # an array that speaks DLPack alone
+        else:
+            try:
+                arr = np.asarray(x)
+            except Exception as exc:  # numpy raises many types for objects it cannot view
+                raise UnsupportedError(f"{name} of type {type(x).__name__} is not an "
+                                       f"array") from exc
+            if arr.dtype == object:
+                raise UnsupportedError(f"{name} of type {type(x).__name__} is not an array")
+            if writable and arr.base is None:  # NumPy built a new array: writes would be lost
+                raise InvalidArgumentError(
+                    f"{name} of type {type(x).__name__} cannot be written in place; pass a "
+                    f"NumPy array or a tensor")
     if arr.dtype not in SUPPORTED:
         names = ", ".join(d.name for d in SUPPORTED_DTYPES)
         raise UnsupportedError(f"{name} has dtype {arr.dtype}; supported: {names}")
