@@ -218,6 +218,18 @@ class MpiRankPool(RankPool):
 _pools: dict[tuple, RankPool] = {}
 
 
+def eventually(condition: Callable[[], bool], timeout_s: float = 10.0,
+               every_s: float = 0.01) -> bool:
+    """Whether `condition()` holds within `timeout_s` (asked every `every_s`): a test waits for
+    what it needs to see, never for a guessed time."""
+    end = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > end:
+            return False
+        time.sleep(every_s)
+    return True
+
+
 def suite_backend() -> str:
     """The backend the suite runs on: shm, or mpi (ANYCCL_TEST_BACKEND=mpi, under mpiexec)."""
     return os.environ.get("ANYCCL_TEST_BACKEND", "shm")

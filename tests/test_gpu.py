@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from harness import run_ranks, spawn_processes
+from harness import eventually, run_ranks, spawn_processes
 from reference import (
     COUNTS,
     DTYPES,
@@ -460,7 +460,6 @@ def check_repeated_calls(comm) -> tuple[int, bool]:
     call on, each op replays its plan (plans.py); results stay right, and a plan does not keep
     the tensors alive."""
     import gc
-    import time
     import weakref
 
     import torch
@@ -490,9 +489,8 @@ def check_repeated_calls(comm) -> tuple[int, bool]:
     gone = weakref.ref(x)
     del x
     torch.cuda.synchronize()
-    time.sleep(0.1)      # the watchdog lets finished operations go every 10 ms
-    gc.collect()
-    return planned, gone() is None
+    # the watchdog lets finished operations go (and their hold on x) soon after
+    return planned, eventually(lambda: gc.collect() >= 0 and gone() is None)
 
 
 @two_gpus()
@@ -510,7 +508,6 @@ def check_repeated_async_calls(comm) -> tuple[list[bool], int, bool]:
     plan on the backend's stream; results stay right, and once done nothing keeps the tensors
     alive."""
     import gc
-    import time
     import weakref
 
     import torch
@@ -532,9 +529,7 @@ def check_repeated_async_calls(comm) -> tuple[list[bool], int, bool]:
     gone = weakref.ref(x)
     del x
     torch.cuda.synchronize()
-    time.sleep(0.2)      # the watchdog lets finished operations go
-    gc.collect()
-    return right, planned, gone() is None
+    return right, planned, eventually(lambda: gc.collect() >= 0 and gone() is None)
 
 
 @pytest.mark.parametrize("backend", ["nccl", "ipc"])

@@ -17,7 +17,7 @@ from typing import Any, Callable
 import numpy as np
 import pytest
 from fake_gpu import FakeDevice, FakeGpuArray, install, launch
-from harness import run_ranks
+from harness import eventually, run_ranks
 
 import anyccl
 from anyccl.backends import registry
@@ -509,8 +509,10 @@ def _plans(comm) -> dict[str, Any]:
             call()
         except anyccl.AnycclError as exc:
             refused.append(str(exc))
-    time.sleep(0.1)     # the watchdog retires finished operations every 10 ms
-    ours = [e for e in comm.flight_recorder.entries() if e["seq"] >= first]
+    def ours() -> list[dict]:
+        return [e for e in comm.flight_recorder.entries() if e["seq"] >= first]
+    eventually(lambda: not {e["state"] for e in ours()} & {"queued", "started"})  # retired
+    ours = ours()
     seqs = [e["seq"] - first for e in ours]
     states = {e["state"] for e in ours}
     return {"results": results, "planned": planned, "refused": refused, "seqs": seqs,

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from harness import (
+    eventually,
     job_segments,
     launch_job,
     new_job_id,
@@ -196,11 +197,9 @@ def test_sigkill_of_every_rank_leaves_no_segment_and_no_process(tmp_path, monkey
     launcher = subprocess.Popen([sys.executable, "-m", "anyccl", "run", "-n", "3", script,
                                  "forever", str(tmp_path)], stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 30
-    while len(list(tmp_path.glob("*.pid"))) < 3 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    time.sleep(0.2)
-    pids = [int(p.read_text()) for p in tmp_path.glob("*.pid")]
+    files = lambda: list(tmp_path.glob("*.pid"))  # noqa: E731 - each rank writes its pid
+    assert eventually(lambda: len(files()) == 3 and all(f.read_text() for f in files()), 30)
+    pids = [int(p.read_text()) for p in files()]
     for pid in pids:
         os.kill(pid, signal.SIGKILL)
     launcher.communicate(timeout=30)
