@@ -128,6 +128,30 @@ def test_the_docs_install_anyccl_the_way_it_can_be_installed():
     assert not wrong, wrong
 
 
+def test_no_page_points_at_an_example_that_is_not_there():
+    """A page that says "the example above" shows one above: no page says it in prose."""
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
+        text = page.read_text().lower()
+        for phrase in ("example above", "example below", "see above", "as above"):
+            assert phrase not in text, f"{page.relative_to(ROOT)}: '{phrase}'"
+
+
+def test_no_paragraph_ends_on_a_colon_that_introduces_nothing():
+    """A paragraph that ends with ':' is followed by what it announces (a list, code, a table,
+    a picture), never by an unrelated paragraph."""
+    dangling = []
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
+        lines, inside = page.read_text().splitlines(), False
+        for i, line in enumerate(lines[:-2]):
+            inside ^= line.startswith("```")
+            if inside or not line.rstrip().endswith(":") or lines[i + 1].strip() or \
+                    line.startswith(("#", "|", "    ", "- ", "* ")):
+                continue
+            if not re.match(r"\s*(```|- |\* |\d+\. |\||!\[|    |<)", lines[i + 2]):
+                dangling.append(f"{page.relative_to(ROOT)}:{i + 1}: {line[-50:]}")
+    assert not dangling, dangling
+
+
 def test_the_settings_page_is_generated_from_the_declarations():
     from anyccl import settings
 
