@@ -21,7 +21,6 @@ from typing import Any, Callable
 
 import numpy as np
 
-from . import gpu
 from .algorithms import objects, uneven
 from .arguments import Arguments, named
 from .backends.base import Backend
@@ -570,9 +569,7 @@ class Communicator:
         lays it out on padded buffers that `new` makes like `x` (`layout(None)`: pieces as they
         are). Host arrays: at once, through this communicator's even collectives (async_op=True
         gets a Work already complete). GPU arrays: one operation queued like any GPU collective
-        (stream=, async Works, deadlines), through the GPU backend's `exchange` where it moves
-        pieces of any size, else padded, its scratch allocated in the order of the stream it
-        runs after."""
+        (stream=, async Works, deadlines), laid out by the GPU engine (`uneven_moves`)."""
         if not isinstance(x, GpuArray):
             layout(uneven.host_scratch(x)).run_on_host(self)
             if not async_op:
@@ -580,14 +577,7 @@ class Communicator:
             work = Work(OpRecord(op, self._seq, "uneven sizes", x.nbytes), self.rank)
             work.complete()
             return work
-        after = gpu.stream_pointer(stream) if stream is not None else x.stream
-        if self._gpu_side.backend(op, collective=True).exchanges_any_sizes:
-            moves = layout(None)   # each piece as it is: no scratch
-        elif after is None:   # no stream to order after (JAX): scratch made ready on the host
-            moves = layout(uneven.gpu_scratch(x, 0))
-            gpu.synchronize_stream(0)
-        else:
-            moves = layout(uneven.gpu_scratch(x, after))
+        moves, after = self._gpu_side.uneven_moves(op, layout, x, stream)
         like = moves.scratch[0] if moves.scratch else None
         try:
             return self._collective(op, about(x, ", uneven sizes"), x.nbytes,

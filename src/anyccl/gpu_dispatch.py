@@ -183,6 +183,22 @@ class GpuDispatch:
             return work
         return self.queue(record, [entry], enqueue, [x], async_op, stream)
 
+    def uneven_moves(self, op: str, layout: Callable[[Any], Any], x: GpuArray,
+                     stream: Any) -> tuple[Any, int | None]:
+        """An uneven collective's moves on GPU arrays and the stream they run after: through
+        the backend's `exchange` where it moves pieces of any size (`layout(None)`), else on
+        padded scratch allocated in that stream's order (`algorithms/uneven.py`)."""
+        from .algorithms import uneven
+
+        after = gpu.stream_pointer(stream) if stream is not None else x.stream
+        if self.backend(op, collective=True).exchanges_any_sizes:
+            return layout(None), after   # each piece as it is: no scratch
+        if after is None:   # no stream to order after (JAX): scratch made ready on the host
+            moves = layout(uneven.gpu_scratch(x, 0))
+            gpu.synchronize_stream(0)
+            return moves, after
+        return layout(uneven.gpu_scratch(x, after)), after
+
     @contextlib.contextmanager
     def batch(self) -> Iterator[None]:
         """`comm.batch()`: the GPU messages issued inside the block, issued at its end as one
