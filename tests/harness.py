@@ -23,7 +23,7 @@ from anyccl.store import StoreServer
 
 DEFAULT_DEADLINE_S = 120.0
 
-# Every job this test session starts names its shared memory with this prefix (children inherit
+# Every job this test run starts names its shared memory with this prefix (children inherit
 # ANYCCL_JOB_PREFIX), so that leftover checks judge only the suite's own jobs, never another
 # anyccl job running on the same machine.
 SUITE_JOB_PREFIX = os.environ.setdefault("ANYCCL_JOB_PREFIX", "t" + secrets.token_hex(4))
