@@ -24,8 +24,8 @@ pytestmark = pytest.mark.gpu
 # taking turns in its positions); a 4-slot message ring
 IPC_ENV = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", "NCCL_NVLS_ENABLE": "0",
            "ANYCCL_TIMEOUT": "60", "ANYCCL_BACKEND": "cpu:shm,cuda:ipc",
-           "ANYCCL_IPC_HALF_MB": "2", "ANYCCL_IPC_LL_KB": "16", "ANYCCL_IPC_ONE_SHOT_KB": "256",
-           "ANYCCL_IPC_CE_MB": "1", "ANYCCL_IPC_CE_KB": "1024", "ANYCCL_IPC_RING_MB": "4"}
+           "ANYCCL_IPC_HALF_MB": "2", "ANYCCL_IPC_CE_MB": "1", "ANYCCL_IPC_RING_MB": "4",
+           "ANYCCL_TUNING": "ipc.ll_max=16K,ipc.one_shot_max=256K,ipc.ce_min=1M"}
 TOLERANCE = {"float32": 1e-6, "float16": 2e-3, "bfloat16": 1.6e-2}
 COUNTS = [1, 7, 1000, 16387, 65536 * 3 + 5, 1 << 20]   # 4 MiB: several kernels or copy engines
 
@@ -170,7 +170,8 @@ def test_an_ipc_operation_past_its_deadline_is_stopped_and_the_next_call_names_i
     # check_timeout's 256 KiB all_reduce: a spinning two-shot kernel, or streams waiting on
     # copy-engine flags (released when the communicator is aborted)
     env = {**IPC_ENV, "ANYCCL_TIMEOUT": "3",
-           "ANYCCL_IPC_CE_KB": "128" if path == "copy engines" else "1024"}
+           "ANYCCL_TUNING": "ipc.ll_max=16K,ipc.one_shot_max=256K,ipc.ce_min="
+                            + ("128K" if path == "copy engines" else "1M")}
     waited = run_ranks(check_timeout, 2, env=env, deadline_s=60)[0]
     assert waited < 6
 

@@ -73,7 +73,7 @@ def test_the_copy_engine_area_follows_the_environment_and_can_be_switched_off(mo
 def test_buffer_sizes_follow_the_environment(monkeypatch):
     monkeypatch.setenv("ANYCCL_IPC_HALF_MB", "2")
     monkeypatch.setenv("ANYCCL_IPC_RING_MB", "4")
-    monkeypatch.setenv("ANYCCL_IPC_TILE_KB", "128")
+    monkeypatch.setenv("ANYCCL_TUNING", "ipc.tile=128K")
     lay = Layout(2)
     assert (lay.slot_bytes, lay.slots, lay.tile_bytes) == (512 << 10, 4, 128 << 10)
 

@@ -706,7 +706,7 @@ def check_signatures(comm):
     comm.all_reduce(x, op="max")
     comm.broadcast(x, 1)
     comm.barrier()
-    records = [entry[0] for entry in list(comm.flight_recorder._entries)[-3:]]
+    records = comm.flight_recorder.records()[-3:]
     expected = agreement.word("all_reduce", np.dtype(np.float32), -1, ReduceOp.MAX)
     return [agreement.describe(*r.agree) for r in records], records[0].agree == (expected, 8)
 

@@ -42,15 +42,15 @@ def test_the_docs_table_lists_every_variable_with_its_default():
     for s in settings.SETTINGS.values():
         assert f"| `{s.name}` |" in table
     assert "| `ANYCCL_SHM_STAGING_BYTES` | size (bytes) | `1M` |" in table
-    assert "| `ANYCCL_IPC_CE_KB` | size (KiB) | `512M` |" in table
+    assert "| `ANYCCL_IPC_CE_MB` | size (MiB) | `512M` |" in table
 
 
 @pytest.mark.parametrize("name, text, expected", [
     ("ANYCCL_SHM_STAGING_BYTES", "64K", 64 << 10),
     ("ANYCCL_SHM_STAGING_BYTES", "1M", 1 << 20),
     ("ANYCCL_SHM_STAGING_BYTES", "8192", 8192),         # bare numbers: the name's unit
-    ("ANYCCL_IPC_CE_KB", "512", 512 << 10),
-    ("ANYCCL_IPC_CE_KB", "512M", 512 << 20),
+    ("ANYCCL_IPC_CE_MB", "512", 512 << 20),
+    ("ANYCCL_IPC_CE_MB", "1G", 1 << 30),
     ("ANYCCL_IPC_HALF_MB", "64", 64 << 20),
     ("ANYCCL_IPC_HALF_MB", "1G", 1 << 30),
     ("ANYCCL_MPI_STAGING_CHUNK", "4M", 4 << 20),
@@ -77,7 +77,7 @@ def test_unset_and_empty_mean_the_default(monkeypatch):
     ("ANYCCL_SHM_STAGING_BYTES", "lots", "a size, e.g. 64K, 16M, 1G, or a number of bytes"),
     ("ANYCCL_SHM_STAGING_BYTES", "1T", "a size"),
     ("ANYCCL_SHM_STAGING_BYTES", "100", "at least 4K bytes"),
-    ("ANYCCL_IPC_CE_KB", "-1", "a size"),
+    ("ANYCCL_IPC_CE_MB", "-1", "a size"),
     ("ANYCCL_TIMEOUT", "soon", "a number of seconds"),
     ("ANYCCL_TIMEOUT", "0", "at least 0.001 s"),
     ("ANYCCL_TIMEOUT", "nan", "a finite number"),

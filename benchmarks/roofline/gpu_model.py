@@ -24,9 +24,15 @@ from __future__ import annotations
 import argparse
 import json
 
+from anyccl import tuning
 from anyccl._units import parse_size
-from anyccl.backends.ipc.backend import CE_BYTES, ONE_SHOT_BYTES, routes_to_ipc
+from anyccl.backends.ipc.backend import routes_to_ipc
 from anyccl.tools.bench import bus_factor
+
+# all_reduce's paths by the bytes of the array (the tuning table): one shot up to
+# ONE_SHOT_BYTES, two shots above, copy engines from CE_BYTES up
+ONE_SHOT_BYTES = tuning.value("ipc.one_shot_max")
+CE_BYTES = tuning.value("ipc.ce_min")
 
 # what each library name of a run means: anyccl runs the run's own backend (meta "backend")
 KERNELS = {"anyccl-ipc": "ipc", "anyccl-auto": "auto"}

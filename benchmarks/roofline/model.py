@@ -17,16 +17,18 @@ import json
 import os
 import sys
 
-from anyccl.algorithms.direct import MIN_BYTES
-from anyccl.algorithms.symmetric import ONE_SHOT_MAX_BYTES
+from anyccl import tuning
 from anyccl.tools.bench import bus_factor
+
+ONE_SHOT_MAX_BYTES = tuning.value("shm.one_shot_max")
+DIRECT_MIN_BYTES = {op: tuning.value(f"shm.direct_min.{op}")
+                    for op in ("all_reduce", "broadcast", "all_gather", "gather", "scatter")}
 
 
 def traffic(op: str, size: int, n: int) -> tuple[str, float]:
     """(algorithm, bytes read + written per rank in units of N) for `op` at nccl-tests size."""
     f = (n - 1) / n
-    direct = size >= MIN_BYTES.get(op, 1 << 62) if op != "all_reduce" else \
-        size >= MIN_BYTES["all_reduce"]
+    direct = size >= DIRECT_MIN_BYTES.get(op, 1 << 62)
     if op == "all_reduce":
         if size <= ONE_SHOT_MAX_BYTES:
             return "one-shot", n + 3.0                  # stage 2, reduce n reads + 1 write

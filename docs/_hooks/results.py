@@ -37,10 +37,23 @@ variable, raised by `anyccl.init()` (or when the backend that reads it is create
 def settings_page() -> str:
     sys.path.insert(0, str(ROOT / "src"))
     try:
-        from anyccl import settings
+        from anyccl import settings, tuning
     finally:
         sys.path.pop(0)
-    return SETTINGS_INTRO + settings.table() + "\n"
+    return SETTINGS_INTRO + settings.table() + "\n" + TUNING_INTRO + tuning.markdown() + "\n"
+
+
+TUNING_INTRO = """
+## The tuning table
+
+Every size threshold that picks an algorithm, for every backend, declared once in
+`anyccl.tuning`; `anyccl info` prints the values in force. `ANYCCL_TUNING` overrides any of
+them, as `key=value` pairs separated by commas (`ANYCCL_TUNING="shm.one_shot_max=64K"`); set it
+the same on every rank, since the ranks of a job pick the same schedule only from the same table.
+The ipc backend's `auto` policy routes sizes to its kernels or to NCCL by a measured table of its
+own (`backends/ipc/routes.json`), which `anyccl info` prints too.
+
+"""
 
 
 def on_files(files: Files, config) -> Files:

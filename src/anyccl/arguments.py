@@ -37,6 +37,10 @@ class Arguments:
         return kind(f"rank {self.rank}: {op}: {message}")
 
     def array(self, op: str, x: Any, name: str, *, writable: bool) -> Array:
+        if type(x) is np.ndarray and x.dtype in SUPPORTED:
+            flags = x.flags
+            if flags.c_contiguous and (flags.writeable or not writable):
+                return x if x.ndim == 1 else x.reshape(-1)  # the common case, at once
         try:
             return as_array(x, name, writable=writable).reshape(-1)
         except AnycclError as exc:
@@ -66,6 +70,19 @@ class Arguments:
                                 f"{self.size} rank{'s' if self.size > 1 else ''} "
                                 f"(0..{self.size - 1})")
         return int(value)
+
+    def reduced(self, op_name: str, x: Any, op: Any) -> tuple[Array, ReduceOp]:
+        """The array a reducing collective writes in place, flat, and its checked reduce op
+        (`array` and `reduce_op` in one call: what every call of a training loop passes is
+        answered at once)."""
+        if type(x) is np.ndarray:
+            reduce_op = _VALID_OPS.get((op, x.dtype))   # only ever holds supported dtypes
+            if reduce_op is not None:
+                flags = x.flags
+                if flags.c_contiguous and flags.writeable:
+                    return (x if x.ndim == 1 else x.reshape(-1)), reduce_op
+        x = self.array(op_name, x, "tensor", writable=True)
+        return x, self.reduce_op(op_name, op, x.dtype)
 
     def reduce_op(self, op_name: str, op: Any, dtype: np.dtype) -> ReduceOp:
         try:

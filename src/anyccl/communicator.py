@@ -13,7 +13,6 @@ ranks. Backends trust what they receive.
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import weakref
 from collections.abc import Sequence
@@ -162,21 +161,21 @@ class Communicator:
         rank must agree on), `root` and `op` are its signature. replayable=False: a blocking
         GPU call leaves no plan (its queued function holds buffers of its own, used once)."""
         enqueue = None
-        if self._gpu_side.on_gpu(name, arrays, stream):
+        # one host array and no stream (the common case) cannot be on a GPU: no need to ask
+        if (stream is not None or len(arrays) != 1 or type(like) is not np.ndarray) \
+                and self._gpu_side.on_gpu(name, arrays, stream):
             gpu_backend = self._gpu_side.backend(name, collective=True)
             try:
                 enqueue = call(gpu_backend)  # refuses what NCCL cannot do, before any byte moves
             except AnycclError as exc:
                 raise type(exc)(f"rank {self.rank}: {name}: {exc}") from None
         self._seq += 1
-        record = OpRecord(name, self._seq, args, nbytes)
-        entry = self.flight_recorder.queued(record)
+        record = self.flight_recorder.queued(OpRecord(name, self._seq, args, nbytes))
         if enqueue is None:
-            return self._engine.collective(record, entry, call, async_op, like, root, op,
-                                           self.debug)
+            return self._engine.collective(record, call, async_op, like, root, op, self.debug)
         if self.debug:
-            self._engine.check_agreement(record, entry, like, root, op)
-        return self._gpu_side.collective(record, entry, args, enqueue, [a for _, a in arrays],
+            self._engine.check_agreement(record, like, root, op)
+        return self._gpu_side.collective(record, args, enqueue, [a for _, a in arrays],
                                          async_op, stream, replayable and not (
                                              self.debug or stream is not None))
 
@@ -188,7 +187,7 @@ class Communicator:
                 or lives_on_gpu(args):
             return
         record = OpRecord(name, self._number(), "refused its arguments")
-        self._engine.refuse(record, self.flight_recorder.queued(record), str(exc))
+        self._engine.refuse(self.flight_recorder.queued(record), str(exc))
 
     def _message(self, kind: str, x: Array, peer: int | None, tag: int, async_op: bool,
                  stream: Any = None) -> Work | int | None:
@@ -205,7 +204,7 @@ class Communicator:
             return self._gpu_side.message(op, record, x, peer, tag, async_op, stream)
         if self._gpu_side.batched is not None and not async_op:
             raise self._check.fail(kind, f"use i{kind} inside `with comm.batch():`")
-        return self._engine.message(kind, x, peer, tag, record, self.flight_recorder.queued(record),
+        return self._engine.message(kind, x, peer, tag, self.flight_recorder.queued(record),
                                     async_op)
 
     def _message_record(self, kind: str, x: Array, peer: int | None, tag: int,
@@ -215,7 +214,7 @@ class Communicator:
         key = (kind, peer, src)
         self._p2p_seq[key] = seq = self._p2p_seq.get(key, 0) + 1
         nbytes = x.nbytes
-        return OpRecord(kind, seq, functools.partial(message_text, kind, peer, tag, nbytes, src),
+        return OpRecord(kind, seq, (message_text, kind, peer, tag, nbytes, src),
                         nbytes)
 
     def batch(self) -> contextlib.AbstractContextManager[None]:
@@ -280,7 +279,7 @@ class Communicator:
             raise self._check.fail("sendrecv", "use isend and irecv inside `with comm.batch():`")
         if stream is None and type(x) is np.ndarray and type(y) is np.ndarray:
             record = self._message_record("sendrecv", x, dst, tag, src)
-            return self._engine.exchange(record, self.flight_recorder.queued(record),
+            return self._engine.exchange(self.flight_recorder.queued(record),
                                          (("send", x, dst, tag), ("recv", y, src, tag)))
         with self.batch():
             sent = self.isend(x, dst, tag, stream=stream)
@@ -336,8 +335,7 @@ class Communicator:
                 return early
         self._check_open("all_reduce")
         try:
-            x = self._check.array("all_reduce", tensor, "tensor", writable=True)
-            rop = self._check.reduce_op("all_reduce", op, x.dtype)
+            x, rop = self._check.reduced("all_reduce", tensor, op)
         except _REFUSALS as exc:
             self._refused("all_reduce", exc, (tensor,))
             raise
@@ -362,9 +360,8 @@ class Communicator:
                 return early
         self._check_open("reduce")
         try:
-            x = self._check.array("reduce", tensor, "tensor", writable=True)
+            x, rop = self._check.reduced("reduce", tensor, op)
             dst = self._check.peer("reduce", dst, "dst")
-            rop = self._check.reduce_op("reduce", op, x.dtype)
         except _REFUSALS as exc:
             self._refused("reduce", exc, (tensor,))
             raise

@@ -315,7 +315,7 @@ class HostEngine(Engine):
         self._recorder, self._job_id = recorder, job_id
 
     # ---- collectives -----------------------------------------------------------------------
-    def collective(self, record: OpRecord, entry: list, call: Callable[[Backend], Any],
+    def collective(self, record: OpRecord, call: Callable[[Backend], Any],
                    async_op: bool, like: np.ndarray | None, root: int, op: ReduceOp | None,
                    debug: bool) -> Work | None:
         """Run host collective `record`: `call(backend)` after everything issued before it,
@@ -327,27 +327,34 @@ class HostEngine(Engine):
                             | (0 if op is None else op.agree_bits), like.size)
         else:
             record.agree = (_NAME_BITS[record.name], 0)
+        if not (async_op or debug or self._outstanding) and self._drive.acquire(False):
+            # the common blocking case, as `run_now` runs it (without its generic call): right
+            # here, on the caller's thread, nothing outstanding and nobody else driving
+            try:
+                if not (self._outstanding or self._closing) and self.failure is None:
+                    self._run(record, call)
+                    return None
+            finally:
+                self._drive.release()
         signature = self._signature(record, like, root, op) if debug else None
-        if not async_op and signature is None and self.run_now(self._run, record, entry, call):
-            return None  # the common blocking case: run right here, nothing outstanding
-        task = self._task(record, entry, signature, call)
+        task = self._task(record, signature, call)
         if async_op:
             return self.submit(task, Work(record, self.rank))
         self.call(task, lambda: Work(record, self.rank))
         return None
 
-    def check_agreement(self, record: OpRecord, entry: list, like: Any, root: int,
+    def check_agreement(self, record: OpRecord, like: Any, root: int,
                         op: ReduceOp | None) -> None:
         """Debug mode's check alone, for a collective that runs elsewhere (on a GPU)."""
-        self.call(self._task(record, entry, self._signature(record, like, root, op), None),
+        self.call(self._task(record, self._signature(record, like, root, op), None),
                   lambda: Work(record, self.rank))
 
-    def refuse(self, record: OpRecord, entry: list, reason: str) -> None:
+    def refuse(self, record: OpRecord, reason: str) -> None:
         """This rank refused its arguments to collective `record.name`: arrive at it all the
         same, with a refused signature and the reason, so that every other rank raises too."""
         record.agree = agreement.refused(record.name, reason)
         try:
-            self.call(self._task(record, entry, None, lambda b: b.barrier()),
+            self.call(self._task(record, None, lambda b: b.barrier()),
                       lambda: Work(record, self.rank))
         except CollectiveMismatchError:
             pass  # what the peers called: they raise their side of it
@@ -359,29 +366,31 @@ class HostEngine(Engine):
                          like.size if like is not None else -1, root,
                          _REDOP_CODES.index(op) if op is not None else -1], np.int64)
 
-    def _task(self, record: OpRecord, entry: list, signature: np.ndarray | None,
+    def _task(self, record: OpRecord, signature: np.ndarray | None,
               call: Callable[[Backend], Any] | None) -> Callable[[Work | None], None]:
         """`_run` as the task the engine queues."""
-        return lambda _=None: self._run(record, entry, call, signature)
+        return lambda _=None: self._run(record, call, signature)
 
-    def _run(self, record: OpRecord, entry: list, call: Callable[[Backend], Any] | None,
+    def _run(self, record: OpRecord, call: Callable[[Backend], Any] | None,
              signature: np.ndarray | None = None) -> None:
         """One operation on the host backend: debug mode's agreement check (if `signature`),
         then `call(backend)` (None: the operation itself runs on a GPU)."""
         backend = self.backend
-        FlightRecorder.started(entry)
-        backend.begin(record, time.monotonic() + self.timeout_s)
+        record.state = "started"   # FlightRecorder.started, inline: every host op passes here
+        record.started_at = now = time.monotonic()
+        backend.begin(record, now + self.timeout_s)
         try:
             if signature is not None:
                 self._agree(record, signature)
             if call is not None:
                 call(backend)
         except BaseException as exc:
-            FlightRecorder.ended(entry, exc)
+            self._note_failure(exc)
+            FlightRecorder.ended(record, exc)
             self.post_mortem(exc)
             raise
-        if call is not None:
-            FlightRecorder.ended(entry)
+        if call is not None:  # FlightRecorder.ended, inline
+            record.state, record.ended_at = "done", time.monotonic()
         backend.end(record)
 
     def _agree(self, record: OpRecord, signature: np.ndarray) -> None:
@@ -412,13 +421,13 @@ class HostEngine(Engine):
 
     # ---- messages --------------------------------------------------------------------------
     def message(self, kind: str, x: np.ndarray, peer: int | None, tag: int, record: OpRecord,
-                entry: list, async_op: bool) -> Work | int | None:
+                async_op: bool) -> Work | int | None:
         """Send or receive (peer=None: receive from any rank); a blocking receive returns the
         sender, an async call its Work."""
         if not async_op:
-            return self.exchange(record, entry, ((kind, x, peer, tag),))
+            return self.exchange(record, ((kind, x, peer, tag),))
         work = Work(record, self.rank)
-        if peer is not None and self.run_now(self._at_once, kind, x, peer, tag, entry, work,
+        if peer is not None and self.run_now(self._at_once, kind, x, peer, tag, record, work,
                                              after_posted=True) and work.is_completed():
             return work
         backend = self.backend
@@ -431,18 +440,18 @@ class HostEngine(Engine):
             post = backend.post_recv
 
         def task(w: Work) -> None:
-            FlightRecorder.started(entry)
+            FlightRecorder.started(record)
             done = self.completion(w)
 
             def on_done(error: BaseException | None) -> None:
-                self._message_ended(entry, error)
+                self._message_ended(record, error)
                 if kind == "recv":
                     w.source = sender[0] if sender else peer
                 done(error)
             post(x, peer, tag, record, time.monotonic() + self.timeout_s, on_done)
         return self.post(task, work)
 
-    def _at_once(self, kind: str, x: np.ndarray, peer: int, tag: int, entry: list,
+    def _at_once(self, kind: str, x: np.ndarray, peer: int, tag: int, record: OpRecord,
                  work: Work) -> None:
         """An async message that the transport's fast path finishes right now (a send that
         fits, a receive whose message is already there): `work` completes here, with no
@@ -450,31 +459,31 @@ class HostEngine(Engine):
         backend = self.backend
         if backend.send_now(x, peer, tag) if kind == "send" else \
                 backend.receive_now(x, peer, tag, wait=False):
-            FlightRecorder.started(entry)
-            FlightRecorder.ended(entry)
+            FlightRecorder.started(record)
+            FlightRecorder.ended(record)
             work.source = peer if kind == "recv" else None
             work.complete()
 
-    def exchange(self, record: OpRecord, entry: list,
+    def exchange(self, record: OpRecord,
                  messages: tuple[HostMessage, ...]) -> int | None:
         """Send and receive `messages` together as the one blocking operation `record`, on
         this thread when it may drive the host backend (else in turn on the engine); return
         the sender of the receive among them."""
         found: list[int] = []
-        if not self.run_now(self._exchange_now, record, entry, messages, found,
+        if not self.run_now(self._exchange_now, record, messages, found,
                             after_posted=True):
-            self.call(lambda: self._exchange_now(record, entry, messages, found),
+            self.call(lambda: self._exchange_now(record, messages, found),
                       lambda: Work(record, self.rank))
         return found[0] if found else messages[-1][2]
 
-    def _exchange_now(self, record: OpRecord, entry: list, messages: tuple[HostMessage, ...],
+    def _exchange_now(self, record: OpRecord, messages: tuple[HostMessage, ...],
                       found: list[int]) -> None:
         """Blocking messages, on the thread that drives the host backend: each through the
         transport's fast path where it takes it (send_now, receive_now: done at once), the
         others posted; return once all are done, raising the first error. A receive from any
         rank appends its sender to `found`. Only posted messages tell the backend that this
         rank is in `record` (what peers see while it waits) and get a deadline."""
-        FlightRecorder.started(entry)
+        FlightRecorder.started(record)
         backend = self.backend
         posted, deadline = 0, 0.0
         outcomes: list[BaseException | None] = []
@@ -492,21 +501,21 @@ class HostEngine(Engine):
                 backend.post_recv(x, peer, tag, record, deadline, outcomes.append,
                                   found=found.append)
         if not posted:
-            FlightRecorder.ended(entry)
+            FlightRecorder.ended(record)
             return
         if len(outcomes) < posted:
             try:
                 backend.wait_for_messages(lambda: len(outcomes) == posted, record, deadline)
             except BaseException as exc:
-                self._message_ended(entry, exc)
+                self._message_ended(record, exc)
                 raise
         backend.end(record)
         error = next((e for e in outcomes if e is not None), None)
-        self._message_ended(entry, error)
+        self._message_ended(record, error)
         if error is not None:
             raise error
 
-    def _message_ended(self, entry: list, error: BaseException | None) -> None:
-        FlightRecorder.ended(entry, error)
+    def _message_ended(self, record: OpRecord, error: BaseException | None) -> None:
+        FlightRecorder.ended(record, error)
         if error is not None:
             self.post_mortem(error)

@@ -22,7 +22,7 @@ from .buffers import Array, GpuArray, current_stream
 from .errors import UnsupportedError
 from .plans import Plans
 from .store import Store
-from .trace import ArgsText, FlightRecorder, OpRecord
+from .trace import ArgsText, Entry, FlightRecorder, OpRecord
 from .work import GpuWork
 
 FULL_PATH = object()   # replay's answer when a call must take the full path
@@ -121,7 +121,7 @@ class GpuDispatch:
         self.gpu = registry.gpu_entry(kind).create(context)
 
     # ---- operations ------------------------------------------------------------------------
-    def collective(self, record: OpRecord, entry: list, args: ArgsText, enqueue: Enqueue,
+    def collective(self, record: OpRecord, args: ArgsText, enqueue: Enqueue,
                    arrays: list[GpuArray], async_op: bool, stream: Any,
                    plan: bool) -> GpuWork | None:
         """Queue GPU collective `record` (see `queue`); with `plan`, keep its plan so that the
@@ -129,7 +129,7 @@ class GpuDispatch:
         # an async operation holds its tensors itself: a plan releases the arrays' owners
         held = [a.owner[0] for a in arrays if type(a.owner) is list and a.owner] \
             if plan and async_op else None
-        work = self.queue(record, [entry], enqueue, arrays, async_op, stream, keep=held)
+        work = self.queue(record, [record], enqueue, arrays, async_op, stream, keep=held)
         if plan:
             if self.plans is None:
                 self.plans = Plans()
@@ -231,7 +231,7 @@ class GpuDispatch:
         for w in works[1:]:
             w.bind(*works[0].bound_to())
 
-    def queue(self, record: OpRecord, entries: list[dict], enqueue: Enqueue,
+    def queue(self, record: OpRecord, entries: list[Entry], enqueue: Enqueue,
               arrays: list[GpuArray], async_op: bool, stream: Any,
               work: GpuWork | None = None, keep: Any = None) -> GpuWork | None:
         """Queue GPU work after what the callers' streams (or `stream`) hold; a blocking call

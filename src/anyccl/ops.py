@@ -49,6 +49,10 @@ class ReduceOp(enum.Enum):
         raise UnsupportedError(f"op={op!r} is not a reduce op; expected one of {choices}")
 
 
+# Members are singletons compared by identity, so identity is their hash too: the C slot, where
+# Enum's own __hash__ (hash of the name) is a Python call on every dict look-up of a hot path.
+ReduceOp.__hash__ = object.__hash__  # type: ignore[method-assign]
+
 _UFUNCS: dict[ReduceOp, np.ufunc] = {
     ReduceOp.SUM: np.add,
     ReduceOp.AVG: np.add,

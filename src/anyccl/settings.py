@@ -3,9 +3,10 @@
 Code reads a setting through its declaration (`settings.TIMEOUT.get()`), never `os.environ`
 directly, so every variable is parsed the same way and a bad value is an `InvalidArgumentError`
 that names the variable and says what was expected. Sizes accept what people type ("64K", "1M",
-"2G"); a bare number is read in the unit the variable's name carries (`ANYCCL_IPC_CE_KB=512` is
-512 KiB, `ANYCCL_SHM_STAGING_BYTES=4096` is 4096 bytes). The docs' settings table is generated
-from `SETTINGS`.
+"2G"); a bare number is read in the unit the variable's name carries (`ANYCCL_IPC_CE_MB=512` is
+512 MiB, `ANYCCL_SHM_STAGING_BYTES=4096` is 4096 bytes). Size thresholds that choose an
+algorithm live in the tuning table instead (tuning.py), overridden by `ANYCCL_TUNING`. The
+docs' settings table is generated from `SETTINGS`.
 """
 
 from __future__ import annotations
@@ -162,6 +163,11 @@ PEER_SILENCE = _declare("PEER_SILENCE", "seconds", 10.0,
 LAUNCHER_PID = _declare("LAUNCHER_PID", "int", None,
                         "The pid of anyccl run: ranks exit when it dies.", set_by_launcher=True)
 
+TUNING = _declare("TUNING", "text", None,
+                  "Thresholds of the tuning table to override, as key=value pairs separated by "
+                  "commas (\"shm.one_shot_max=64K,ipc.ce_min=256M\"); the same on every rank. "
+                  "`anyccl info` lists the keys, their values and what each decides.")
+
 # ---- shm -------------------------------------------------------------------------------------
 SHM_STAGING_BYTES = _declare("SHM_STAGING_BYTES", "size", 1 << 20,
                              "Each of the two staging halves of a rank's segment (collectives "
@@ -205,24 +211,10 @@ IPC_HALF_MB = _declare("IPC_HALF_MB", "size", 256 << 20,
                        unit="MiB", minimum=1 << 20)
 IPC_RING_MB = _declare("IPC_RING_MB", "size", 128 << 20,
                        "The ipc message ring from each sender.", unit="MiB", minimum=2 << 20)
-IPC_TILE_KB = _declare("IPC_TILE_KB", "size", 256 << 10,
-                       "What one block of an ipc collective moves between two flags.",
-                       unit="KiB", minimum=64 << 10)
-IPC_LL_KB = _declare("IPC_LL_KB", "size", 1 << 20,
-                     "all_reduce: data and flag in one 8-byte store up to this size.",
-                     unit="KiB", minimum=0)
-IPC_ONE_SHOT_KB = _declare("IPC_ONE_SHOT_KB", "size", 2 << 20,
-                           "all_reduce: one shot (every rank pushes everything) up to this "
-                           "size, two shots above.", unit="KiB", minimum=0)
-IPC_CE_KB = _declare("IPC_CE_KB", "size", 512 << 20,
-                     "all_reduce: copy engines move the data from this size up.", unit="KiB",
-                     minimum=0)
 IPC_CE_MB = _declare("IPC_CE_MB", "size", 512 << 20,
                      "The copy-engine all_reduce's area on each GPU, shared by the peers' "
                      "slots; 0 turns the copy engines off and saves that memory.", unit="MiB",
                      minimum=0)
-IPC_CE_CHUNKS = _declare("IPC_CE_CHUNKS", "int", 2,
-                         "Chunks per segment of the copy-engine all_reduce.", minimum=1)
 IPC_CE_SYNC = _declare("IPC_CE_SYNC", "choice", "kernels",
                        "How streams wait for the copy-engine all_reduce's flags: spinning "
                        "one-thread kernels, or cuStreamWaitValue32 (memop-wait).",

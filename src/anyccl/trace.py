@@ -9,20 +9,23 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Any, Callable, Union
+from typing import Any, Union
 
-ArgsText = Union[str, Callable[[], str]]
+# an operation's argument text: the text, or (function, *arguments) that make it when read
+ArgsText = Union[str, tuple]
 
 
 class OpRecord:
-    """One operation issued on a communicator.
+    """One operation issued on a communicator, and its flight-recorder entry.
 
     `seq` counts the communicator's collectives (every rank numbers them alike) or, for
-    point-to-point ops, the messages on that (peer, direction). `args` may be given as a
-    function that returns the text; it is called once, when the text is first read.
+    point-to-point ops, the messages on that (peer, direction). `args` may be given as a tuple
+    (function, *arguments) whose call makes the text, once, when it is first read. `state` is
+    "queued", "started", "done" or "failed" (with `error`); the times are monotonic seconds.
     """
 
-    __slots__ = ("name", "seq", "nbytes", "issued_at", "_args", "agree")
+    __slots__ = ("name", "seq", "nbytes", "issued_at", "_args", "agree", "state", "started_at",
+                 "ended_at", "error")
 
     def __init__(self, name: str, seq: int, args: ArgsText = "", nbytes: int = 0) -> None:
         self.name, self.seq, self.nbytes = name, seq, nbytes
@@ -31,11 +34,14 @@ class OpRecord:
         # a host collective's signature (agreement.py), which the backend compares across
         # ranks before any byte moves; None for messages and GPU operations
         self.agree: tuple | None = None
+        self.state = "queued"
+        self.started_at = self.ended_at = self.error = None
 
     @property
     def args(self) -> str:
-        if not isinstance(self._args, str):
-            self._args = self._args()
+        if type(self._args) is tuple:
+            make, *values = self._args
+            self._args = make(*values)
         return self._args
 
     def __str__(self) -> str:
@@ -55,9 +61,8 @@ def format_bytes(n: int) -> str:
     return f"{n} B"
 
 
-# a flight-recorder entry: [record, state, queued_at, started_at, ended_at, error]
-_RECORD, _STATE, _QUEUED, _STARTED, _ENDED, _ERROR = range(6)
-Entry = list
+# a flight-recorder entry is the operation's record itself
+Entry = OpRecord
 
 
 class FlightRecorder:
@@ -70,27 +75,37 @@ class FlightRecorder:
         self.dumped_to: str | None = None
 
     def queued(self, record: OpRecord) -> Entry:
-        entry = [record, "queued", time.time(), None, None, None]
-        self._entries.append(entry)
-        return entry
+        self._entries.append(record)
+        return record
 
     @staticmethod
     def started(entry: Entry) -> None:
-        entry[_STATE], entry[_STARTED] = "started", time.time()
+        entry.state, entry.started_at = "started", time.monotonic()
 
     @staticmethod
     def ended(entry: Entry, error: BaseException | None = None) -> None:
-        entry[_ENDED] = time.time()
+        entry.ended_at = time.monotonic()
         if error is None:
-            entry[_STATE] = "done"
+            entry.state = "done"
         else:
-            entry[_STATE], entry[_ERROR] = "failed", f"{type(error).__name__}: {error}"
+            entry.state, entry.error = "failed", f"{type(error).__name__}: {error}"
+
+    def records(self) -> list[OpRecord]:
+        """The operations recorded, oldest first."""
+        return list(self._entries)
 
     def entries(self) -> list[dict]:
-        """The entries, oldest first, as dicts (op, seq, args, bytes, state, times, error)."""
-        return [{"op": r.name, "seq": r.seq, "args": r.args, "bytes": r.nbytes, "state": state,
-                 "queued_at": queued, "started_at": started, "ended_at": ended, "error": error}
-                for r, state, queued, started, ended, error in list(self._entries)]
+        """The entries, oldest first, as dicts (op, seq, args, bytes, state, wall-clock times,
+        error)."""
+        offset = time.time() - time.monotonic()
+
+        def wall(t: float | None) -> float | None:
+            return None if t is None else t + offset
+
+        return [{"op": r.name, "seq": r.seq, "args": r.args, "bytes": r.nbytes, "state": r.state,
+                 "queued_at": wall(r.issued_at), "started_at": wall(r.started_at),
+                 "ended_at": wall(r.ended_at), "error": r.error}
+                for r in self.records()]
 
     def dump(self, directory: str) -> str:
         """Write the entries as JSON to `directory`/flight-<name>-rank<r>.json (a directory
@@ -118,12 +133,15 @@ def flight_directory(job_id: str) -> str:
     return private.job_directory(job_id, settings.FLIGHT_DIR.get())
 
 
-def about(x: Any, more: str = "", *values: Any) -> Callable[[], str]:
+def about(x: Any, more: str = "", *values: Any) -> tuple:
     """An op record's argument text, made when read: array `x` as "float32 x 4", then `more`
     formatted with `values` (str.format). Records are kept (flight recorder, plans), so the
     text captures `x`'s dtype and size, never `x`: a record keeps no array alive."""
-    dtype, size = x.dtype, x.size
-    return lambda: f"{dtype.name} x {size}{more.format(*values)}"
+    return (_about_text, x.dtype, x.size, more, values)
+
+
+def _about_text(dtype: Any, size: int, more: str, values: tuple) -> str:
+    return f"{dtype.name} x {size}{more.format(*values)}"
 
 
 def message_text(kind: str, peer: int | None, tag: int, nbytes: int, src: int | None) -> str:

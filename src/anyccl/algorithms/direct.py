@@ -12,19 +12,17 @@ import numpy as np
 from ..ops import ReduceOp, accumulate, finish
 from .symmetric import split_bounds
 
-# Below these sizes the staging path is faster (fewer system calls, data already in cache), as
-# `anyccl bench -n 2 --compare mpi` showed on the 2-core CI machine class
-# (benchmarks/results/2026-11-22-ci2core-shm-2ranks.md).
-MIN_BYTES = {"all_reduce": 2 << 20, "broadcast": 256 << 10, "all_gather": 256 << 10,
-             "gather": 256 << 10, "scatter": 256 << 10}
-ALL_REDUCE_CHUNK_BYTES = 8 << 20  # slices are cut per chunk, so every rank works at once
-SCRATCH_BLOCK_BYTES = 512 << 10   # peers' data is read and reduced in blocks that stay in L2
 _SLICE_ALIGN_BYTES = 4096
 
 
 class DirectAccess(Protocol):
+    """What a transport offers these schedules; `chunk_bytes` and `block_bytes` are all_reduce's
+    (the tuning table's shm.direct_chunk and shm.direct_block)."""
+
     rank: int
     size: int
+    chunk_bytes: int
+    block_bytes: int
 
     def publish(self, arrays: list[np.ndarray]) -> None:
         """Make this rank's arrays (address and length) visible to peers for the current op;
@@ -106,8 +104,8 @@ def all_reduce(d: DirectAccess, x: np.ndarray, op: ReduceOp) -> None:
     item = dtype.itemsize
     d.publish([x])
     align = max(1, _SLICE_ALIGN_BYTES // item)
-    step = max(align * n, ALL_REDUCE_CHUNK_BYTES // item)
-    block = max(align, SCRATCH_BLOCK_BYTES // item)
+    step = max(align * n, d.chunk_bytes // item)   # every rank works at once on each chunk
+    block = max(align, d.block_bytes // item)      # peers' data read and reduced in L2
     tmp = d.scratch(block * item)
     d.barrier()
     base = [d.addresses(j)[0] if j != me else 0 for j in range(n)]

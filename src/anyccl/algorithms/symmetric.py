@@ -20,9 +20,6 @@ import numpy as np
 
 from ..ops import ReduceOp, accumulate, combine, finish
 
-# Messages up to this size reduce in one shot (every rank reduces everything: one barrier).
-# Larger ones reduce in two shots (each rank reduces a slice, then all copy: two barriers).
-ONE_SHOT_MAX_BYTES = 128 * 1024
 _SLICE_ALIGN_BYTES = 64  # slice boundaries on cache lines, so no two ranks write one line
 
 
@@ -32,6 +29,7 @@ class SymmetricStaging(Protocol):
     rank: int
     size: int
     half_bytes: int
+    one_shot_max_bytes: int   # all_reduce up to this size in one shot, two shots above
 
     def next_half(self) -> int:
         """The half the next chunk writes (alternates; every rank calls it in the same order)."""
@@ -77,7 +75,7 @@ def all_reduce(stg: SymmetricStaging, x: np.ndarray, op: ReduceOp, root: int | N
     if stg.size == 1:
         finish(x, op, 1)
         return
-    if x.nbytes <= ONE_SHOT_MAX_BYTES:
+    if x.nbytes <= stg.one_shot_max_bytes:   # tuning: shm.one_shot_max
         _one_shot(stg, x, op, root)
     else:
         _two_shot(stg, x, op, root)

@@ -24,6 +24,9 @@
  *                                    out = srcs[0] (op) srcs[1] (op) ... in that order, in out's
  *                                    dtype, then / divisor for AVG; False if the dtype/op pair
  *                                    is not one this module covers (the caller uses NumPy)
+ *   one_shot(x, lane, epoch, ...)    a small all_reduce or reduce whole: stage, arrive with the
+ *                                    signature, spin until every peer arrived, compare, reduce;
+ *                                    one call where the four above take four
  *
  * Addresses are Python ints (of shared mappings the caller keeps alive); buffers are objects
  * with the buffer protocol (NumPy arrays). Counters are aligned 8-byte words with one writer.
@@ -361,7 +364,111 @@ static PyObject *reduce(PyObject *self, PyObject *args) {
     return PyBool_FromLong(ok);
 }
 
+/* one_shot(x, lane, epoch, agree, dtype, op, divisor, reduce_here) -> 1, 0 or -1: a small
+ * reducing collective's whole schedule in one call. `lane` holds what does not change from call
+ * to call, for one staging half and one barrier parity: (halves, rank, arrive_word, bells, sig,
+ * words, sigs, spin_ns). Stage x at halves[rank], arrive as `arrive` does (with the signature
+ * `agree` at sig, unless agree is None), spin as `reached` does, then, if every rank arrived with
+ * the same signature and reduce_here, reduce the staged halves in rank order into x as `reduce`
+ * does. 1: done; -1: every rank arrived and a signature differs (x untouched); 0: arrived, but
+ * the peers had not within spin_ns (the caller waits, compares and reduces). */
+static PyObject *one_shot(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 8 || !PyTuple_Check(args[1]) || PyTuple_GET_SIZE(args[1]) != 8) {
+        PyErr_SetString(PyExc_TypeError, "one_shot(x, lane, epoch, agree, dtype, op, divisor, "
+                                         "reduce_here): lane is a tuple of 8");
+        return NULL;
+    }
+    PyObject *lane = args[1];
+    PyObject *halves = PyTuple_GET_ITEM(lane, 0), *bells = PyTuple_GET_ITEM(lane, 3);
+    PyObject *words = PyTuple_GET_ITEM(lane, 5), *sigs = PyTuple_GET_ITEM(lane, 6);
+    PyObject *agree = args[3] == Py_None ? NULL : args[3];
+    if (!PyTuple_Check(halves) || !PyTuple_Check(bells) || !PyTuple_Check(words)
+        || !PyTuple_Check(sigs)) {
+        PyErr_SetString(PyExc_TypeError, "one_shot: the lane's halves, bells, words and sigs "
+                                         "are tuples");
+        return NULL;
+    }
+    Py_ssize_t rank = PyLong_AsSsize_t(PyTuple_GET_ITEM(lane, 1));
+    unsigned long long spin_ns = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(lane, 7));
+    unsigned long long epoch = PyLong_AsUnsignedLongLong(args[2]);
+    int dtype = (int)PyLong_AsLong(args[4]), op = (int)PyLong_AsLong(args[5]);
+    long divisor = PyLong_AsLong(args[6]);
+    int reduce_here = PyObject_IsTrue(args[7]);
+    if (PyErr_Occurred()) return NULL;
+    Py_ssize_t size = PyTuple_GET_SIZE(halves), n = PyTuple_GET_SIZE(words);
+    if (size < 2 || size > MAX_WORDS || rank < 0 || rank >= size || n != size - 1
+        || PyTuple_GET_SIZE(sigs) != n || divisor < 1) {
+        PyErr_SetString(PyExc_ValueError, "one_shot: bad arguments");
+        return NULL;
+    }
+    void *at[MAX_WORDS];
+    for (Py_ssize_t i = 0; i < size; i++)
+        if (address(PyTuple_GET_ITEM(halves, i), &at[i]) < 0) return NULL;
+    void *arrive_word, *sig = NULL;
+    uint64_t w[2] = {0, 0};
+    if (address(PyTuple_GET_ITEM(lane, 2), &arrive_word) < 0) return NULL;
+    if (agree != NULL) {
+        if (!PyTuple_Check(agree) || address(PyTuple_GET_ITEM(lane, 4), &sig) < 0
+            || signature(agree, epoch, w) < 0)
+            return NULL;
+    }
+    const uint64_t *peer[MAX_WORDS];
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (address(PyTuple_GET_ITEM(words, i), (void **)&peer[i]) < 0) return NULL;
+    Py_buffer x;
+    if (PyObject_GetBuffer(args[0], &x, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    memcpy(at[rank], x.buf, (size_t)x.len);
+    if (sig != NULL) {   /* published by the release store of the counter below */
+        ((uint64_t *)sig)[0] = w[0];
+        ((uint64_t *)sig)[1] = w[1];
+    }
+    __atomic_store_n((uint64_t *)arrive_word, (uint64_t)epoch, __ATOMIC_RELEASE);
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(bells); i++) {
+        void *bell;
+        if (address(PyTuple_GET_ITEM(bells, i), &bell) < 0) { PyBuffer_Release(&x); return NULL; }
+        sem_post((sem_t *)bell);
+    }
+    int done = 0;
+    Py_BEGIN_ALLOW_THREADS
+    uint64_t end = 0;
+    for (unsigned iter = 0;; iter++) {
+        Py_ssize_t i = 0;
+        while (i < n && __atomic_load_n(peer[i], __ATOMIC_ACQUIRE) >= epoch) i++;
+        if (i == n) { done = 1; break; }
+        if ((iter & 63) == 0) {
+            uint64_t t = now_ns();
+            if (end == 0) end = t + spin_ns;
+            else if (t >= end) break;
+        }
+#if defined(__x86_64__) || defined(__i386__)
+        __builtin_ia32_pause();
+#endif
+    }
+    Py_END_ALLOW_THREADS
+    long status = done;
+    if (done && sig != NULL) {   /* the counters' acquire loads made the signatures visible */
+        for (Py_ssize_t i = 0; i < n; i++) {
+            const uint64_t *s;
+            if (address(PyTuple_GET_ITEM(sigs, i), (void **)&s) < 0) {
+                PyBuffer_Release(&x);
+                return NULL;
+            }
+            if (s[0] != w[0] || s[1] != w[1]) status = -1;
+        }
+    }
+    if (status == 1 && reduce_here
+        && !reduce_into(x.buf, at, size, x.len / (x.itemsize ? x.itemsize : 1), dtype, op,
+                        divisor))
+        PyErr_SetString(PyExc_ValueError, "one_shot: a dtype and op the core does not reduce");
+    PyBuffer_Release(&x);
+    if (PyErr_Occurred()) return NULL;
+    return PyLong_FromLong(status);
+}
+
 static PyMethodDef methods[] = {
+    {"one_shot", (PyCFunction)(void (*)(void))one_shot, METH_FASTCALL,
+     "one_shot(x, lane, epoch, agree, dtype, op, divisor, reduce_here) -> 1 done, 0 peers not "
+     "there yet, -1 signatures differ."},
     {"ring", ring, METH_O, "ring(bell): wake the doorbell at address `bell`."},
     {"arrive", arrive, METH_VARARGS,
      "arrive(word, value, bells[, sig, agree]): store the signature `agree` at sig, then value "

@@ -24,7 +24,7 @@ from typing import Any
 from ..buffers import GpuArray
 from ..ops import ReduceOp
 from ..store import Store
-from ..trace import OpRecord
+from ..trace import Entry, OpRecord
 from .gpu_queue import Enqueue, GpuQueue
 
 
@@ -87,7 +87,7 @@ class GpuBackend(ABC):
     # ---- queuing and waiting ---------------------------------------------------------------------
     @abstractmethod
     def run(self, record: OpRecord, after: Sequence[int], deadline: float, enqueue: Enqueue,
-            keep: Any, entries: list[dict], on: int | None = None) -> int:
+            keep: Any, entries: list[Entry], on: int | None = None) -> int:
         """Queue `enqueue` after the work on the streams of `after` (or right on stream `on`,
         for blocking calls) and return the event that marks its end; `keep` stays alive and
         the flight recorder's `entries` are updated until then."""
@@ -134,7 +134,7 @@ class QueuedGpuBackend(GpuBackend):
         return self.queue.stream
 
     def run(self, record: OpRecord, after: Sequence[int], deadline: float, enqueue: Enqueue,
-            keep: Any, entries: list[dict], on: int | None = None) -> int:
+            keep: Any, entries: list[Entry], on: int | None = None) -> int:
         return self.queue.run(record, after, deadline, enqueue, keep, entries, on)
 
     def runner(self) -> Callable[..., int]:

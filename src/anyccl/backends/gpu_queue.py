@@ -30,7 +30,7 @@ from ..errors import (
     TimeoutError,
     UnsupportedError,
 )
-from ..trace import FlightRecorder, OpRecord
+from ..trace import Entry, FlightRecorder, OpRecord
 
 Enqueue = Callable[[int], None]          # issues an operation's GPU work on the stream given
 Health = Callable[[OpRecord], "BaseException | None"]
@@ -108,7 +108,7 @@ class GpuQueue:
 
     # ---- queuing -----------------------------------------------------------------------------
     def run(self, record: OpRecord, after: Sequence[int], deadline: float, enqueue: Enqueue,
-            keep: Any, entries: list[dict], on: int | None = None) -> int:
+            keep: Any, entries: list[Entry], on: int | None = None) -> int:
         """Queue `enqueue(stream)` and return the event that marks its end.
 
         on=None: on this queue's stream, after the work queued so far on each stream of `after`
@@ -143,7 +143,7 @@ class GpuQueue:
         return event
 
     def _queue(self, record: OpRecord, after: Sequence[int], enqueue: Enqueue,
-               entries: list[dict], on: int | None) -> int:
+               entries: list[Entry], on: int | None) -> int:
         """`run`'s queuing, any operation: its event, or 0 when it was captured into the CUDA
         graph being captured on stream `on` (its flight-recorder entries are then done)."""
         gpu.ensure_context(self.device)  # the caller may be a thread new to CUDA
@@ -199,7 +199,7 @@ class GpuQueue:
             raise self._describe_error(record, exc) from None
 
     def _captured(self, stream: int, enqueue: Enqueue, record: OpRecord,
-                  entries: list[dict]) -> int:
+                  entries: list[Entry]) -> int:
         """Record the operation into the CUDA graph being captured on `stream`: no event, no
         deadline (it runs each time the graph is launched); ordering is the graph's."""
         with self.lock:

@@ -31,18 +31,11 @@ from typing import Any, Callable
 
 import numpy as np
 
+from .. import tuning
 from ..errors import CollectiveMismatchError, PeerLostError, TimeoutError
 from ..ops import ReduceOp, finish
 from ..trace import OpRecord
 from .base import Backend, Completion
-
-SLICE_MIN_BYTES = 64 << 10   # all_reduce below this: inside, then on every column at once
-# a large all_reduce crosses the network in chunks of this many bytes (or more: at most
-# MAX_CHUNKS). Smaller chunks cost more (one gloo operation takes 1-2 ms on a 2-core machine;
-# MPI does not progress while the host reduces), larger ones overlap less: measured on 2 and 3
-# hosts x 2 ranks with 2 Gbit/s links (benchmarks/results/2026-11-25-ci2core-*hosts*)
-CHUNK_BYTES = 2 << 20
-MAX_CHUNKS = 16
 
 
 def _plain(record: OpRecord) -> OpRecord:
@@ -101,6 +94,12 @@ class HierarchicalBackend(Backend):
                  name: str, timeout_s: float, owns: list | None = None) -> None:
         self.rank, self.size = rank, len(hosts)
         self.name = f"{local.name}+{net.name}"
+        # the tuning table's thresholds (tuning.py): a large all_reduce crosses the network in
+        # chunks (measured on 2 and 3 hosts x 2 ranks with 2 Gbit/s links,
+        # benchmarks/results/2026-11-25-ci2core-*hosts*)
+        self._slice_min = tuning.value("hierarchical.slice_min")
+        self._chunk_bytes = tuning.value("hierarchical.chunk")
+        self._max_chunks = tuning.value("hierarchical.max_chunks")
         self.hosts = hosts
         self._local, self._net = _Local(local, self), net
         net.defer_agreement = True   # begin() starts it, and each step awaits it in time
@@ -194,7 +193,7 @@ class HierarchicalBackend(Backend):
             return
         base = ReduceOp.SUM if op is ReduceOp.AVG else op
         per_host, n = self._per_host, x.size
-        if x.nbytes < SLICE_MIN_BYTES or n < per_host:
+        if x.nbytes < self._slice_min or n < per_host:
             mine = x.copy()          # x is written only once every rank has agreed
             self._local.all_reduce(mine, base)
             self._agreed()
@@ -204,7 +203,7 @@ class HierarchicalBackend(Backend):
             return
         # in chunks, so that chunk k crosses the network while chunk k+1 is reduced inside
         # the host and chunk k-1 gathered back
-        chunks = max(1, min(MAX_CHUNKS, x.nbytes // CHUNK_BYTES))
+        chunks = max(1, min(self._max_chunks, x.nbytes // self._chunk_bytes))
         piece = -(-n // (per_host * chunks))
         span = piece * per_host
         whole = x if span * chunks == n else np.zeros(span * chunks, x.dtype)

@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .. import agreement, settings
+from .. import agreement, settings, tuning
 from ..buffers import SUPPORTED_DTYPES
 from ..errors import (
     InvalidArgumentError,
@@ -59,7 +59,6 @@ _DEPARTURE_CHECK_S = 0.25  # how often a waiting rank asks the store whether a p
 _DEPARTURE_GRACE_S = 2.0   # a peer that left may have done its part: wait this long first
 _SIGNATURE = struct.Struct("=4q")  # (word, count, -word, -count): one MAX finds any difference
 _QUICK_TESTS = 64   # MPI_Test calls before an agreement waits the way every operation waits
-_SPLIT_ALL_REDUCE_BYTES = 256 << 10   # all_reduce_start: reduce-scatter + all-gather above
 
 
 def _mpi() -> Any:
@@ -265,6 +264,7 @@ class MpiBackend(PolledMessages, Backend):
         self._spin_s = _spin_s(self._comm, self.MPI)
         self._closed = False
         self._agrees = self.size > 1 and settings.MPI_AGREE.get()
+        self._split_min = tuning.value("mpi.split_all_reduce_min")   # the tuning table
         self._signature = array.array("q", bytes(32))      # this rank's, for _agree
         self._signature_max = array.array("q", bytes(32))  # every rank's, reduced
 
@@ -381,7 +381,7 @@ class MpiBackend(PolledMessages, Backend):
         2(n-1)/n of x in all (MPICH's own all_reduce of 3 ranks was seen to send 2x from one
         of them)."""
         _, mpi_op = self._reduction(op, x.dtype)
-        if self.size < 3 or x.nbytes < _SPLIT_ALL_REDUCE_BYTES:
+        if self.size < 3 or x.nbytes < self._split_min:
             request = self._comm.Iallreduce(self.MPI.IN_PLACE, self._reduced(x, op), mpi_op)
 
             def finish() -> None:

@@ -39,7 +39,7 @@ from typing import Callable
 
 import numpy as np
 
-from .. import agreement, settings
+from .. import agreement, settings, tuning
 from ..algorithms import direct, symmetric
 from ..buffers import SUPPORTED_DTYPES
 from ..errors import (
@@ -355,6 +355,7 @@ class SharedMemoryBackend(Backend):
             self._own.close()
             self._own.unlink()
             raise
+        self._words = self._own.words   # this rank's control block
         self._ctl = [seg.words for seg in self._segments]
         self._bells = [Doorbell(seg.address(_BELL_OFFSET), create=False)
                        for seg in self._segments]
@@ -380,7 +381,14 @@ class SharedMemoryBackend(Backend):
         self._pids = [int(ctl[_W_PID]) for ctl in self._ctl]
         self._scratch = np.empty(0, np.uint8)
         self._core = _shmcore if settings.SHM_CORE.get() else None
-        self._core_max_bytes = min(self.half_bytes, symmetric.ONE_SHOT_MAX_BYTES)
+        # the tuning table's thresholds (tuning.py), read once
+        self.one_shot_max_bytes = tuning.value("shm.one_shot_max")
+        self.chunk_bytes = tuning.value("shm.direct_chunk")
+        self.block_bytes = tuning.value("shm.direct_block")
+        self._direct_min = {op: tuning.value(f"shm.direct_min.{op}")
+                            for op in ("all_reduce", "broadcast", "all_gather", "gather",
+                                       "scatter")}
+        self._core_max_bytes = min(self.half_bytes, self.one_shot_max_bytes)
         # what the core reads and writes, as addresses (the mappings live as long as self)
         self._half_at = [tuple(self._staging[j][h].ctypes.data for j in range(size))
                          for h in (0, 1)]
@@ -393,6 +401,10 @@ class SharedMemoryBackend(Backend):
         self._peer_arrive_at = tuple(seg.address(_W_ARRIVE * 8)
                                      for j, seg in enumerate(self._segments) if j != rank)
         self._peer_bells_at = tuple(bell.address for bell in self._peer_bells)
+        # what the core's one_shot reads, per staging half and barrier parity (2 * half + parity)
+        self._lanes = [(self._half_at[h], rank, self._arrive_at, self._peer_bells_at,
+                        self._agree_at[p], self._peer_arrive_at, self._peer_agree_at[p],
+                        self._spin_ns) for h in (0, 1) for p in (0, 1)]
         self._bells_at = [bell.address for bell in self._bells]
         self._sent_at = [self._own.address((_W_SENT + j) * 8) for j in range(size)]
         self._consumed_at = [self._own.address((layout.w_consumed + j) * 8) for j in range(size)]
@@ -482,8 +494,8 @@ class SharedMemoryBackend(Backend):
     # a rank that holds the others up is found.
     def begin(self, record: OpRecord, deadline: float) -> None:
         self._record, self._deadline = record, deadline
-        self._doing = (record.seq << 24) | (_NAME_CODE.get(record.name, 0) << 1) | 1
-        self._own.words[_W_DOING] = self._doing
+        self._doing = doing = (record.seq << 24) | (_NAME_CODE.get(record.name, 0) << 1) | 1
+        self._words[_W_DOING] = doing
         # the signature travels with the collective's first barrier (see barrier())
         agree = self._agree = record.agree
         self._half_before = self._half
@@ -491,7 +503,7 @@ class SharedMemoryBackend(Backend):
             self._write_refusal(agree[2])
 
     def end(self, record: OpRecord) -> None:
-        self._own.words[_W_DOING] = self._doing & ~1
+        self._words[_W_DOING] = self._doing & ~1
 
     def _describe_waiting(self) -> None:
         """Write the text of the operation this rank is in, for peers' error messages."""
@@ -661,8 +673,8 @@ class SharedMemoryBackend(Backend):
             self._arrive_and_wait(epoch)
             return
         self._agree = None
-        parity = epoch & 1
         if core is not None:
+            parity = epoch & 1
             core.arrive(self._arrive_at, epoch, self._peer_bells_at, self._agree_at[parity],
                         agree)
             reached = core.reached(self._peer_arrive_at, epoch, self._spin_ns,
@@ -671,9 +683,16 @@ class SharedMemoryBackend(Backend):
                 return
         else:
             reached = False
+        self._settle(epoch, agree, reached)
+
+    def _settle(self, epoch: int, agree: tuple, reached: bool | int) -> None:
+        """The rest of a barrier that carries signature `agree`, after the core's arrival and
+        spin (`reached`: -1, every rank arrived and a signature differs; False, not all had
+        arrived; without the core, nothing was done yet): arrive and wait as needed, then
+        compare every peer's signature with this rank's."""
         word, count = agree[0] | (epoch & 0xFFFF) << 40, agree[1]
-        slot = _W_AGREE + 2 * parity
-        if core is None:
+        slot = _W_AGREE + 2 * (epoch & 1)
+        if self._core is None:
             self._own.words[slot], self._own.words[slot + 1] = word, count
         if not reached:
             self._arrive_and_wait(epoch)
@@ -768,7 +787,7 @@ class SharedMemoryBackend(Backend):
 
     def _direct_for(self, op: str, nbytes: int) -> bool:
         # the same answer on every rank: `direct` is agreed and nbytes is the same everywhere
-        return self.direct and self.size > 1 and nbytes >= direct.MIN_BYTES[op]
+        return self.direct and self.size > 1 and nbytes >= self._direct_min[op]
 
     # ---- collectives -------------------------------------------------------------------------
     def all_reduce(self, x: np.ndarray, op: ReduceOp) -> None:
@@ -785,19 +804,27 @@ class SharedMemoryBackend(Backend):
 
     def _core_one_shot(self, x: np.ndarray, op: ReduceOp, root: int | None) -> bool:
         """`symmetric`'s one-shot schedule for a message that fits one staging half, step for
-        step (stage, barrier, reduce in rank order), run by the compiled core; False (nothing
-        done) without the core, where it does not reduce this dtype and op, or for a larger
-        message."""
+        step (stage, barrier, reduce in rank order), run by the compiled core in one call;
+        False (nothing done) without the core, where it does not reduce this dtype and op, or
+        for a larger message."""
         core = self._core
         codes = _CORE_REDUCTIONS.get((x.dtype, op))
-        if core is None or codes is None or x.nbytes > self._core_max_bytes or self.size == 1 \
-                or not x.flags.c_contiguous:
+        if core is None or codes is None or x.nbytes > self._core_max_bytes or self.size == 1:
             return False
-        at = self._half_at[self.next_half()]
-        core.stage(at[self.rank], x)
-        self.barrier()
-        if root is None or root == self.rank:
-            core.reduce(x, at, x.size, codes[0], codes[1], self.size)
+        self._half = half = self._half ^ 1
+        self._epoch = epoch = self._epoch + 1
+        agree, self._agree = self._agree, None
+        reduce_here = root is None or root == self.rank
+        status = core.one_shot(x, self._lanes[2 * half + (epoch & 1)], epoch, agree, codes[0],
+                               codes[1], self.size, reduce_here)
+        if status == 1:
+            return True
+        if agree is not None:
+            self._settle(epoch, agree, status)
+        elif not status:
+            self._arrive_and_wait(epoch)
+        if reduce_here:
+            core.reduce(x, self._half_at[half], x.size, codes[0], codes[1], self.size)
         return True
 
     def broadcast(self, x: np.ndarray, root: int) -> None:

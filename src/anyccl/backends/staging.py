@@ -24,7 +24,7 @@ from .. import gpu, settings
 from ..buffers import GpuArray
 from ..errors import TimeoutError, UnsupportedError
 from ..ops import ReduceOp
-from ..trace import FlightRecorder, OpRecord
+from ..trace import Entry, FlightRecorder, OpRecord
 from .gpu_base import GpuBackend
 from .mpi import MpiBackend
 from .registry import GpuContext
@@ -55,7 +55,7 @@ class StagedGpuBackend(GpuBackend):
 
     # ---- queuing: on the host, between the copies ------------------------------------------------
     def run(self, record: OpRecord, after: Sequence[int], deadline: float,
-            enqueue: Callable[[int], None], keep: Any, entries: list[dict],
+            enqueue: Callable[[int], None], keep: Any, entries: list[Entry],
             on: int | None = None) -> int:
         self.raise_if_failed()
         waits = list(after) if on is None else [on]

@@ -157,7 +157,41 @@ def main(argv: list[str] | None = None) -> int:
           "inside each host, MPI or torch's gloo between); GPU arrays -> nccl")
     print(f"  address other hosts reach this one at: {_try(_address, 'none found')}")
     print(f"\ntorch.distributed backend: {torch_backend()}")
+    print("\n" + tuning_table())
     return 0
+
+
+def tuning_table() -> str:
+    """The tuning table in force (tuning.py), and the ipc auto policy's measured routes."""
+    from .. import tuning
+    from ..backends.ipc.backend import AUTO_IPC_RANGES
+    from ..errors import InvalidArgumentError
+
+    lines = ["tuning (override any with ANYCCL_TUNING=key=value,...; the same on every rank):"]
+    try:
+        rows = tuning.rows()
+    except InvalidArgumentError as exc:   # a typo in ANYCCL_TUNING: said, and the defaults shown
+        lines.append(f"  {exc}")
+        rows = [(t.key, t.default, False, t.what) for t in tuning.TABLE.values()]
+    for key, amount, overridden, what in rows:
+        shown = tuning.format_value(key, amount) + (" (ANYCCL_TUNING)" if overridden else "")
+        lines.append(f"  {key:<28} {shown:<18} {what}")
+    lines.append("  ipc auto policy: sizes per rank that run on the ipc kernels, else NCCL "
+                 "(backends/ipc/routes.json, measured):")
+    for ranks, routes in sorted(AUTO_IPC_RANGES.items()):
+        for op, spans in routes.items():
+            where = ", ".join(f"({_size(lo)}, {_size(hi)}]" for lo, hi in spans)
+            lines.append(f"    {ranks} ranks  {op:<15} {where}")
+    return "\n".join(lines)
+
+
+def _size(n: int) -> str:
+    if n >= 1 << 61:
+        return "any"
+    for unit, factor in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= factor and n % factor == 0:
+            return f"{n // factor} {unit}"
+    return f"{n} B"
 
 
 def _address() -> str:

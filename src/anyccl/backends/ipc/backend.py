@@ -27,7 +27,7 @@ from typing import Callable
 
 import numpy as np
 
-from ... import gpu, settings
+from ... import gpu, settings, tuning
 from ...buffers import BFLOAT16, GpuArray
 from ...errors import AnycclError, UnsupportedError
 from ...ops import ReduceOp
@@ -59,10 +59,6 @@ def load_routes(path: Path = ROUTES) -> dict[int, dict[str, list[tuple[int, int]
 
 AUTO_IPC_RANGES = load_routes()
 POLICIES = ("ipc", "auto")
-# all_reduce's paths by the bytes of the array, by default (the model in benchmarks/roofline
-# reads these): one shot up to ONE_SHOT_BYTES, two shots above, copy engines from CE_BYTES up
-ONE_SHOT_BYTES = settings.IPC_ONE_SHOT_KB.default
-CE_BYTES = settings.IPC_CE_KB.default
 
 
 def auto_ranges(nranks: int) -> dict[str, list[tuple[int, int]]]:
@@ -101,13 +97,14 @@ class IpcBackend(QueuedGpuBackend):
         self._params_address = ctypes.addressof(self._params)
         # fewer blocks leave NVLink bandwidth unused (results: the blocks-per-kernel sweeps)
         self.max_blocks = settings.IPC_BLOCKS.get()
-        # all_reduce: data+flag words up to ll_bytes, one shot up to one_shot_bytes, else two
-        self.ll_bytes = min(settings.IPC_LL_KB.get(), self.layout.slot_bytes // 2)
-        self.one_shot_bytes = settings.IPC_ONE_SHOT_KB.get()
+        # the tuning table (tuning.py): all_reduce's data+flag words up to ll_bytes, one shot
+        # up to one_shot_bytes, else two shots
+        self.ll_bytes = min(tuning.value("ipc.ll_max"), self.layout.slot_bytes // 2)
+        self.one_shot_bytes = tuning.value("ipc.one_shot_max")
         # copy engines from ce_bytes up (where the layout has their area, and there are peers):
         # the size from which they beat the two-shot kernels in the recorded runs
-        self.ce_bytes = settings.IPC_CE_KB.get()
-        self.ce_chunks = settings.IPC_CE_CHUNKS.get()  # per segment
+        self.ce_bytes = tuning.value("ipc.ce_min")
+        self.ce_chunks = tuning.value("ipc.ce_chunks")  # per segment
         # streams wait for its flags in ce_wait kernels, or by cuStreamWaitValue32
         self.ce_memop_wait = sync == "memop-wait"
         if not self.layout.ce_slot_bytes or self.size == 1:

@@ -3,9 +3,10 @@ NVLink, a small kernel reduces what arrived in local memory, and flags in the ra
 areas (raised by one-thread kernels) order the two across ranks.
 
 Why: the copy engines move more per direction over NVLink than SM stores do, and for the
-largest arrays this path beats the two-shot kernels; below ANYCCL_IPC_CE_KB it does not (the
-per-chunk flags cost more than the engines gain). The figures are in benchmarks/results/
-(the copy-engine all_reduce runs) and benchmarks/lab/ (the experiments behind this design).
+largest arrays this path beats the two-shot kernels; below the tuning table's ipc.ce_min it
+does not (the per-chunk flags cost more than the engines gain). The figures are in
+benchmarks/results/ (the copy-engine all_reduce runs) and benchmarks/lab/ (the experiments
+behind this design).
 
 The array is cut into `nranks` segments; rank q reduces segment q. Each segment is cut into
 chunks; chunk k goes through position k % positions of the slots (memory.py: one slot per
@@ -42,11 +43,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from ... import gpu, settings
+from ... import gpu, tuning
 from .memory import CE_POSITIONS, TILE_BYTES, PeerMemory
 
 MIN_CHUNK_BYTES = 4 << 20   # smaller chunks lose more to the per-chunk flags than they pipeline
-CHUNKS = settings.IPC_CE_CHUNKS.default  # chunks per segment where the slot allows
+CHUNKS = tuning.TABLE["ipc.ce_chunks"].default  # chunks per segment where the slot allows
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ import os
 import socket
 from typing import Any
 
-from ... import gpu, settings
+from ... import gpu, settings, tuning
 from ...errors import RendezvousError, UnsupportedError
 from ...store import Store
 
@@ -49,8 +49,8 @@ class Layout:
         self.slot_bytes = max(TILE_BYTES, half // (2 * nranks) // TILE_BYTES * TILE_BYTES)
         self.half_bytes = self.slot_bytes * 2 * nranks
         self.max_tiles = self.slot_bytes // TILE_BYTES
-        # ANYCCL_IPC_TILE_KB: what a block of a collective moves between two flags
-        tile = settings.IPC_TILE_KB.get()
+        # the tuning table's ipc.tile: what a block of a collective moves between two flags
+        tile = tuning.value("ipc.tile")
         self.tile_bytes = max(TILE_BYTES, min(self.slot_bytes, tile) // TILE_BYTES * TILE_BYTES)
         # ANYCCL_IPC_RING_MB: the message ring from each sender, in chunks of 1 MiB (a deep
         # ring keeps large messages streaming while the receiver drains it)

@@ -1,0 +1,144 @@
+"""The tuning table: every size threshold and algorithm choice of every backend, in one place.
+
+Each threshold names the backend that reads it (`shm.one_shot_max`), what it decides and its
+default; the defaults come from measured runs (docs/benchmarks.md says which). One setting,
+`ANYCCL_TUNING`, overrides any of them: ``ANYCCL_TUNING="shm.one_shot_max=64K,ipc.ce_min=256M"``.
+It must be the same on every rank of a job, since ranks pick the same schedule only when they
+read the same table. `anyccl info` prints the table in force. The ipc backend's `auto` policy
+(which sizes run on its kernels, which on NCCL) is a measured table of its own, `routes.json`
+beside the backend, kept as data and printed beside this one.
+
+Backends read their thresholds when they are created (`value`), never per call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from . import settings
+from ._units import size_of
+from .errors import InvalidArgumentError
+
+
+@dataclass(frozen=True)
+class Threshold:
+    """One entry: `kind` "size" (bytes; "64K", "1M" accepted) or "count"."""
+
+    key: str
+    kind: str
+    default: int
+    what: str
+
+
+_K, _M = 1 << 10, 1 << 20
+
+TABLE: dict[str, Threshold] = {t.key: t for t in (
+    # shm: algorithms/symmetric.py and algorithms/direct.py over shared memory
+    Threshold("shm.one_shot_max", "size", 128 * _K,
+              "all_reduce and reduce up to this size: one shot (every rank reduces every "
+              "rank's data; one barrier); above: two shots (each rank reduces a slice, then "
+              "all copy it)"),
+    Threshold("shm.direct_min.all_reduce", "size", 2 * _M,
+              "all_reduce from this size: ranks read each other's arrays directly "
+              "(process_vm_readv) instead of staging through shared memory"),
+    Threshold("shm.direct_min.broadcast", "size", 256 * _K,
+              "broadcast from this size: read directly from the root's array"),
+    Threshold("shm.direct_min.all_gather", "size", 256 * _K,
+              "all_gather from this size: read directly from the peers' arrays"),
+    Threshold("shm.direct_min.gather", "size", 256 * _K,
+              "gather from this size: the root reads directly from the peers' arrays"),
+    Threshold("shm.direct_min.scatter", "size", 256 * _K,
+              "scatter from this size: read directly from the root's pieces"),
+    Threshold("shm.direct_chunk", "size", 8 * _M,
+              "direct all_reduce: the chunk each rank takes a slice of, so that every rank "
+              "works at once"),
+    Threshold("shm.direct_block", "size", 512 * _K,
+              "direct all_reduce: peers' data is read and reduced in blocks of this size "
+              "(kept in L2)"),
+    # shm inside each host, an engine between hosts (backends/hierarchical.py)
+    Threshold("hierarchical.slice_min", "size", 64 * _K,
+              "all_reduce below this: reduced inside the host, then on every column at once; "
+              "from it: reduce-scatter inside, all_reduce of each slice between hosts, "
+              "all-gather inside"),
+    Threshold("hierarchical.chunk", "size", 2 * _M,
+              "all_reduce across hosts is pipelined in chunks of this size, so that one chunk "
+              "crosses the network while the next is reduced inside the host (one gloo "
+              "operation costs 1-2 ms on a 2-core machine: smaller chunks lose)"),
+    Threshold("hierarchical.max_chunks", "count", 16,
+              "at most this many chunks per all_reduce across hosts"),
+    # mpi (backends/mpi.py)
+    Threshold("mpi.split_all_reduce_min", "size", 256 * _K,
+              "all_reduce on 3 ranks or more from this size: reduce-scatter then all-gather "
+              "(2(n-1)/n of the array per rank; MPICH's own all_reduce of 3 ranks sent 2x "
+              "from one of them)"),
+    # ipc: CUDA peer memory (backends/ipc/)
+    Threshold("ipc.tile", "size", 256 * _K,
+              "what one block of an ipc collective moves between two flags"),
+    Threshold("ipc.ll_max", "size", 1 * _M,
+              "all_reduce up to this size: data and flag in one 8-byte store"),
+    Threshold("ipc.one_shot_max", "size", 2 * _M,
+              "all_reduce up to this size: one shot (every rank pushes everything); two shots "
+              "above"),
+    Threshold("ipc.ce_min", "size", 512 * _M,
+              "all_reduce from this size: the copy engines move the data"),
+    Threshold("ipc.ce_chunks", "count", 2, "chunks per segment of the copy-engine all_reduce"),
+)}
+
+_parsed: tuple[str, dict[str, int]] | None = None
+
+
+def overrides() -> dict[str, int]:
+    """What `ANYCCL_TUNING` sets, checked: an unknown key or a value that does not parse is an
+    InvalidArgumentError naming it."""
+    global _parsed
+    text = settings.TUNING.get() or ""
+    if _parsed is not None and _parsed[0] == text:
+        return _parsed[1]
+    values: dict[str, int] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, raw = (s.strip() for s in item.partition("="))
+        entry = TABLE.get(key)
+        if entry is None or not sep:
+            raise InvalidArgumentError(
+                f"ANYCCL_TUNING: {item!r} is not key=value with a known key; the keys are: "
+                f"{', '.join(TABLE)}")
+        value = size_of(raw, 1) if entry.kind == "size" else \
+            (int(raw) if raw.isdigit() else None)
+        if value is None or (entry.kind == "count" and value < 1):
+            expected = "a size, e.g. 64K, 16M, or a number of bytes" \
+                if entry.kind == "size" else "a whole number of at least 1"
+            raise InvalidArgumentError(f"ANYCCL_TUNING: {key}={raw!r} is not valid; expected "
+                                       f"{expected}")
+        values[key] = value
+    _parsed = (text, values)
+    return values
+
+
+def value(key: str) -> int:
+    """The threshold `key` in force: ANYCCL_TUNING's value, else the default."""
+    return overrides().get(key, TABLE[key].default)
+
+
+def rows() -> list[tuple[str, int, bool, str]]:
+    """The table in force: (key, value, overridden, what) for every threshold."""
+    set_here = overrides()
+    return [(t.key, set_here.get(t.key, t.default), t.key in set_here, t.what)
+            for t in TABLE.values()]
+
+
+def format_value(key: str, amount: int) -> str:
+    """A threshold's value as people read it: 128 KiB, 2 MiB, 16."""
+    if TABLE[key].kind != "size":
+        return str(amount)
+    for unit, factor in (("GiB", 1 << 30), ("MiB", _M), ("KiB", _K)):
+        if amount >= factor and amount % factor == 0:
+            return f"{amount // factor} {unit}"
+    return f"{amount} B"
+
+
+def markdown() -> str:
+    """The table with its defaults, as Markdown (the docs' settings page)."""
+    lines = ["| key | default | what it decides |", "|---|---|---|"]
+    lines += [f"| `{t.key}` | {format_value(t.key, t.default)} | {t.what} |"
+              for t in TABLE.values()]
+    return "\n".join(lines)
