@@ -20,13 +20,13 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .algorithms import objects, uneven
+from . import groups
+from .algorithms import objects
 from .arguments import Arguments, named
 from .backends.base import Backend
 from .backends.gpu_base import GpuBackend
 from .buffers import (
     Array,
-    GpuArray,
     immutable_copy,
     lives_on_gpu,
 )
@@ -40,6 +40,7 @@ from .gpu_dispatch import FULL_PATH, GpuDispatch
 from .ops import ReduceOp
 from .store import Store
 from .trace import ArgsText, FlightRecorder, OpRecord, about, message_text
+from .uneven_calls import UnevenCalls
 from .work import Work
 
 _live: weakref.WeakSet[Communicator] = weakref.WeakSet()
@@ -97,6 +98,8 @@ class Communicator:
                                      meet=self.barrier, post_mortem=self._engine.post_mortem,
                                      number=self._number, recorder=self.flight_recorder,
                                      device=device, backend=gpu_backend, kind=gpu_kind)
+        self._uneven = UnevenCalls(self, self._check, self._gpu_side, self._refused,
+                                   self._collective, lambda: self._seq)
         self._owner_pid = os.getpid()
         # the host of each rank, and why the host backend is what it is (set by init())
         self.hosts: tuple[str, ...] = ()
@@ -417,11 +420,7 @@ class Communicator:
             self._refused("all_gather", exc, (out, tensor))
             raise
         if not even:
-            arrays = [("tensor", x), *named("out", outs)]
-            self._gpu_side.on_gpu("all_gather", arrays, stream)
-            sizes, piece = uneven.agree_sizes(self, x.size, [o.size for o in outs], "all_gather")
-            return self._uneven("all_gather", arrays, lambda new: uneven.all_gather_v(
-                self.size, outs, x, sizes, piece, new), x, async_op, stream)
+            return self._uneven.all_gather(x, outs, async_op, stream)
         return self._collective("all_gather", about(x), x.nbytes * self.size,
                                 lambda b: b.all_gather(outs, x), async_op, like=x,
                                 arrays=[("tensor", x), *named("out", outs)], stream=stream)
@@ -439,7 +438,7 @@ class Communicator:
         x, dst, outs = self._rooted_args("gather", tensor, "tensor", dst, "dst", out_list,
                                          "out_list", uneven)
         if uneven:
-            return self._rooted_uneven("gather", x, out_list, "out_list", dst, "dst", True,
+            return self._uneven.rooted("gather", x, out_list, "out_list", dst, "dst", True,
                                        async_op, stream)
         return self._collective("gather", about(x, ", dst={}", dst), x.nbytes * self.size,
                                 lambda b: b.gather(x, outs, dst), async_op, like=x, root=dst,
@@ -470,7 +469,7 @@ class Communicator:
         x, src, pieces = self._rooted_args("scatter", out, "out", src, "src", chunks, "chunks",
                                            uneven)
         if uneven:
-            return self._rooted_uneven("scatter", x, chunks, "chunks", src, "src", False,
+            return self._uneven.rooted("scatter", x, chunks, "chunks", src, "src", False,
                                        async_op, stream)
         return self._collective("scatter", about(x, ", src={}", src), x.nbytes * self.size,
                                 lambda b: b.scatter(x, pieces, src), async_op, like=x, root=src,
@@ -508,7 +507,7 @@ class Communicator:
         (elements it receives from each), `out` and `inp` are single arrays (host or GPU) cut
         at those counts, which every pair of ranks must agree on (all ranks raise if not)."""
         if out_splits is not None or in_splits is not None:
-            return self._all_to_all_uneven(out, inp, out_splits, in_splits, async_op, stream)
+            return self._uneven.all_to_all(out, inp, out_splits, in_splits, async_op, stream)
         if self._gpu_side.plans is not None and (replayed := self._gpu_side.replay(
                 ("all_to_all",), (out, inp), async_op, stream)) is not FULL_PATH:
             return replayed   # a GPU call ran: this one replayed its plan
@@ -522,68 +521,6 @@ class Communicator:
                                 lambda b: b.all_to_all(outs, inputs), async_op, like=first,
                                 arrays=[*named("inp", inputs), *named("out", outs)],
                                 stream=stream)
-
-    def _all_to_all_uneven(self, out: Any, inp: Any, out_splits: Any, in_splits: Any,
-                           async_op: bool, stream: Any) -> Work | None:
-        self._check_open("all_to_all")
-        try:
-            x, y, sends, receives = self._check.all_to_all_uneven(out, inp, out_splits,
-                                                                  in_splits)
-            arrays = [("inp", x), ("out", y)]
-            self._gpu_side.on_gpu("all_to_all", arrays, stream)
-        except _REFUSALS as exc:
-            self._refused("all_to_all", exc, (out, inp))
-            raise
-        piece = uneven.agree_all_to_all(self, receives, sends)
-        return self._uneven("all_to_all", arrays, lambda new: uneven.all_to_all_v(
-            self.size, y, x, receives, sends, piece, new), x, async_op, stream)
-
-    # ---- the uneven ("v") forms (algorithms/uneven.py) ----------------------------------------
-    def _rooted_uneven(self, op: str, x: Array, pieces: Any, name: str, root: int,
-                       root_name: str, writable: bool, async_op: bool,
-                       stream: Any) -> Work | None:
-        """gather (writable pieces) or scatter with a size per rank: `pieces` (the root's list,
-        None elsewhere) checked, the sizes agreed, then the data moved."""
-        try:
-            checked = self._check.root_pieces(op, pieces, name, x, root, root_name,
-                                              writable=writable, sizes_may_differ=True)
-        except _REFUSALS as exc:
-            self._refused(op, exc, (x, pieces))
-            raise
-        arrays = [("tensor" if writable else "out", x), *named(name, checked or [])]
-        self._gpu_side.on_gpu(op, arrays, stream)
-        sizes, piece = uneven.agree_sizes(self, x.size, [p.size for p in checked]
-                                          if checked is not None else None, op)
-        layout = uneven.gather_v if writable else uneven.scatter_v
-        return self._uneven(op, arrays, lambda new: layout(self.size, self.rank, x, checked,
-                                                           root, sizes, piece, new),
-                            x, async_op, stream)
-
-    def _uneven(self, op: str, arrays: list[tuple[str, Array]],
-                layout: Callable[[uneven.NewBuffer | None], uneven.Moves], x: Array, async_op: bool,
-                stream: Any) -> Work | None:
-        """Move an uneven collective's data once the ranks agreed on its sizes: `layout(new)`
-        lays it out on padded buffers that `new` makes like `x` (`layout(None)`: pieces as they
-        are). Host arrays: at once, through this communicator's even collectives (async_op=True
-        gets a Work already complete). GPU arrays: one operation queued like any GPU collective
-        (stream=, async Works, deadlines), laid out by the GPU engine (`uneven_moves`)."""
-        if not isinstance(x, GpuArray):
-            layout(uneven.host_scratch(x)).run_on_host(self)
-            if not async_op:
-                return None
-            work = Work(OpRecord(op, self._seq, "uneven sizes", x.nbytes), self.rank)
-            work.complete()
-            return work
-        moves, after = self._gpu_side.uneven_moves(op, layout, x, stream)
-        like = moves.scratch[0] if moves.scratch else None
-        try:
-            return self._collective(op, about(x, ", uneven sizes"), x.nbytes,
-                                    moves.queue_on_gpu, async_op, like=like, arrays=arrays,
-                                    stream=stream, replayable=False)
-        except BaseException:
-            if moves.scratch:   # refused or failed before it was queued: given back here
-                moves.free(after or 0)
-            raise
 
     def barrier(self, async_op: bool = False) -> Work | None:
         """Return once every rank of the communicator has called barrier (host arrays' work
@@ -606,52 +543,18 @@ class Communicator:
         self._check_open("all_gather_object")
         return objects.all_gather_object(self, obj)
 
-    # ---- groups ------------------------------------------------------------------------------
+    # ---- groups (groups.py) ------------------------------------------------------------------
     def split(self, color: int | None, key: int | None = None) -> Communicator | None:
         """Collective: a new communicator of the ranks that pass the same `color`, ordered by
         (`key`, rank). Ranks passing color=None get None."""
         self._check_open("split")
-        if color is not None and (isinstance(color, bool) or not isinstance(color, int)
-                                  or color < 0):
-            raise self._check.fail("split", f"color={color!r} must be a non-negative int or None")
-        if key is not None and (isinstance(key, bool) or not isinstance(key, int)):
-            raise self._check.fail("split", f"key={key!r} must be an int or None")
-        choices = self.all_gather_object((color, self.rank if key is None else key))
-        self._splits += 1
-        name = f"{self._name}.{self._splits}.{color}"
-        members = sorted((k, r) for r, (c, k) in enumerate(choices) if c == color)
-        ranks = [r for _, r in members]
-        # an existing NCCL communicator splits too (collective over all of its ranks)
-        parent = self._gpu_side.gpu
-        gpu_child = None if parent is None else parent.split(
-            color, choices[self.rank][1],
-            f"rank {ranks.index(self.rank)} ({name})" if color is not None else "",
-            store=self._store, group=name)
-        if color is None:
-            return None
-        backend = self._backend.subgroup(ranks, name, self.timeout_s)
-        child = Communicator(backend, self._store, rank=ranks.index(self.rank), size=len(ranks),
-                             local_rank=self.local_rank, timeout_s=self.timeout_s, name=name,
-                             job_id=self.job_id, debug=self.debug, device=self._gpu_side.device,
-                             gpu_backend=gpu_child, gpu_kind=self._gpu_side.kind)
-        if self.hosts:
-            child.hosts = tuple(self.hosts[r] for r in ranks)
-        child.backend_reason = f"split from {self._name} ({self.backend_reason})"
-        return child
+        return groups.split(self, color, key)
 
     def new_group(self, ranks: Sequence[int]) -> Communicator | None:
         """Collective over all ranks: a communicator of `ranks` (in ascending order, as
         torch.distributed does). Ranks not listed get None."""
         self._check_open("new_group")
-        members = list(ranks)
-        for r in members:
-            self._check.peer("new_group", r, "ranks[...]")
-        if not members or len(set(members)) != len(members):
-            raise self._check.fail("new_group", f"ranks={members} must be a non-empty list of "
-                                   f"distinct ranks")
-        ordered = sorted(members)
-        inside = self.rank in ordered
-        return self.split(0 if inside else None, ordered.index(self.rank) if inside else None)
+        return groups.new_group(self, ranks)
 
     # ---- lifetime ----------------------------------------------------------------------------
     def _check_open(self, op: str) -> None:
