@@ -35,6 +35,7 @@ from .work import Work
 
 _IDLE_POLL_S = 0.25
 _HELPED_S = 0.001  # the worker leaves messages to a waiter that drove them this recently
+_PARK_S = 0.1      # an idle worker looks for new work by itself this long, then parks
 
 
 class Engine:
@@ -49,6 +50,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._closing = False
         self._helped_at = 0.0     # when a waiter last drove the backend itself
+        self._parked = False      # the worker waits to be woken (idle for _PARK_S)
         self._draining = False    # close() waits for outstanding work to finish
         self.failure: BaseException | None = None
 
@@ -80,11 +82,26 @@ class Engine:
                 self._state.notify_all()
 
     def run_now(self, fn: Callable[..., None], *args: Any, after_posted: bool = False) -> bool:
-        """Run `fn(*args)` on the calling thread if nothing asynchronous is outstanding and no
-        other thread drives the backend (True; its error is raised and fails the engine as
-        `call`'s would); else do nothing and return False (then `call` queues it). The common
-        case, without touching the queue's condition: a submit that races in after the check
-        queues behind this call (its worker needs `_drive`), as if issued after it.
+        """Run `fn(*args)` on the calling thread if it may drive the backend now (`_may_drive`;
+        True, its error raised and failing the engine as `call`'s would); else do nothing and
+        return False (then `call` queues it)."""
+        if not self._may_drive(after_posted):
+            return False
+        try:
+            fn(*args)
+        except BaseException as exc:
+            self._note_failure(exc)
+            raise
+        finally:
+            self._drive.release()
+        return True
+
+    def _may_drive(self, after_posted: bool = False) -> bool:
+        """Take `_drive` (True: the caller runs its operation, then releases it) if nothing
+        asynchronous is outstanding, no other thread drives the backend and the engine is
+        usable. The common case, without touching the queue's condition: a submit that races
+        in after the check queues behind this call (its worker needs `_drive`), as if issued
+        after it.
 
         `after_posted` (a message): it may also run while posted messages are outstanding
         (they progress while it waits), as long as nothing is queued: everything issued before
@@ -92,18 +109,11 @@ class Engine:
         if (self._queue if after_posted else self._outstanding) \
                 or not self._drive.acquire(False):
             return False
-        try:
-            if (self._queue if after_posted else self._outstanding) or self.failure is not None \
-                    or self._closing:
-                return False
-            try:
-                fn(*args)
-            except BaseException as exc:
-                self._note_failure(exc)
-                raise
-            return True
-        finally:
+        if (self._queue if after_posted else self._outstanding) or self.failure is not None \
+                or self._closing:
             self._drive.release()
+            return False
+        return True
 
     def submit(self, task: Callable[[Work], None], work: Work, *,
                finishes_itself: bool = False) -> Work:
@@ -128,9 +138,12 @@ class Engine:
                     self._run_queued(task, work, True)
                     if not work._finished:
                         # the caller usually waits on it next and drives it then: the worker
-                        # takes over only if nobody has driven it for _HELPED_S
+                        # takes over only if nobody has driven it for _HELPED_S. A worker that
+                        # was busy lately looks by itself; only a parked one is woken (a
+                        # wake-up per message cost more than the message)
                         self._helped_at = time.monotonic()
-                        self._start_worker()
+                        if self._thread is None or self._parked:
+                            self._start_worker()
                     return work
             finally:
                 self._drive.release()
@@ -153,7 +166,7 @@ class Engine:
         if not self._drive.acquire(False):
             return False
         try:
-            item = self._take()
+            item = self._take() if self._queue else None
             if item is not None:
                 self._run_queued(*item)
                 return True
@@ -203,8 +216,16 @@ class Engine:
     def _worker(self) -> None:
         while True:
             with self._state:
+                idle_since = None
                 while not self._queue and self._outstanding == 0 and not self._closing:
+                    now = time.monotonic()
+                    idle_since = idle_since or now
+                    if now - idle_since < _PARK_S:   # posts do not wake it: it looks again
+                        self._state.wait(_HELPED_S)
+                        continue
+                    self._parked = True
                     self._state.wait()
+                    self._parked = False
                 queued = bool(self._queue)
                 closing = self._closing
             if queued:
@@ -327,15 +348,14 @@ class HostEngine(Engine):
                             | (0 if op is None else op.agree_bits), like.size)
         else:
             record.agree = (_NAME_BITS[record.name], 0)
-        if not (async_op or debug or self._outstanding) and self._drive.acquire(False):
-            # the common blocking case, as `run_now` runs it (without its generic call): right
-            # here, on the caller's thread, nothing outstanding and nobody else driving
+        if not (async_op or debug) and self._may_drive():
+            # the common blocking case: right here, on the caller's thread (`_run` notes its
+            # failure, as `run_now` would)
             try:
-                if not (self._outstanding or self._closing) and self.failure is None:
-                    self._run(record, call)
-                    return None
+                self._run(record, call)
             finally:
                 self._drive.release()
+            return None
         signature = self._signature(record, like, root, op) if debug else None
         task = self._task(record, signature, call)
         if async_op:
@@ -426,10 +446,21 @@ class HostEngine(Engine):
         sender, an async call its Work."""
         if not async_op:
             return self.exchange(record, ((kind, x, peer, tag),))
+        if peer is not None and self._may_drive(after_posted=True):
+            try:
+                backend = self.backend
+                done = backend.send_now(x, peer, tag) if kind == "send" else \
+                    backend.receive_now(x, peer, tag, wait=False)
+            except BaseException as exc:
+                self._note_failure(exc)
+                raise
+            finally:
+                self._drive.release()
+            if done:   # the transport's fast path finished it here and now
+                record.state, record.started_at = "done", time.monotonic()
+                record.ended_at = record.started_at
+                return Work.finished(record, self.rank, peer if kind == "recv" else None)
         work = Work(record, self.rank)
-        if peer is not None and self.run_now(self._at_once, kind, x, peer, tag, record, work,
-                                             after_posted=True) and work.is_completed():
-            return work
         backend = self.backend
         sender: list[int] = []   # a receive from any rank: whose message it took
         if kind == "send":
@@ -450,19 +481,6 @@ class HostEngine(Engine):
                 done(error)
             post(x, peer, tag, record, time.monotonic() + self.timeout_s, on_done)
         return self.post(task, work)
-
-    def _at_once(self, kind: str, x: np.ndarray, peer: int, tag: int, record: OpRecord,
-                 work: Work) -> None:
-        """An async message that the transport's fast path finishes right now (a send that
-        fits, a receive whose message is already there): `work` completes here, with no
-        engine bookkeeping; else nothing happens and the caller posts it."""
-        backend = self.backend
-        if backend.send_now(x, peer, tag) if kind == "send" else \
-                backend.receive_now(x, peer, tag, wait=False):
-            FlightRecorder.started(record)
-            FlightRecorder.ended(record)
-            work.source = peer if kind == "recv" else None
-            work.complete()
 
     def exchange(self, record: OpRecord,
                  messages: tuple[HostMessage, ...]) -> int | None:

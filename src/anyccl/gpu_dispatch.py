@@ -6,10 +6,9 @@ waiting on the GPU), the plans that replay a repeated call, and batches of messa
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any, Callable
 
 from . import gpu
@@ -199,21 +198,12 @@ class GpuDispatch:
             return moves, after
         return layout(uneven.gpu_scratch(x, after)), after
 
-    @contextlib.contextmanager
-    def batch(self) -> Iterator[None]:
+    def batch(self) -> _Batch:
         """`comm.batch()`: the GPU messages issued inside the block, issued at its end as one
         group (one NCCL group)."""
         if self.batched is not None:
             raise self._check.fail("batch", "comm.batch() blocks do not nest")
-        self.batched = []
-        try:
-            yield
-        except BaseException:
-            self.batched = None
-            raise
-        pending, self.batched = self.batched, None
-        if pending:
-            self._issue_batch(pending)
+        return _Batch(self)
 
     def _issue_batch(self, pending: list[tuple]) -> None:
         streams = {s for *_, s, _ in pending if s is not None}
@@ -275,3 +265,21 @@ class GpuDispatch:
                 gpu.stream_wait(s, event)
         return None
 
+
+class _Batch:
+    """The block of `GpuDispatch.batch` (a class, not a generator: host messages use it on
+    every call of a training loop, where a generator's context manager cost a microsecond)."""
+
+    __slots__ = ("_dispatch",)
+
+    def __init__(self, dispatch: GpuDispatch) -> None:
+        self._dispatch = dispatch
+
+    def __enter__(self) -> None:
+        self._dispatch.batched = []
+
+    def __exit__(self, kind: type | None, *_: object) -> None:
+        dispatch = self._dispatch
+        pending, dispatch.batched = dispatch.batched, None
+        if kind is None and pending:
+            dispatch._issue_batch(pending)

@@ -34,6 +34,14 @@ class Work:
         self._event: threading.Event | None = None  # made only if someone must block on it
         self._error: BaseException | None = None
 
+    @classmethod
+    def finished(cls, record: OpRecord, rank: int, source: int | None = None) -> Work:
+        """A Work for an operation that already finished, without error (nobody can be waiting
+        on it yet, so it needs no lock)."""
+        work = cls(record, rank)
+        work.source, work._finished = source, True
+        return work
+
     def complete(self, error: BaseException | None = None) -> None:
         """Mark the operation finished, with `error` if it failed (called by the engine)."""
         self._error = error

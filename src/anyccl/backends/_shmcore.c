@@ -14,12 +14,12 @@
  *                                    with `sigs`, once reached: -1 if a peer's signature there
  *                                    differs from this rank's (as arrive stores it)
  *   stage(dst, src)                  copy the buffer `src` to the address `dst`
- *   send(ring, pos, consumed, ...)   write a whole message (32-byte header, data) into a byte
+ *   send(lane, pos, tag, code, src) write a whole message (32-byte header, data) into a byte
  *                                    ring if it has room, publish the sent counter, ring the
- *                                    receiver's bell
- *   take(ring, pos, sent_word, ...)  the same in reverse: the next message, if it is whole
+ *                                    receiver's bell; the new position (0: no room)
+ *   take(lane, pos, ..., spin_ns)    the same in reverse: the next message, if it is whole
  *                                    (spinning a while without the GIL until it is) and has
- *                                    the expected tag, dtype and size (else False)
+ *                                    the expected tag, dtype and size (else 0)
  *   reduce(out, srcs, count, dtype, op, divisor)
  *                                    out = srcs[0] (op) srcs[1] (op) ... in that order, in out's
  *                                    dtype, then / divisor for AVG; False if the dtype/op pair
@@ -170,35 +170,45 @@ static void ring_read(uint8_t *dst, const uint8_t *ring, Py_ssize_t cap, unsigne
 #define HEADER 32
 #define PADDED(n) (((n) + HEADER - 1) / HEADER * HEADER)
 
-/* The arguments of send and take: a byte ring, a stream position, the peer's counter (send: how
- * far the receiver consumed; take: how far the sender sent), the message's tag and dtype code,
- * its data, the counter to publish the new position in, and the peer's doorbell. */
+/* The arguments of send and take: a lane (ring_address, ring_bytes, peer_word, own_word, bell):
+ * the byte ring, the peer's counter (send: how far the receiver consumed; take: how far the
+ * sender sent), the counter this rank publishes its new position in, and the peer's doorbell;
+ * then the stream position, the message's tag and dtype code, and its data. */
 typedef struct {
-    Py_buffer ring, data;
+    uint8_t *ring;
+    Py_ssize_t cap;
+    Py_buffer data;
     unsigned long long pos;
     long long tag, code;
     const uint64_t *peer;
     void *word, *bell;
 } Message;
 
-static int parse_message(PyObject *args, const char *format, Message *m,
-                         unsigned long long *spin_ns) {
-    PyObject *peer, *word, *bell;
-    int ok = spin_ns == NULL
-        ? PyArg_ParseTuple(args, format, &m->ring, &m->pos, &peer, &m->tag, &m->code,
-                           &m->data, &word, &bell)
-        : PyArg_ParseTuple(args, format, &m->ring, &m->pos, &peer, &m->tag, &m->code,
-                           &m->data, &word, &bell, spin_ns);
-    if (!ok) return -1;
-    if (address(peer, (void **)&m->peer) == 0 && address(word, &m->word) == 0
-        && address(bell, &m->bell) == 0 && (m->ring.len < HEADER || m->ring.len % HEADER != 0))
-        PyErr_SetString(PyExc_ValueError, "the ring's size is not a multiple of 32 bytes");
-    if (PyErr_Occurred()) {
-        PyBuffer_Release(&m->ring);
-        PyBuffer_Release(&m->data);
+static int parse_message(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, int flags,
+                         Message *m) {
+    if (nargs != want || !PyTuple_Check(args[0]) || PyTuple_GET_SIZE(args[0]) != 5) {
+        PyErr_SetString(PyExc_TypeError, "send(lane, pos, tag, code, data) or take(lane, pos, "
+                                         "tag, code, data, spin_ns): lane is a tuple of 5");
         return -1;
     }
-    return 0;
+    PyObject *lane = args[0];
+    void *ring;
+    if (address(PyTuple_GET_ITEM(lane, 0), &ring) < 0
+        || address(PyTuple_GET_ITEM(lane, 2), (void **)&m->peer) < 0
+        || address(PyTuple_GET_ITEM(lane, 3), &m->word) < 0
+        || address(PyTuple_GET_ITEM(lane, 4), &m->bell) < 0)
+        return -1;
+    m->ring = ring;
+    m->cap = PyLong_AsSsize_t(PyTuple_GET_ITEM(lane, 1));
+    m->pos = PyLong_AsUnsignedLongLong(args[1]);
+    m->tag = PyLong_AsLongLong(args[2]);
+    m->code = PyLong_AsLongLong(args[3]);
+    if (PyErr_Occurred()) return -1;
+    if (m->cap < HEADER || m->cap % HEADER != 0) {
+        PyErr_SetString(PyExc_ValueError, "the ring's size is not a multiple of 32 bytes");
+        return -1;
+    }
+    return PyObject_GetBuffer(args[4], &m->data, flags);
 }
 
 enum { PARTIAL, WHOLE, NOT_OURS };
@@ -209,55 +219,60 @@ static int message_state(const Message *m, unsigned long long total) {
     unsigned long long available = __atomic_load_n(m->peer, __ATOMIC_ACQUIRE) - m->pos;
     if (available < HEADER) return PARTIAL;
     int64_t header[4];
-    ring_read((uint8_t *)header, m->ring.buf, m->ring.len, m->pos, HEADER);
+    ring_read((uint8_t *)header, m->ring, m->cap, m->pos, HEADER);
     if (header[0] != m->tag || header[1] != (int64_t)m->data.len || header[2] != m->code)
         return NOT_OURS;
     return available >= total ? WHOLE : PARTIAL;
 }
 
-/* If `moved`: publish pos + total (release) and ring the peer. Release the buffers. */
+/* If `moved`: publish pos + total (release) and ring the peer. Release the data's buffer.
+ * Returns the new position, or 0 when nothing moved (positions of moved messages are > 0). */
 static PyObject *finish_message(Message *m, int moved, unsigned long long total) {
     if (moved) {
         __atomic_store_n((uint64_t *)m->word, m->pos + total, __ATOMIC_RELEASE);
         sem_post((sem_t *)m->bell);
     }
-    PyBuffer_Release(&m->ring);
     PyBuffer_Release(&m->data);
-    return PyBool_FromLong(moved);
+    return PyLong_FromUnsignedLongLong(moved ? m->pos + total : 0);
 }
 
-/* send(ring, pos, consumed_word, tag, code, src, sent_word, bell) -> bool: write a whole
- * message (header and data) at stream position pos of the byte ring, publish pos + its length in
- * sent_word (release) and ring the receiver's bell; False, writing nothing, when it needs more
- * than the ring has free (the receiver's counter at consumed_word says how much it has read):
- * the caller queues it and streams it in pieces. */
-static PyObject *send(PyObject *self, PyObject *args) {
+/* send(lane, pos, tag, code, src) -> new position or 0: write a whole message (header and data)
+ * at stream position pos of the byte ring, publish pos + its length in the lane's own counter
+ * (release) and ring the receiver's bell; 0, writing nothing, when it needs more than the ring
+ * has free (the receiver's counter says how much it has read): the caller queues it and
+ * streams it in pieces. */
+static PyObject *send(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     Message m;
-    if (parse_message(args, "w*KOLLy*OO", &m, NULL) < 0) return NULL;
+    if (parse_message(args, nargs, 5, PyBUF_C_CONTIGUOUS, &m) < 0) return NULL;
     unsigned long long total = HEADER + PADDED((unsigned long long)m.data.len);
     unsigned long long used = m.pos - __atomic_load_n(m.peer, __ATOMIC_ACQUIRE);
-    int fits = total + used <= (unsigned long long)m.ring.len;
+    int fits = total + used <= (unsigned long long)m.cap;
     if (fits) {
         int64_t header[4] = {m.tag, (int64_t)m.data.len, m.code, 0};
-        ring_write(m.ring.buf, m.ring.len, m.pos, (const uint8_t *)header, HEADER);
-        ring_write(m.ring.buf, m.ring.len, m.pos + HEADER, m.data.buf, m.data.len);
+        ring_write(m.ring, m.cap, m.pos, (const uint8_t *)header, HEADER);
+        ring_write(m.ring, m.cap, m.pos + HEADER, m.data.buf, m.data.len);
     }
     return finish_message(&m, fits, total);
 }
 
-/* take(ring, pos, sent_word, tag, code, dst, consumed_word, bell, spin_ns) -> bool: if the
- * message at stream position pos of the byte ring is whole (the sender's counter at sent_word
- * has passed it) and has this tag, dtype code and dst's size, copy its data into dst, publish
- * pos + its length in consumed_word (release) and ring the sender's bell. While it is not all
- * there, spin up to spin_ns without the GIL (0: look once). Else (another tag, a mismatch, still
- * not there, larger than the ring) change nothing and return False: the caller reads it the
- * general way. */
-static PyObject *take(PyObject *self, PyObject *args) {
+/* take(lane, pos, tag, code, dst, spin_ns) -> new position or 0: if the message at stream
+ * position pos of the byte ring is whole (the sender's counter has passed it) and has this tag,
+ * dtype code and dst's size, copy its data into dst, publish pos + its length in the lane's own
+ * counter (release) and ring the sender's bell. While it is not all there, spin up to spin_ns
+ * without the GIL (0: look once). Else (another tag, a mismatch, still not there, larger than
+ * the ring) change nothing and return 0: the caller reads it the general way. */
+static PyObject *take(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     Message m;
-    unsigned long long spin_ns;
-    if (parse_message(args, "y*KOLLw*OOK", &m, &spin_ns) < 0) return NULL;
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "take(lane, pos, tag, code, dst, spin_ns)");
+        return NULL;
+    }
+    unsigned long long spin_ns = PyLong_AsUnsignedLongLong(args[5]);
+    if (PyErr_Occurred() || parse_message(args, 5, 5, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS,
+                                          &m) < 0)
+        return NULL;
     unsigned long long total = HEADER + PADDED((unsigned long long)m.data.len);
-    int state = total <= (unsigned long long)m.ring.len ? message_state(&m, total) : NOT_OURS;
+    int state = total <= (unsigned long long)m.cap ? message_state(&m, total) : NOT_OURS;
     if (state == PARTIAL && spin_ns > 0) {
         Py_BEGIN_ALLOW_THREADS
         uint64_t end = now_ns() + spin_ns;
@@ -270,7 +285,7 @@ static PyObject *take(PyObject *self, PyObject *args) {
         }
         Py_END_ALLOW_THREADS
     }
-    if (state == WHOLE) ring_read(m.data.buf, m.ring.buf, m.ring.len, m.pos + HEADER, m.data.len);
+    if (state == WHOLE) ring_read(m.data.buf, m.ring, m.cap, m.pos + HEADER, m.data.len);
     return finish_message(&m, state == WHOLE, total);
 }
 
@@ -477,12 +492,10 @@ static PyMethodDef methods[] = {
      "reached(words, value, spin_ns[, sigs, agree]) -> bool: every counter >= value, spinning "
      "up to spin_ns; -1 if then a signature at sigs differs from `agree`'s."},
     {"stage", stage, METH_VARARGS, "stage(dst, src): copy buffer src to address dst."},
-    {"send", send, METH_VARARGS,
-     "send(ring, pos, consumed_word, tag, code, src, sent_word, bell) -> bool: a whole "
-     "message."},
-    {"take", take, METH_VARARGS,
-     "take(ring, pos, sent_word, tag, code, dst, consumed_word, bell, spin_ns) -> bool: a whole "
-     "one."},
+    {"send", (PyCFunction)(void (*)(void))send, METH_FASTCALL,
+     "send(lane, pos, tag, code, src) -> new position, or 0: a whole message."},
+    {"take", (PyCFunction)(void (*)(void))take, METH_FASTCALL,
+     "take(lane, pos, tag, code, dst, spin_ns) -> new position, or 0: a whole one."},
     {"reduce", reduce, METH_VARARGS,
      "reduce(out, srcs, count, dtype, op, divisor) -> bool: reduce srcs in order into out."},
     {NULL, NULL, 0, NULL},

@@ -413,6 +413,14 @@ class SharedMemoryBackend(Backend):
         self._peer_consumed_at = [seg.address((layout.w_consumed + rank) * 8)
                                   for seg in self._segments]
         self.direct = self._agree_on_cross_memory(store, timeout_s)
+        # what the core's send and take read, per peer: (ring address, ring bytes, the peer's
+        # counter, this rank's counter, the peer's doorbell)
+        self._send_lanes = [(ring.ctypes.data, ring.size, self._peer_consumed_at[j],
+                             self._sent_at[j], self._bells_at[j])
+                            for j, ring in enumerate(self._out_rings)]
+        self._take_lanes = [(ring.ctypes.data, ring.size, self._peer_sent_at[j],
+                             self._consumed_at[j], self._bells_at[j])
+                            for j, ring in enumerate(self._rings)]
 
     # ---- setup -----------------------------------------------------------------------------
     def _rendezvous(self, store: Store, name: str, timeout_s: float) -> list[_Segment]:
@@ -855,13 +863,12 @@ class SharedMemoryBackend(Backend):
         """The compiled core's path: nothing queued for `dst` and the whole message fits in its
         ring's free space: written there in one call."""
         core = self._core
-        if core is None or self._sendq[dst] or not x.flags.c_contiguous:
+        if core is None or self._sendq[dst]:
             return False
-        pos = self._sent[dst]
-        if not core.send(self._out_rings[dst], pos, self._peer_consumed_at[dst], tag,
-                         _DTYPE_CODE[x.dtype], x, self._sent_at[dst], self._bells_at[dst]):
+        pos = core.send(self._send_lanes[dst], self._sent[dst], tag, _DTYPE_CODE[x.dtype], x)
+        if not pos:
             return False
-        self._sent[dst] = pos + _HEADER + _round_up(x.nbytes, _HEADER)
+        self._sent[dst] = pos
         return True
 
     def post_send(self, x: np.ndarray, dst: int, tag: int, record: OpRecord, deadline: float,
@@ -994,12 +1001,11 @@ class SharedMemoryBackend(Backend):
 
     def _take(self, data: np.ndarray, src: int, tag: int, dtype: np.dtype, spin_ns: int) -> bool:
         """The core's take of the next message from `src` into `data` (see _take_whole)."""
-        pos = self._consumed[src]
-        if not self._core.take(self._rings[src], pos, self._peer_sent_at[src], tag,
-                               _DTYPE_CODE[dtype], data, self._consumed_at[src],
-                               self._bells_at[src], spin_ns):
+        pos = self._core.take(self._take_lanes[src], self._consumed[src], tag,
+                              _DTYPE_CODE[dtype], data, spin_ns)
+        if not pos:
             return False
-        self._consumed[src] = pos + _HEADER + _round_up(data.nbytes, _HEADER)
+        self._consumed[src] = pos
         self._arrivals += 1
         return True
 
@@ -1011,7 +1017,7 @@ class SharedMemoryBackend(Backend):
         deadlines and lost peers)."""
         if self._core is None or self._posted[src] or self._posted_any \
                 or self._unexpected[src] or self._incoming[src] is not None \
-                or any(self._sendq) or not x.flags.c_contiguous:
+                or any(self._sendq):
             return False
         return self._take(x, src, tag, x.dtype, self._spin_ns if wait else 0)
 
