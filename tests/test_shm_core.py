@@ -64,6 +64,28 @@ def test_core_reductions_match_the_python_path_bit_for_bit(world_size):
         assert with_core[rank] == without[rank], f"rank {rank} differs"
 
 
+def broadcasts(comm) -> bytes:
+    """Broadcasts from every root of every dtype the shm backend moves, at sizes up to and past
+    one staging half (the core runs one half whole; more is Python's chunked path)."""
+    out = []
+    for salt, count in enumerate((0, 1, 7, 1000, 70_000)):
+        for dtype in ("float32", "float64", "int8", "uint64", "complex64", "bool"):
+            for root in range(comm.size):
+                x = hostile_values(comm.rank, count, np.dtype("uint8"), salt).view(np.uint8)
+                x = np.resize(x, count * np.dtype(dtype).itemsize).view(dtype)
+                comm.broadcast(x, root)
+                out.append(x.tobytes())
+    return b"".join(out)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_core_broadcasts_match_the_python_path_bit_for_bit(world_size):
+    env = {"ANYCCL_SHM_STAGING_BYTES": str(64 << 10)}   # 70_000 elements span several halves
+    with_core = run_ranks(broadcasts, world_size, env=env)
+    assert with_core == run_ranks(broadcasts, world_size, env={**env, **PYTHON_PATH})
+    assert len(set(with_core)) == 1   # every rank holds the same bytes
+
+
 def messages(comm) -> list[bytes]:
     """Messages of every kind the core takes whole and those it leaves to Python: small and
     larger than the ring, tags out of order, receives posted first, from any rank, async."""
@@ -114,4 +136,5 @@ def test_the_compiled_core_is_built_by_the_install():
     """README's `pip install -e .` builds it; every figure in benchmarks/results assumes it."""
     from anyccl.backends import _shmcore
 
-    assert {"ring", "arrive", "reached", "stage", "send", "take", "reduce"} <= set(dir(_shmcore))
+    assert {"ring", "arrive", "reached", "stage", "send", "take", "reduce",
+            "one_shot"} <= set(dir(_shmcore))

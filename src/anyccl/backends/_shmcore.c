@@ -24,9 +24,9 @@
  *                                    out = srcs[0] (op) srcs[1] (op) ... in that order, in out's
  *                                    dtype, then / divisor for AVG; False if the dtype/op pair
  *                                    is not one this module covers (the caller uses NumPy)
- *   one_shot(x, lane, epoch, ...)    a small all_reduce or reduce whole: stage, arrive with the
- *                                    signature, spin until every peer arrived, compare, reduce;
- *                                    one call where the four above take four
+ *   one_shot(x, lane, epoch, ...)    a small all_reduce, reduce or broadcast whole: stage,
+ *                                    arrive with the signature, spin until every peer arrived,
+ *                                    compare, reduce or copy; one call where the above take four
  *
  * Addresses are Python ints (of shared mappings the caller keeps alive); buffers are objects
  * with the buffer protocol (NumPy arrays). Counters are aligned 8-byte words with one writer.
@@ -379,18 +379,21 @@ static PyObject *reduce(PyObject *self, PyObject *args) {
     return PyBool_FromLong(ok);
 }
 
-/* one_shot(x, lane, epoch, agree, dtype, op, divisor, reduce_here) -> 1, 0 or -1: a small
- * reducing collective's whole schedule in one call. `lane` holds what does not change from call
- * to call, for one staging half and one barrier parity: (halves, rank, arrive_word, bells, sig,
- * words, sigs, spin_ns). Stage x at halves[rank], arrive as `arrive` does (with the signature
- * `agree` at sig, unless agree is None), spin as `reached` does, then, if every rank arrived with
- * the same signature and reduce_here, reduce the staged halves in rank order into x as `reduce`
- * does. 1: done; -1: every rank arrived and a signature differs (x untouched); 0: arrived, but
- * the peers had not within spin_ns (the caller waits, compares and reduces). */
+/* one_shot(x, lane, epoch, agree, dtype, op, divisor, reduce_here, source) -> 1, 0 or -1: a
+ * small collective's whole schedule in one call (a message that fits one staging half).
+ * `lane` holds what does not change from call to call, for one staging half and one barrier
+ * parity: (halves, rank, arrive_word, bells, sig, words, sigs, spin_ns).
+ * source < 0 (all_reduce, reduce): stage x at halves[rank], arrive as `arrive` does (with the
+ * signature `agree` at sig, unless agree is None), spin as `reached` does, then, if every rank
+ * arrived with the same signature and reduce_here, reduce the staged halves in rank order into
+ * x as `reduce` does. source >= 0 (broadcast from that rank): only the source stages x; once
+ * every rank arrived with the same signature, the others copy its half into x.
+ * 1: done; -1: every rank arrived and a signature differs (x untouched); 0: arrived, but the
+ * peers had not within spin_ns (the caller waits, compares, then reduces or copies). */
 static PyObject *one_shot(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 8 || !PyTuple_Check(args[1]) || PyTuple_GET_SIZE(args[1]) != 8) {
+    if (nargs != 9 || !PyTuple_Check(args[1]) || PyTuple_GET_SIZE(args[1]) != 8) {
         PyErr_SetString(PyExc_TypeError, "one_shot(x, lane, epoch, agree, dtype, op, divisor, "
-                                         "reduce_here): lane is a tuple of 8");
+                                         "reduce_here, source): lane is a tuple of 8");
         return NULL;
     }
     PyObject *lane = args[1];
@@ -409,10 +412,11 @@ static PyObject *one_shot(PyObject *self, PyObject *const *args, Py_ssize_t narg
     int dtype = (int)PyLong_AsLong(args[4]), op = (int)PyLong_AsLong(args[5]);
     long divisor = PyLong_AsLong(args[6]);
     int reduce_here = PyObject_IsTrue(args[7]);
+    Py_ssize_t source = PyLong_AsSsize_t(args[8]);
     if (PyErr_Occurred()) return NULL;
     Py_ssize_t size = PyTuple_GET_SIZE(halves), n = PyTuple_GET_SIZE(words);
     if (size < 2 || size > MAX_WORDS || rank < 0 || rank >= size || n != size - 1
-        || PyTuple_GET_SIZE(sigs) != n || divisor < 1) {
+        || PyTuple_GET_SIZE(sigs) != n || divisor < 1 || source >= size) {
         PyErr_SetString(PyExc_ValueError, "one_shot: bad arguments");
         return NULL;
     }
@@ -432,7 +436,7 @@ static PyObject *one_shot(PyObject *self, PyObject *const *args, Py_ssize_t narg
         if (address(PyTuple_GET_ITEM(words, i), (void **)&peer[i]) < 0) return NULL;
     Py_buffer x;
     if (PyObject_GetBuffer(args[0], &x, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) return NULL;
-    memcpy(at[rank], x.buf, (size_t)x.len);
+    if (source < 0 || source == rank) memcpy(at[rank], x.buf, (size_t)x.len);
     if (sig != NULL) {   /* published by the release store of the counter below */
         ((uint64_t *)sig)[0] = w[0];
         ((uint64_t *)sig)[1] = w[1];
@@ -471,10 +475,13 @@ static PyObject *one_shot(PyObject *self, PyObject *const *args, Py_ssize_t narg
             if (s[0] != w[0] || s[1] != w[1]) status = -1;
         }
     }
-    if (status == 1 && reduce_here
-        && !reduce_into(x.buf, at, size, x.len / (x.itemsize ? x.itemsize : 1), dtype, op,
-                        divisor))
+    if (status == 1 && source >= 0) {
+        if (source != rank) memcpy(x.buf, at[source], (size_t)x.len);
+    } else if (status == 1 && reduce_here
+               && !reduce_into(x.buf, at, size, x.len / (x.itemsize ? x.itemsize : 1), dtype, op,
+                               divisor)) {
         PyErr_SetString(PyExc_ValueError, "one_shot: a dtype and op the core does not reduce");
+    }
     PyBuffer_Release(&x);
     if (PyErr_Occurred()) return NULL;
     return PyLong_FromLong(status);
@@ -482,8 +489,8 @@ static PyObject *one_shot(PyObject *self, PyObject *const *args, Py_ssize_t narg
 
 static PyMethodDef methods[] = {
     {"one_shot", (PyCFunction)(void (*)(void))one_shot, METH_FASTCALL,
-     "one_shot(x, lane, epoch, agree, dtype, op, divisor, reduce_here) -> 1 done, 0 peers not "
-     "there yet, -1 signatures differ."},
+     "one_shot(x, lane, epoch, agree, dtype, op, divisor, reduce_here, source) -> 1 done, 0 "
+     "peers not there yet, -1 signatures differ."},
     {"ring", ring, METH_O, "ring(bell): wake the doorbell at address `bell`."},
     {"arrive", arrive, METH_VARARGS,
      "arrive(word, value, bells[, sig, agree]): store the signature `agree` at sig, then value "

@@ -824,7 +824,7 @@ class SharedMemoryBackend(Backend):
         agree, self._agree = self._agree, None
         reduce_here = root is None or root == self.rank
         status = core.one_shot(x, self._lanes[2 * half + (epoch & 1)], epoch, agree, codes[0],
-                               codes[1], self.size, reduce_here)
+                               codes[1], self.size, reduce_here, -1)
         if status == 1:
             return True
         if agree is not None:
@@ -836,7 +836,30 @@ class SharedMemoryBackend(Backend):
         return True
 
     def broadcast(self, x: np.ndarray, root: int) -> None:
-        (direct if self._direct_for("broadcast", x.nbytes) else symmetric).broadcast(self, x, root)
+        if self._direct_for("broadcast", x.nbytes):
+            direct.broadcast(self, x, root)
+        elif self._core is not None and self.size > 1 and x.nbytes <= self.half_bytes:
+            self._core_broadcast(x, root)   # one chunk: symmetric.broadcast's steps, in C
+        else:
+            symmetric.broadcast(self, x, root)
+
+    def _core_broadcast(self, x: np.ndarray, root: int) -> None:
+        """`symmetric.broadcast` of a message that fits one staging half, step for step (the
+        root stages, barrier, the others copy), run by the compiled core in one call."""
+        self._half = half = self._half ^ 1
+        self._epoch = epoch = self._epoch + 1
+        agree, self._agree = self._agree, None
+        raw = x.view(np.uint8)
+        status = self._core.one_shot(raw, self._lanes[2 * half + (epoch & 1)], epoch, agree,
+                                     0, 0, 1, False, root)
+        if status == 1:
+            return
+        if agree is not None:
+            self._settle(epoch, agree, status)
+        elif not status:
+            self._arrive_and_wait(epoch)
+        if self.rank != root:
+            raw[...] = self._staging[root][half][:raw.size]
 
     def all_gather(self, outs: list[np.ndarray], x: np.ndarray) -> None:
         (direct if self._direct_for("all_gather", x.nbytes) else symmetric).all_gather(
