@@ -308,3 +308,33 @@ def check_messages_already_there_are_taken_at_once_in_order(comm):
 
 def test_an_irecv_takes_a_message_that_already_arrived_at_once_and_in_send_order():
     assert all(run_ranks(check_messages_already_there_are_taken_at_once_in_order, 2))
+
+
+def check_progress_while_the_sender_computes(comm):
+    """Rank 0 starts a send larger than its ring and then computes for 2 s without calling
+    anyccl; rank 1's blocking receive must not wait for that to end: posted messages progress
+    on the engine's own thread, whether it was idle for long (parked) or busy a moment ago."""
+    import time
+
+    big = np.full(4_000_000, 7.0, np.float32)   # 16 MB: many rings' worth
+    took = []
+    for rest_s in (0.5, 0.0):   # the worker parked after a long idle, then one just busy
+        comm.barrier()
+        time.sleep(rest_s)
+        if comm.rank == 0:
+            work = comm.isend(big, 1, tag=5)
+            time.sleep(2.0)          # computing: no anyccl call
+            took.append(work.is_completed())
+            work.wait(timeout=30)
+        else:
+            got = np.zeros_like(big)
+            start = time.monotonic()
+            comm.recv(got, 0, tag=5)
+            took.append(time.monotonic() - start < 1.5 and bool((got == 7.0).all()))
+    return took
+
+
+@pytest.mark.shm_only
+def test_a_posted_send_progresses_while_its_caller_computes():
+    sender, receiver = run_ranks(check_progress_while_the_sender_computes, 2)
+    assert sender == [True, True] and receiver == [True, True], (sender, receiver)
