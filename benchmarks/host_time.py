@@ -95,9 +95,6 @@ class NoTransport(Backend):
     def post_recv(self, x, src, tag, record, deadline, on_done, found=None) -> None:
         on_done(None)
 
-    def has_pending(self) -> bool:
-        return False
-
     def wait_for_messages(self, finished, record, deadline) -> None:
         assert finished()
 

@@ -116,9 +116,6 @@ class StoreBackend(Backend):
         n = self._taken[(src, tag)] = self._taken.get((src, tag), 0) + 1
         self._pending.append((x, f"m{src}>{self.rank}/{tag}/{n}", deadline, on_done, record))
 
-    def has_pending(self) -> bool:
-        return bool(self._pending)
-
     def progress(self) -> None:
         still = []
         for x, key, deadline, on_done, record in self._pending:

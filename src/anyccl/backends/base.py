@@ -91,10 +91,6 @@ class Backend(ABC):
         return False
 
     @abstractmethod
-    def has_pending(self) -> bool:
-        """Whether posted point-to-point messages wait for progress."""
-
-    @abstractmethod
     def progress(self) -> None:
         """Advance posted messages as far as possible without blocking; fail expired ones."""
 
@@ -141,9 +137,6 @@ class PolledMessages:
     def _late(self, error: BaseException | None) -> None:
         if error is not None and self._late_error is None:
             self._late_error = error
-
-    def has_pending(self) -> bool:
-        return bool(self._pending)
 
     def fail_pending(self, error: BaseException) -> None:
         pending, self._pending = self._pending, []

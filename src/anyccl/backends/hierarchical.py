@@ -324,9 +324,6 @@ class HierarchicalBackend(Backend):
                   found: Callable[[int], None] | None = None) -> None:
         self._net.post_recv(x, src, tag, record, deadline, on_done, found)
 
-    def has_pending(self) -> bool:
-        return self._net.has_pending()
-
     def progress(self) -> None:
         self._net.progress()
 

@@ -928,10 +928,6 @@ class SharedMemoryBackend(Backend):
         self._posted[src].append(recv)
         self._progress_receive(src)
 
-    def has_pending(self) -> bool:
-        return any(self._sendq) or any(self._posted) or bool(self._posted_any) or any(
-            m.target is not None for m in self._incoming if m is not None)
-
     def progress(self) -> None:
         self._progress_messages()
         now = time.monotonic()
