@@ -95,6 +95,26 @@ static PyObject *arrive(PyObject *self, PyObject *args) {
 
 #define MAX_WORDS 1024
 
+/* Spin (the caller has released the GIL) until every one of the n counters is >= value: 1; 0
+ * once spin_ns passed first. */
+static int spin_until(const uint64_t *const *words, Py_ssize_t n, unsigned long long value,
+                      unsigned long long spin_ns) {
+    uint64_t end = 0;
+    for (unsigned iter = 0;; iter++) {
+        Py_ssize_t i = 0;
+        while (i < n && __atomic_load_n(words[i], __ATOMIC_ACQUIRE) >= value) i++;
+        if (i == n) return 1;
+        if ((iter & 63) == 0) {
+            uint64_t t = now_ns();
+            if (end == 0) end = t + spin_ns;
+            else if (t >= end) return 0;
+        }
+#if defined(__x86_64__) || defined(__i386__)
+        __builtin_ia32_pause();
+#endif
+    }
+}
+
 static PyObject *reached(PyObject *self, PyObject *args) {
     PyObject *words, *sigs = NULL, *agree = NULL;
     unsigned long long value, spin_ns;
@@ -113,22 +133,9 @@ static PyObject *reached(PyObject *self, PyObject *args) {
     for (Py_ssize_t i = 0; i < n; i++) {
         if (address(PyTuple_GET_ITEM(words, i), (void **)&addr[i]) < 0) return NULL;
     }
-    int done = 0;
+    int done;
     Py_BEGIN_ALLOW_THREADS
-    uint64_t end = 0;
-    for (unsigned iter = 0;; iter++) {
-        Py_ssize_t i = 0;
-        while (i < n && __atomic_load_n(addr[i], __ATOMIC_ACQUIRE) >= value) i++;
-        if (i == n) { done = 1; break; }
-        if ((iter & 63) == 0) {
-            uint64_t t = now_ns();
-            if (end == 0) end = t + spin_ns;
-            else if (t >= end) break;
-        }
-#if defined(__x86_64__) || defined(__i386__)
-        __builtin_ia32_pause();
-#endif
-    }
+    done = spin_until(addr, n, value, spin_ns);
     Py_END_ALLOW_THREADS
     if (done && sigs != NULL) {  /* the counters' acquire loads made the signatures visible */
         for (Py_ssize_t i = 0; i < n; i++) {
@@ -447,22 +454,9 @@ static PyObject *one_shot(PyObject *self, PyObject *const *args, Py_ssize_t narg
         if (address(PyTuple_GET_ITEM(bells, i), &bell) < 0) { PyBuffer_Release(&x); return NULL; }
         sem_post((sem_t *)bell);
     }
-    int done = 0;
+    int done;
     Py_BEGIN_ALLOW_THREADS
-    uint64_t end = 0;
-    for (unsigned iter = 0;; iter++) {
-        Py_ssize_t i = 0;
-        while (i < n && __atomic_load_n(peer[i], __ATOMIC_ACQUIRE) >= epoch) i++;
-        if (i == n) { done = 1; break; }
-        if ((iter & 63) == 0) {
-            uint64_t t = now_ns();
-            if (end == 0) end = t + spin_ns;
-            else if (t >= end) break;
-        }
-#if defined(__x86_64__) || defined(__i386__)
-        __builtin_ia32_pause();
-#endif
-    }
+    done = spin_until(peer, n, epoch, spin_ns);
     Py_END_ALLOW_THREADS
     long status = done;
     if (done && sig != NULL) {   /* the counters' acquire loads made the signatures visible */
