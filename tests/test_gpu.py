@@ -466,7 +466,6 @@ def check_repeated_calls(comm) -> tuple[int, bool]:
 
     d, n, r = comm.device, comm.size, comm.rank
     dev = f"cuda:{d}"
-    before = len(comm._gpu_side.plans) if comm._gpu_side.plans is not None else 0
     for count in (2, 70_000):   # ipc: the low-latency kernel and the one-shot one
         x = torch.zeros(count, device=dev)
         out = torch.zeros(count * n, device=dev)
@@ -485,20 +484,22 @@ def check_repeated_calls(comm) -> tuple[int, bool]:
             x.fill_(r + 10 * step)
             comm.broadcast(x, n - 1)
             assert (x == n - 1 + 10 * step).all(), (count, step)
-    planned = len(comm._gpu_side.plans) - before
+    calls = comm.flight_recorder.entries()[-32:]   # 2 sizes x 4 steps x 4 operations
+    replayed = [e["replayed"] for e in calls]
     gone = weakref.ref(x)
     del x
     torch.cuda.synchronize()
     # the watchdog lets finished operations go (and their hold on x) soon after
-    return planned, eventually(lambda: gc.collect() >= 0 and gone() is None)
+    return replayed, eventually(lambda: gc.collect() >= 0 and gone() is None)
 
 
 @two_gpus()
 @pytest.mark.parametrize("backend", ["nccl", "ipc"])
 def test_repeated_blocking_calls_on_the_same_tensors_stay_right_and_free_them(backend):
     env = {**GPU_ENV, "ANYCCL_BACKEND": f"cpu:shm,cuda:{backend}"}
-    for planned, freed in run_ranks(check_repeated_calls, gpu.device_count(), env=env):
-        assert planned == 8         # 4 ops x 2 sizes
+    for replayed, freed in run_ranks(check_repeated_calls, gpu.device_count(), env=env):
+        # each size: steps 2-4 of every op replay the plan of its first call
+        assert replayed[4:16] == [True] * 12 and replayed[20:] == [True] * 12, replayed
         assert freed, "a cached plan kept the user's tensor alive"
 
 
@@ -513,7 +514,6 @@ def check_repeated_async_calls(comm) -> tuple[list[bool], int, bool]:
     import torch
 
     d, n, r = comm.device, comm.size, comm.rank
-    before = len(comm._gpu_side.plans) if comm._gpu_side.plans is not None else 0
     side = torch.cuda.Stream(d)
     right = []
     with torch.cuda.stream(side):
@@ -525,21 +525,22 @@ def check_repeated_async_calls(comm) -> tuple[list[bool], int, bool]:
                 work.wait()
                 right.append(bool((x * 1 == sum(q + step for q in range(n))).all()))
     side.synchronize()
-    planned = len(comm._gpu_side.plans) - before
+    replayed = [e["replayed"] for e in comm.flight_recorder.entries()[-12:]]   # 3 sizes x 4
     gone = weakref.ref(x)
     del x
     torch.cuda.synchronize()
-    return right, planned, eventually(lambda: gc.collect() >= 0 and gone() is None)
+    return right, replayed, eventually(lambda: gc.collect() >= 0 and gone() is None)
 
 
 @pytest.mark.parametrize("backend", ["nccl", "ipc"])
 @pytest.mark.parametrize("world", world_sizes()[:2])
 def test_repeated_async_calls_on_the_same_tensors_stay_right_and_free_them(backend, world):
     env = {**GPU_ENV, "ANYCCL_BACKEND": f"cpu:shm,cuda:{backend}"}
-    for right, planned, freed in run_ranks(check_repeated_async_calls, world, env=env,
-                                           deadline_s=120):
+    for right, replayed, freed in run_ranks(check_repeated_async_calls, world, env=env,
+                                            deadline_s=120):
         assert right == [True] * 12, right
-        assert planned == 3             # one per size
+        # each size: steps 2-4 replay the plan of its first call
+        assert [replayed[i] for i in (1, 2, 3, 5, 6, 7, 9, 10, 11)] == [True] * 9, replayed
         assert freed, "a cached plan or a finished operation kept the tensor alive"
 
 

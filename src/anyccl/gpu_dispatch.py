@@ -148,6 +148,7 @@ class GpuDispatch:
         if plan is None:
             return FULL_PATH
         record = OpRecord(plan.name, self._number(), plan.args, plan.nbytes)
+        record.replayed = True
         entry = self._recorder.queued(record)
         stream = plan.current_stream(plan.device)
         deadline = record.issued_at + self.timeout_s

@@ -21,11 +21,12 @@ class OpRecord:
     `seq` counts the communicator's collectives (every rank numbers them alike) or, for
     point-to-point ops, the messages on that (peer, direction). `args` may be given as a tuple
     (function, *arguments) whose call makes the text, once, when it is first read. `state` is
-    "queued", "started", "done" or "failed" (with `error`); the times are monotonic seconds.
+    "queued", "started", "done" or "failed" (with `error`); the times are monotonic seconds;
+    `replayed`: a GPU call that took no checks of its own but replayed an earlier call's plan.
     """
 
     __slots__ = ("name", "seq", "nbytes", "issued_at", "_args", "agree", "state", "started_at",
-                 "ended_at", "error")
+                 "ended_at", "error", "replayed")
 
     def __init__(self, name: str, seq: int, args: ArgsText = "", nbytes: int = 0) -> None:
         self.name, self.seq, self.nbytes = name, seq, nbytes
@@ -36,6 +37,7 @@ class OpRecord:
         self.agree: tuple | None = None
         self.state = "queued"
         self.started_at = self.ended_at = self.error = None
+        self.replayed = False   # a GPU call that replayed the plan of an earlier one (plans.py)
 
     @property
     def args(self) -> str:
@@ -96,7 +98,7 @@ class FlightRecorder:
 
     def entries(self) -> list[dict]:
         """The entries, oldest first, as dicts (op, seq, args, bytes, state, wall-clock times,
-        error)."""
+        error, whether a GPU call replayed a plan)."""
         offset = time.time() - time.monotonic()
 
         def wall(t: float | None) -> float | None:
@@ -104,7 +106,7 @@ class FlightRecorder:
 
         return [{"op": r.name, "seq": r.seq, "args": r.args, "bytes": r.nbytes, "state": r.state,
                  "queued_at": wall(r.issued_at), "started_at": wall(r.started_at),
-                 "ended_at": wall(r.ended_at), "error": r.error}
+                 "ended_at": wall(r.ended_at), "error": r.error, "replayed": r.replayed}
                 for r in self.records()]
 
     def dump(self, directory: str) -> str:
