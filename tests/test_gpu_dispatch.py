@@ -244,6 +244,19 @@ def test_gpu_messages_run_through_the_gpu_path():
     assert all(run_ranks(check_messages, 2, env=SETUP))
 
 
+def check_sendrecv(comm) -> bool:
+    right, left = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
+    got = FakeGpuArray(np.zeros(4))
+    sender = comm.sendrecv(FakeGpuArray(np.full(4, float(comm.rank))), right, got, left, tag=3)
+    _landed()
+    return sender == left and bool((got.a == left).all())
+
+
+@pytest.mark.parametrize("world_size", (2, 3))
+def test_sendrecv_of_gpu_arrays_runs_as_one_group_around_a_ring(world_size):
+    assert all(run_ranks(check_sendrecv, world_size, env=SETUP))
+
+
 # ---- the uneven ("v") forms on GPU arrays -----------------------------------------------------
 def check_uneven_forms(comm) -> dict[str, Any]:
     from anyccl import gpu

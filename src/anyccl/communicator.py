@@ -284,9 +284,9 @@ class Communicator:
             record = self._message_record("sendrecv", x, dst, tag, src)
             return self._engine.exchange(self.flight_recorder.queued(record),
                                          (("send", x, dst, tag), ("recv", y, src, tag)))
-        with self.batch():
-            sent = self.isend(x, dst, tag, stream=stream)
-            received = self.irecv(y, src, tag, stream=stream)
+        with self.batch():   # GPU arrays: one group; isend and irecv take the caller's arrays
+            sent = self.isend(send_tensor, dst, tag, stream=stream)
+            received = self.irecv(recv_tensor, src, tag, stream=stream)
         sent.wait()
         received.wait()
         return src if src is not None else received.source
