@@ -149,16 +149,16 @@ class GpuDispatch:
             return FULL_PATH
         record = OpRecord(plan.name, self._number(), plan.args, plan.nbytes)
         record.replayed = True
-        entry = self._recorder.queued(record)
+        self._recorder.queued(record)
         stream = plan.current_stream(plan.device)
         deadline = record.issued_at + self.timeout_s
         try:
             if not async_op:
-                plan.run(record, (stream,), deadline, plan.enqueue, None, [entry], stream)
+                plan.run(record, (stream,), deadline, plan.enqueue, None, [record], stream)
                 return None
-            event = plan.run(record, (stream,), deadline, plan.enqueue, tensors, [entry])
+            event = plan.run(record, (stream,), deadline, plan.enqueue, tensors, [record])
         except BaseException as exc:
-            FlightRecorder.ended(entry, exc)
+            FlightRecorder.ended(record, exc)
             self._post_mortem(exc)
             raise
         work = GpuWork(record, self.rank, plan.backend,
@@ -172,16 +172,16 @@ class GpuDispatch:
         (NCCL has no tags; the ipc backend checks them). Inside a batch, collected for it."""
         backend = self.backend(op, collective=False)
         enqueue = (backend.send if record.name == "send" else backend.recv)(x, peer, tag)
-        entry = self._recorder.queued(record)
+        self._recorder.queued(record)
         if self.batched is not None:
             if not async_op:
                 raise self._check.fail(op, f"use i{record.name} inside `with comm.batch():`")
             waits_on = current_stream(x) if stream is None else (
                 lambda s=gpu.stream_pointer(stream): s)
             work = GpuWork(record, self.rank, backend, waits_on)
-            self.batched.append((record, entry, enqueue, x, stream, work))
+            self.batched.append((record, enqueue, x, stream, work))
             return work
-        return self.queue(record, [entry], enqueue, [x], async_op, stream)
+        return self.queue(record, [record], enqueue, [x], async_op, stream)
 
     def uneven_moves(self, op: str, layout: Callable[[Any], Any], x: GpuArray,
                      stream: Any) -> tuple[Any, int | None]:
@@ -214,10 +214,10 @@ class GpuDispatch:
         record = OpRecord("batch", pending[0][0].seq,
                           ", ".join(f"{r.name} {r.args}" for r, *_ in pending),
                           sum(r.nbytes for r, *_ in pending))
-        enqueue = self.gpu.group([e for _, _, e, *_ in pending])
-        arrays = [x for _, _, _, x, _, _ in pending]
+        enqueue = self.gpu.group([e for _, e, *_ in pending])
+        arrays = [x for _, _, x, _, _ in pending]
         works = [w for *_, w in pending]
-        self.queue(record, [entry for _, entry, *_ in pending], enqueue, arrays, True,
+        self.queue(record, [r for r, *_ in pending], enqueue, arrays, True,
                    next(iter(streams), None), works[0])
         for w in works[1:]:
             w.bind(*works[0].bound_to())

@@ -819,21 +819,31 @@ class SharedMemoryBackend(Backend):
         codes = _CORE_REDUCTIONS.get((x.dtype, op))
         if core is None or codes is None or x.nbytes > self._core_max_bytes or self.size == 1:
             return False
+        reduce_here = root is None or root == self.rank
+        done, half = self._one_shot(x, codes[0], codes[1], reduce_here, -1)
+        if not done and reduce_here:
+            core.reduce(x, self._half_at[half], x.size, codes[0], codes[1], self.size)
+        return True
+
+    def _one_shot(self, x: np.ndarray, dtype_code: int, op_code: int, reduce_here: bool,
+                  source: int) -> tuple[bool, int]:
+        """One staging half's one-shot step in the core (`_shmcore.one_shot`: stage, arrive
+        with the signature, spin, compare, then reduce, or copy from `source` >= 0); where the
+        peers were not there within the spin, the wait and the comparison here. (True, half)
+        once the core finished it all; (False, half) when the caller still reduces or copies
+        from that half."""
         self._half = half = self._half ^ 1
         self._epoch = epoch = self._epoch + 1
         agree, self._agree = self._agree, None
-        reduce_here = root is None or root == self.rank
-        status = core.one_shot(x, self._lanes[2 * half + (epoch & 1)], epoch, agree, codes[0],
-                               codes[1], self.size, reduce_here, -1)
+        status = self._core.one_shot(x, self._lanes[2 * half + (epoch & 1)], epoch, agree,
+                                     dtype_code, op_code, self.size, reduce_here, source)
         if status == 1:
-            return True
+            return True, half
         if agree is not None:
             self._settle(epoch, agree, status)
         elif not status:
             self._arrive_and_wait(epoch)
-        if reduce_here:
-            core.reduce(x, self._half_at[half], x.size, codes[0], codes[1], self.size)
-        return True
+        return False, half
 
     def broadcast(self, x: np.ndarray, root: int) -> None:
         if self._direct_for("broadcast", x.nbytes):
@@ -846,19 +856,9 @@ class SharedMemoryBackend(Backend):
     def _core_broadcast(self, x: np.ndarray, root: int) -> None:
         """`symmetric.broadcast` of a message that fits one staging half, step for step (the
         root stages, barrier, the others copy), run by the compiled core in one call."""
-        self._half = half = self._half ^ 1
-        self._epoch = epoch = self._epoch + 1
-        agree, self._agree = self._agree, None
         raw = x.view(np.uint8)
-        status = self._core.one_shot(raw, self._lanes[2 * half + (epoch & 1)], epoch, agree,
-                                     0, 0, 1, False, root)
-        if status == 1:
-            return
-        if agree is not None:
-            self._settle(epoch, agree, status)
-        elif not status:
-            self._arrive_and_wait(epoch)
-        if self.rank != root:
+        done, half = self._one_shot(raw, 0, 0, False, root)
+        if not done and self.rank != root:
             raw[...] = self._staging[root][half][:raw.size]
 
     def all_gather(self, outs: list[np.ndarray], x: np.ndarray) -> None:
