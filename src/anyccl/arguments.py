@@ -172,6 +172,25 @@ class Arguments:
                 self.others_disjoint(op, checked or [], pieces_name, x, name)
         return x, root, checked
 
+    def all_gather(self, out: Any, tensor: Any) -> tuple[Array, list[Array], bool]:
+        """all_gather's arguments: (tensor, out as `size` pieces, whether they are even). The
+        pieces may differ in size (allgatherv); even ones may not overlap `tensor`, except
+        this rank's own piece (in place)."""
+        x = self.array("all_gather", tensor, "tensor", writable=False)
+        outs = self.pieces("all_gather", out, "out", x, writable=True,
+                           sizes_may_differ=self.size > 1)
+        even = all(o.size == x.size for o in outs)
+        if even:
+            self.others_disjoint("all_gather", outs, "out", x, "tensor")
+        return x, outs, even
+
+    def reduce_scatter(self, out: Any, inp: Any, op: Any) -> tuple[Array, list[Array], ReduceOp]:
+        """reduce_scatter's arguments: (out, inp as `size` pieces like out, the reduce op)."""
+        x = self.array("reduce_scatter", out, "out", writable=True)
+        inputs = self.pieces("reduce_scatter", inp, "inp", x, writable=False)
+        self.others_disjoint("reduce_scatter", inputs, "inp", x, "out")
+        return x, inputs, self.reduce_op("reduce_scatter", op, x.dtype)
+
     def all_to_all(self, out: Any, inp: Any) -> tuple[list[Array], list[Array], Array]:
         """all_to_all's lists (or single arrays split evenly): (outs, inputs, inputs' first
         piece), no out[i] overlapping an inp[j] of another rank's piece."""

@@ -24,7 +24,7 @@ from urllib.parse import urlparse
 from . import settings
 from .arguments import seconds
 from .backends import registry
-from .communicator import Communicator, close_all
+from .communicator import Communicator
 from .errors import (
     AnycclError,
     InvalidArgumentError,
@@ -32,6 +32,7 @@ from .errors import (
     TimeoutError,
     UnsupportedError,
 )
+from .lifetime import close_all
 from .store import FileStore, PrefixStore, Store, StoreServer, TCPStore
 
 log = logging.getLogger("anyccl")
@@ -554,10 +555,10 @@ def _dump_flight_records_on_sigterm() -> None:
         return
 
     def on_sigterm(signum: int, _frame: object) -> None:
-        from .communicator import _live
+        from .lifetime import live
         from .trace import flight_directory
 
-        for comm in list(_live):
+        for comm in list(live):
             try:
                 comm.flight_recorder.dump(flight_directory(comm.job_id))
             except OSError:

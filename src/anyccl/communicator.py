@@ -1,50 +1,42 @@
-"""The Communicator: the public operations, their ordering, sub-groups and objects.
+"""The Communicator: the public operations. It checks, numbers, records and routes; it calls
+no transport.
 
 Each operation's arguments are checked first (`arguments.py`), once, before any byte moves; a
 refused call raises and leaves the communicator usable, and a refused host collective is told
 to the other ranks (`_refused`), which raise too. Host arrays go, as flat NumPy views, to the
-host backend, run in issue order by the `Engine`, each host collective with its signature
-(agreement.py) for the backend to compare across ranks; GPU arrays go, as `GpuArray`s, to the
-GPU backend through `gpu_dispatch.py`, which queues them on CUDA streams. Every operation gets a
-sequence number, a flight-recorder line and, in debug mode, the full agreement check across
-ranks. Backends trust what they receive.
+host engine (engine.py), which runs them on the host backend in issue order, each collective
+with its signature (agreement.py) for the backend to compare across ranks; GPU arrays go, as
+`GpuArray`s, to the GPU engine (gpu_dispatch.py), which queues them on CUDA streams. Messages
+take the same two ways (messages.py); the uneven forms, sub-groups, inputs that cannot be
+written in place and lifetime have modules of their own (uneven_calls.py, groups.py,
+in_place.py, lifetime.py). Every operation gets a sequence number, a flight-recorder line and,
+in debug mode, the full agreement check across ranks. Backends trust what they receive.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import weakref
 from collections.abc import Sequence
 from typing import Any, Callable
 
 import numpy as np
 
-from . import groups
+from . import groups, in_place, lifetime
 from .algorithms import objects
 from .arguments import Arguments, named
 from .backends.base import Backend
 from .backends.gpu_base import GpuBackend
-from .buffers import (
-    Array,
-    immutable_copy,
-    lives_on_gpu,
-)
+from .buffers import Array, lives_on_gpu
 from .engine import HostEngine
-from .errors import (
-    AnycclError,
-    InvalidArgumentError,
-    UnsupportedError,
-)
+from .errors import AnycclError, InvalidArgumentError, UnsupportedError
 from .gpu_dispatch import FULL_PATH, GpuDispatch
+from .messages import MessageCalls
 from .ops import ReduceOp
 from .store import Store
-from .trace import ArgsText, FlightRecorder, OpRecord, about, message_text
+from .trace import ArgsText, FlightRecorder, OpRecord, about
 from .uneven_calls import UnevenCalls
 from .work import Work
-
-_live: weakref.WeakSet[Communicator] = weakref.WeakSet()
-
 
 # a collective's refusal of its own arguments: told to the other ranks (see `_refused`)
 _REFUSALS = (InvalidArgumentError, UnsupportedError)
@@ -81,6 +73,7 @@ class Communicator:
         self.debug = debug
         self.job_id = job_id
         self.flight_recorder = FlightRecorder(rank, name)
+        self._log = self.flight_recorder.add   # the record of each operation issued
         self._check = Arguments(rank, size)
         self._backend = backend
         self._store = store
@@ -90,7 +83,6 @@ class Communicator:
                                   timeout_s=timeout_s, recorder=self.flight_recorder,
                                   job_id=job_id)
         self._seq = 0
-        self._p2p_seq: dict[tuple[str, int | None, int | None], int] = {}
         self._splits = 0
         self._closed = False
         self._gpu_side = GpuDispatch(self._check, backend, store, rank=rank, size=size,
@@ -98,13 +90,14 @@ class Communicator:
                                      meet=self.barrier, post_mortem=self._engine.post_mortem,
                                      number=self._number, recorder=self.flight_recorder,
                                      device=device, backend=gpu_backend, kind=gpu_kind)
+        self._messages = MessageCalls(self, self._check, self._engine, self._gpu_side)
         self._uneven = UnevenCalls(self, self._check, self._gpu_side, self._refused,
                                    self._collective, lambda: self._seq)
         self._owner_pid = os.getpid()
         # the host of each rank, and why the host backend is what it is (set by init())
         self.hosts: tuple[str, ...] = ()
         self.backend_reason = "given"
-        _live.add(self)
+        lifetime.live.add(self)
 
     # ---- identity ----------------------------------------------------------------------------
     @property
@@ -167,13 +160,10 @@ class Communicator:
         # one host array and no stream (the common case) cannot be on a GPU: no need to ask
         if (stream is not None or len(arrays) != 1 or type(like) is not np.ndarray) \
                 and self._gpu_side.on_gpu(name, arrays, stream):
-            gpu_backend = self._gpu_side.backend(name, collective=True)
-            try:
-                enqueue = call(gpu_backend)  # refuses what NCCL cannot do, before any byte moves
-            except AnycclError as exc:
-                raise type(exc)(f"rank {self.rank}: {name}: {exc}") from None
+            enqueue = self._gpu_side.prepare(name, call)
         self._seq += 1
-        record = self.flight_recorder.queued(OpRecord(name, self._seq, args, nbytes))
+        record = OpRecord(name, self._seq, args, nbytes)
+        self._log(record)
         if enqueue is None:
             return self._engine.collective(record, call, async_op, like, root, op, self.debug)
         if self.debug:
@@ -191,34 +181,6 @@ class Communicator:
             return
         record = OpRecord(name, self._number(), "refused its arguments")
         self._engine.refuse(self.flight_recorder.queued(record), str(exc))
-
-    def _message(self, kind: str, x: Array, peer: int | None, tag: int, async_op: bool,
-                 stream: Any = None) -> Work | int | None:
-        """Send or receive (peer=None: receive from any rank); a blocking receive returns the
-        sender, an async call its Work."""
-        record = self._message_record(kind, x, peer, tag)
-        op = "i" + kind if async_op else kind
-        if (stream is not None or type(x) is not np.ndarray) and self._gpu_side.on_gpu(
-                op, [("tensor", x)], stream):
-            if peer is None:
-                raise self._check.fail(op, "src=None (from any rank) needs host arrays: GPU "
-                                           "messages match in issue order between two named "
-                                           "ranks (NCCL has no any-source receive); name src")
-            return self._gpu_side.message(op, record, x, peer, tag, async_op, stream)
-        if self._gpu_side.batched is not None and not async_op:
-            raise self._check.fail(kind, f"use i{kind} inside `with comm.batch():`")
-        return self._engine.message(kind, x, peer, tag, self.flight_recorder.queued(record),
-                                    async_op)
-
-    def _message_record(self, kind: str, x: Array, peer: int | None, tag: int,
-                        src: int | None = None) -> OpRecord:
-        """The record of a message (kind "sendrecv": of an exchange, receiving from `src`),
-        numbered per kind and peers."""
-        key = (kind, peer, src)
-        self._p2p_seq[key] = seq = self._p2p_seq.get(key, 0) + 1
-        nbytes = x.nbytes
-        return OpRecord(kind, seq, (message_text, kind, peer, tag, nbytes, src),
-                        nbytes)
 
     def batch(self) -> contextlib.AbstractContextManager[None]:
         """Issue the isend/irecv calls made inside the block together: for GPU arrays, as one
@@ -239,34 +201,35 @@ class Communicator:
     # ---- point to point ----------------------------------------------------------------------
     def _p2p_args(self, op: str, tensor: Any, peer: Any, peer_name: str, tag: Any,
                   writable: bool) -> tuple[Array, int | None, int]:
-        self._check_open(op)
+        if self._closed:
+            self._check_open(op)
         return self._check.message(op, tensor, peer, peer_name, tag, writable)
 
     def send(self, tensor: Any, dst: int, tag: int = 0, *, stream: Any = None) -> None:
         """Send `tensor` to rank `dst`. Host arrays: returns once the data is out of `tensor`
         (it may be buffered in shared memory before `dst` receives it). GPU arrays: queued on
         the stream like a collective; messages between two ranks match in issue order."""
-        self._message("send", *self._p2p_args("send", tensor, dst, "dst", tag, False), False,
-                      stream)
+        self._messages.message("send", *self._p2p_args("send", tensor, dst, "dst", tag, False),
+                               False, stream)
 
     def recv(self, tensor: Any, src: int | None, tag: int = 0, *, stream: Any = None) -> int:
         """Receive the next message from `src` with `tag` into `tensor` (same dtype and size as
         sent) and return the sender. src=None (host arrays): the first message with `tag` from
         any rank; messages from each rank still arrive in the order it sent them."""
-        sender = self._message("recv", *self._p2p_args("recv", tensor, src, "src", tag, True),
-                               False, stream)
+        sender = self._messages.message(
+            "recv", *self._p2p_args("recv", tensor, src, "src", tag, True), False, stream)
         return src if src is not None else sender  # type: ignore[return-value]
 
     def isend(self, tensor: Any, dst: int, tag: int = 0, *, stream: Any = None) -> Work:
         """Start sending `tensor` to `dst`; do not modify it until the Work completes."""
-        return self._message("send", *self._p2p_args("isend", tensor, dst, "dst", tag, False),
-                             True, stream)  # type: ignore[return-value]
+        return self._messages.message(  # type: ignore[return-value]
+            "send", *self._p2p_args("isend", tensor, dst, "dst", tag, False), True, stream)
 
     def irecv(self, tensor: Any, src: int | None, tag: int = 0, *, stream: Any = None) -> Work:
         """Start receiving into `tensor`; read it only after the Work completes. src=None: from
         any rank (host arrays); the Work's `source` then names the sender."""
-        return self._message("recv", *self._p2p_args("irecv", tensor, src, "src", tag, True),
-                             True, stream)
+        return self._messages.message(  # type: ignore[return-value]
+            "recv", *self._p2p_args("irecv", tensor, src, "src", tag, True), True, stream)
 
     def sendrecv(self, send_tensor: Any, dst: int, recv_tensor: Any, src: int | None,
                  tag: int = 0, *, stream: Any = None) -> int:
@@ -274,22 +237,10 @@ class Communicator:
         `recv_tensor`, both at once (MPI's Sendrecv): neither waits for the other, so a ring of
         exchanges cannot deadlock. Returns the sender (src=None, host arrays: from any rank).
         Host arrays: returns when the message arrived; GPU arrays: queued on the stream."""
-        self._check_open("sendrecv")
-        x, dst, tag = self._check.message("sendrecv", send_tensor, dst, "dst", tag, False)
-        y, src, _ = self._check.message("sendrecv", recv_tensor, src, "src", tag, True)
-        self._check.disjoint("sendrecv", x, "send_tensor", y, "recv_tensor")
-        if self._gpu_side.batched is not None:
-            raise self._check.fail("sendrecv", "use isend and irecv inside `with comm.batch():`")
-        if stream is None and type(x) is np.ndarray and type(y) is np.ndarray:
-            record = self._message_record("sendrecv", x, dst, tag, src)
-            return self._engine.exchange(self.flight_recorder.queued(record),
-                                         (("send", x, dst, tag), ("recv", y, src, tag)))
-        with self.batch():   # GPU arrays: one group; isend and irecv take the caller's arrays
-            sent = self.isend(send_tensor, dst, tag, stream=stream)
-            received = self.irecv(recv_tensor, src, tag, stream=stream)
-        sent.wait()
-        received.wait()
-        return src if src is not None else received.source
+        if self._closed:
+            self._check_open("sendrecv")
+        return self._messages.sendrecv(  # type: ignore[return-value]
+            send_tensor, dst, recv_tensor, src, tag, stream)
 
     # ---- collectives -------------------------------------------------------------------------
     # GPU arrays: each call is queued after the work on the caller's current stream (torch's or
@@ -301,13 +252,13 @@ class Communicator:
         Returns:
             Blocking: the array that holds the result (see `all_reduce`). Else a `Work`.
         """
-        if type(tensor) is not np.ndarray or not tensor.flags.writeable \
-                or self._gpu_side.plans is not None:
-            early = self._in_place_early(("broadcast", src), tensor, async_op, stream,
-                                         lambda copy: self.broadcast(copy, src))
-            if early is not FULL_PATH:
-                return early
-        self._check_open("broadcast")
+        if (type(tensor) is not np.ndarray or not tensor.flags.writeable
+                or self._gpu_side.plans is not None) and (early := in_place.early(
+                    self, ("broadcast", src), tensor, async_op, stream,
+                    lambda copy: self.broadcast(copy, src))) is not FULL_PATH:
+            return early
+        if self._closed:
+            self._check_open("broadcast")
         try:
             x = self._check.array("broadcast", tensor, "tensor", writable=True)
             src = self._check.peer("broadcast", src, "src")
@@ -330,13 +281,13 @@ class Communicator:
             holds the result, so `y = comm.all_reduce(x)` works for every array. With
             `async_op=True`: a `Work` (in place only).
         """
-        if type(tensor) is not np.ndarray or not tensor.flags.writeable \
-                or self._gpu_side.plans is not None:
-            early = self._in_place_early(("all_reduce", op), tensor, async_op, stream,
-                                         lambda copy: self.all_reduce(copy, op))
-            if early is not FULL_PATH:
-                return early
-        self._check_open("all_reduce")
+        if (type(tensor) is not np.ndarray or not tensor.flags.writeable
+                or self._gpu_side.plans is not None) and (early := in_place.early(
+                    self, ("all_reduce", op), tensor, async_op, stream,
+                    lambda copy: self.all_reduce(copy, op))) is not FULL_PATH:
+            return early
+        if self._closed:
+            self._check_open("all_reduce")
         try:
             x, rop = self._check.reduced("all_reduce", tensor, op)
         except _REFUSALS as exc:
@@ -355,13 +306,13 @@ class Communicator:
         Returns:
             Blocking: the array that holds the result (see `all_reduce`). Else a `Work`.
         """
-        if type(tensor) is not np.ndarray or not tensor.flags.writeable \
-                or self._gpu_side.plans is not None:
-            early = self._in_place_early(("reduce", dst, op), tensor, async_op, stream,
-                                         lambda copy: self.reduce(copy, dst, op))
-            if early is not FULL_PATH:
-                return early
-        self._check_open("reduce")
+        if (type(tensor) is not np.ndarray or not tensor.flags.writeable
+                or self._gpu_side.plans is not None) and (early := in_place.early(
+                    self, ("reduce", dst, op), tensor, async_op, stream,
+                    lambda copy: self.reduce(copy, dst, op))) is not FULL_PATH:
+            return early
+        if self._closed:
+            self._check_open("reduce")
         try:
             x, rop = self._check.reduced("reduce", tensor, op)
             dst = self._check.peer("reduce", dst, "dst")
@@ -373,33 +324,6 @@ class Communicator:
                                 root=dst, op=rop, arrays=[("tensor", x)], stream=stream)
         return tensor if work is None else work
 
-    def _in_place_early(self, tag: tuple, tensor: Any, async_op: bool, stream: Any,
-                        again: Callable[[np.ndarray], Any]) -> Any:
-        """What all_reduce, broadcast or reduce (`tag`: its name and arguments) answers before
-        its full path: for an input that cannot be written in place, `again(copy)` on a
-        writable copy, and the result as a new array of the input's kind (blocking only: an
-        async call is refused, on every rank, as any refused argument is); a replayed plan's
-        outcome (GPU); else FULL_PATH."""
-        staged = immutable_copy(tensor)
-        if staged is not None:
-            copy, back = staged
-            name = tag[0]
-            if async_op:
-                self._check_open(name)
-                exc = InvalidArgumentError(
-                    f"rank {self.rank}: {name}: tensor ({type(tensor).__name__}) cannot be "
-                    f"written in place, so async_op=True has nowhere to put the result; call it "
-                    f"blocking and use what it returns: y = comm.{name}(x, ...)")
-                self._refused(name, exc, (copy,))
-                raise exc
-            again(copy)
-            return back(copy)
-        if self._gpu_side.plans is not None:
-            replayed = self._gpu_side.replay(tag, (tensor,), async_op, stream)
-            if replayed is not FULL_PATH:
-                return tensor if replayed is None else replayed
-        return FULL_PATH
-
     def all_gather(self, out: Any, tensor: Any, async_op: bool = False, *,
                    stream: Any = None) -> Work | None:
         """`out` receives every rank's `tensor` in rank order: a list of `size` arrays, or one
@@ -409,16 +333,8 @@ class Communicator:
                 ("all_gather",), (out, tensor), async_op, stream)) is not FULL_PATH:
             return replayed   # a GPU call ran: this one replayed its plan
         self._check_open("all_gather")
-        try:
-            x = self._check.array("all_gather", tensor, "tensor", writable=False)
-            outs = self._check.pieces("all_gather", out, "out", x, writable=True,
-                                      sizes_may_differ=self.size > 1)
-            even = all(o.size == x.size for o in outs)
-            if even:
-                self._check.others_disjoint("all_gather", outs, "out", x, "tensor")
-        except _REFUSALS as exc:
-            self._refused("all_gather", exc, (out, tensor))
-            raise
+        x, outs, even = self._checked("all_gather", (out, tensor), self._check.all_gather, out,
+                                      tensor)
         if not even:
             return self._uneven.all_gather(x, outs, async_op, stream)
         return self._collective("all_gather", about(x), x.nbytes * self.size,
@@ -435,8 +351,8 @@ class Communicator:
                 ("gather", dst), (tensor, out_list), async_op, stream)) is not FULL_PATH:
             return replayed   # a GPU call ran: this one replayed its plan
         self._check_open("gather")
-        x, dst, outs = self._rooted_args("gather", tensor, "tensor", dst, "dst", out_list,
-                                         "out_list", uneven)
+        x, dst, outs = self._checked("gather", (tensor, out_list), self._check.rooted, "gather",
+                                     tensor, "tensor", dst, "dst", out_list, "out_list", uneven)
         if uneven:
             return self._uneven.rooted("gather", x, out_list, "out_list", dst, "dst", True,
                                        async_op, stream)
@@ -445,15 +361,13 @@ class Communicator:
                                 arrays=[("tensor", x), *named("out_list", outs or [])],
                                 stream=stream)
 
-    def _rooted_args(self, op: str, array: Any, name: str, root: Any, root_name: str,
-                     pieces: Any, pieces_name: str, uneven: bool
-                     ) -> tuple[Array, int, list[Array] | None]:
-        """gather's or scatter's arguments checked (`Arguments.rooted`), a refusal told."""
+    def _checked(self, op: str, told: tuple, check: Callable[..., Any], *args: Any) -> Any:
+        """`check(*args)`: an Arguments check of collective `op`; a refusal is told to the
+        other ranks (`_refused`, `told`: the arguments that say whether they live on a GPU)."""
         try:
-            return self._check.rooted(op, array, name, root, root_name, pieces, pieces_name,
-                                      uneven)
+            return check(*args)
         except _REFUSALS as exc:
-            self._refused(op, exc, (array, pieces))
+            self._refused(op, exc, told)
             raise
 
     def scatter(self, out: Any, chunks: Any = None, src: int = 0,
@@ -466,8 +380,8 @@ class Communicator:
                 ("scatter", src), (out, chunks), async_op, stream)) is not FULL_PATH:
             return replayed   # a GPU call ran: this one replayed its plan
         self._check_open("scatter")
-        x, src, pieces = self._rooted_args("scatter", out, "out", src, "src", chunks, "chunks",
-                                           uneven)
+        x, src, pieces = self._checked("scatter", (out, chunks), self._check.rooted, "scatter",
+                                       out, "out", src, "src", chunks, "chunks", uneven)
         if uneven:
             return self._uneven.rooted("scatter", x, chunks, "chunks", src, "src", False,
                                        async_op, stream)
@@ -484,14 +398,8 @@ class Communicator:
                 ("reduce_scatter", op), (out, inp), async_op, stream)) is not FULL_PATH:
             return replayed   # a GPU call ran: this one replayed its plan
         self._check_open("reduce_scatter")
-        try:
-            x = self._check.array("reduce_scatter", out, "out", writable=True)
-            inputs = self._check.pieces("reduce_scatter", inp, "inp", x, writable=False)
-            self._check.others_disjoint("reduce_scatter", inputs, "inp", x, "out")
-            rop = self._check.reduce_op("reduce_scatter", op, x.dtype)
-        except _REFUSALS as exc:
-            self._refused("reduce_scatter", exc, (out, inp))
-            raise
+        x, inputs, rop = self._checked("reduce_scatter", (out, inp), self._check.reduce_scatter,
+                                       out, inp, op)
         return self._collective("reduce_scatter", about(x, ", op={0.name}", rop),
                                 x.nbytes * self.size, lambda b: b.reduce_scatter(x, inputs, rop),
                                 async_op, like=x, op=rop,
@@ -512,11 +420,8 @@ class Communicator:
                 ("all_to_all",), (out, inp), async_op, stream)) is not FULL_PATH:
             return replayed   # a GPU call ran: this one replayed its plan
         self._check_open("all_to_all")
-        try:
-            outs, inputs, first = self._check.all_to_all(out, inp)
-        except _REFUSALS as exc:
-            self._refused("all_to_all", exc, (out, inp))
-            raise
+        outs, inputs, first = self._checked("all_to_all", (out, inp), self._check.all_to_all,
+                                            out, inp)
         return self._collective("all_to_all", about(first), first.nbytes * self.size,
                                 lambda b: b.all_to_all(outs, inputs), async_op, like=first,
                                 arrays=[*named("inp", inputs), *named("out", outs)],
@@ -558,17 +463,10 @@ class Communicator:
 
     # ---- lifetime ----------------------------------------------------------------------------
     def _check_open(self, op: str) -> None:
+        """Raise CommunicatorClosedError for `op` if this communicator is closed (or belongs to
+        the process this one was forked from); the hot calls look at `_closed` first."""
         if self._closed:
-            from .errors import CommunicatorClosedError
-
-            if self._owner_pid != os.getpid():
-                raise CommunicatorClosedError(
-                    f"rank {self.rank}: {op}: this communicator belongs to process "
-                    f"{self._owner_pid}, and this process ({os.getpid()}) was forked from it "
-                    f"after init(): a child cannot use its parent's communicator (it would "
-                    f"take its parent's place as rank {self.rank}). Call anyccl.init() in the "
-                    f"child as a rank of its own, or fork before init()")
-            raise CommunicatorClosedError(f"rank {self.rank}: {op}: the communicator is closed")
+            raise lifetime.closed_error(self.rank, op, self._owner_pid)
 
     def _disown(self) -> None:
         """In a child forked from this communicator's process: refuse every call, and leave
@@ -576,7 +474,7 @@ class Communicator:
         here would tell the parent's peers that it left)."""
         self._closed = True
         self._gpu_side.plans = None
-        _live.discard(self)
+        lifetime.live.discard(self)
 
     def close(self) -> None:
         """Finish queued work (briefly), then release shared memory, threads and connections.
@@ -584,11 +482,9 @@ class Communicator:
         if self._closed:
             return
         self._closed = True
-        self._gpu_side.plans = None
-        _live.discard(self)
+        lifetime.live.discard(self)
         try:
-            if self._gpu_side.gpu is not None:
-                self._gpu_side.gpu.close()
+            self._gpu_side.close()
         finally:
             try:
                 self._engine.close()
@@ -601,21 +497,3 @@ class Communicator:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _after_fork_in_child() -> None:
-    for comm in list(_live):
-        comm._disown()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-def close_all() -> None:
-    """Close every communicator still open (registered with atexit)."""
-    for comm in list(_live):
-        try:
-            comm.close()
-        except AnycclError:
-            pass

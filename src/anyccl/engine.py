@@ -348,20 +348,26 @@ class HostEngine(Engine):
                             | (0 if op is None else op.agree_bits), like.size)
         else:
             record.agree = (_NAME_BITS[record.name], 0)
-        if not (async_op or debug) and self._may_drive():
-            # the common blocking case: right here, on the caller's thread (`_run` notes its
-            # failure, as `run_now` would)
+        if not (async_op or debug or self._outstanding) and self._drive.acquire(False):
+            # the common blocking case (`_may_drive`, inline): right here, on the caller's
+            # thread; `_run` notes its failure, as `run_now` would
             try:
-                self._run(record, call)
+                if not self._outstanding and self.failure is None and not self._closing:
+                    self._run(record, call, None, record.issued_at)
+                    return None
             finally:
                 self._drive.release()
-            return None
         signature = self._signature(record, like, root, op) if debug else None
         task = self._task(record, signature, call)
         if async_op:
             return self.submit(task, Work(record, self.rank))
         self.call(task, lambda: Work(record, self.rank))
         return None
+
+    def subgroup(self, ranks: list[int], name: str) -> Backend:
+        """Collective over `ranks`: the host backend of a sub-communicator of them (this rank
+        among them), with this engine's timeout for its start-up."""
+        return self.backend.subgroup(ranks, name, self.timeout_s)
 
     def check_agreement(self, record: OpRecord, like: Any, root: int,
                         op: ReduceOp | None) -> None:
@@ -392,12 +398,13 @@ class HostEngine(Engine):
         return lambda _=None: self._run(record, call, signature)
 
     def _run(self, record: OpRecord, call: Callable[[Backend], Any] | None,
-             signature: np.ndarray | None = None) -> None:
+             signature: np.ndarray | None = None, now: float = 0.0) -> None:
         """One operation on the host backend: debug mode's agreement check (if `signature`),
-        then `call(backend)` (None: the operation itself runs on a GPU)."""
+        then `call(backend)` (None: the operation itself runs on a GPU). `now`: when it
+        starts, if the caller knows (a call run as it is issued starts when it was issued)."""
         backend = self.backend
         record.state = "started"   # FlightRecorder.started, inline: every host op passes here
-        record.started_at = now = time.monotonic()
+        record.started_at = now = now or time.monotonic()
         backend.begin(record, now + self.timeout_s)
         try:
             if signature is not None:

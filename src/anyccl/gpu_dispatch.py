@@ -18,7 +18,7 @@ from .backends.base import Backend
 from .backends.gpu_base import GpuBackend
 from .backends.gpu_queue import Enqueue
 from .buffers import Array, GpuArray, current_stream
-from .errors import UnsupportedError
+from .errors import AnycclError, UnsupportedError
 from .plans import Plans
 from .store import Store
 from .trace import ArgsText, Entry, FlightRecorder, OpRecord
@@ -99,6 +99,29 @@ class GpuDispatch:
             self.connect(op)
         assert self.gpu is not None
         return self.gpu
+
+    def prepare(self, op: str, call: Callable[[GpuBackend], Enqueue]) -> Enqueue:
+        """`call(gpu_backend)`: the function that queues collective `op` on a stream (the
+        backend refuses what it cannot do here, before any byte moves)."""
+        gpu_backend = self.backend(op, collective=True)
+        try:
+            return call(gpu_backend)
+        except AnycclError as exc:
+            raise type(exc)(f"rank {self.rank}: {op}: {exc}") from None
+
+    def split(self, color: int | None, key: int, label: str, store: Store,
+              group: str) -> GpuBackend | None:
+        """Collective over this communicator's ranks: its GPU backend, if it exists, split as
+        the communicator is (`GpuBackend.split`); None where it does not exist."""
+        if self.gpu is None:
+            return None
+        return self.gpu.split(color, key, label, store=store, group=group)
+
+    def close(self) -> None:
+        """Release the GPU backend, if one was created."""
+        self.plans = None
+        if self.gpu is not None:
+            self.gpu.close()
 
     def connect(self, op: str) -> None:
         """Collective: create this communicator's GPU backend now, on this rank's device (the

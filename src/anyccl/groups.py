@@ -27,14 +27,13 @@ def split(comm: Communicator, color: int | None, key: int | None) -> Communicato
     name = f"{comm._name}.{comm._splits}.{color}"
     ranks = [r for _, r in sorted((k, r) for r, (c, k) in enumerate(choices) if c == color)]
     # an existing GPU communicator splits too (collective over all of its ranks)
-    parent = comm._gpu_side.gpu
-    gpu_child = None if parent is None else parent.split(
+    gpu_child = comm._gpu_side.split(
         color, choices[comm.rank][1],
         f"rank {ranks.index(comm.rank)} ({name})" if color is not None else "",
         store=comm._store, group=name)
     if color is None:
         return None
-    backend = comm._backend.subgroup(ranks, name, comm.timeout_s)
+    backend = comm._engine.subgroup(ranks, name)
     child = type(comm)(backend, comm._store, rank=ranks.index(comm.rank), size=len(ranks),
                        local_rank=comm.local_rank, timeout_s=comm.timeout_s, name=name,
                        job_id=comm.job_id, debug=comm.debug, device=comm._gpu_side.device,

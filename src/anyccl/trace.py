@@ -74,6 +74,8 @@ class FlightRecorder:
     def __init__(self, rank: int, name: str, capacity: int = 64) -> None:
         self.rank, self.name = rank, name
         self._entries: deque[Entry] = deque(maxlen=capacity)
+        # `queued` without returning the record: the deque's own append, for the hot path
+        self.add = self._entries.append
         self.dumped_to: str | None = None
 
     def queued(self, record: OpRecord) -> Entry:

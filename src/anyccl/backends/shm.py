@@ -799,7 +799,12 @@ class SharedMemoryBackend(Backend):
 
     # ---- collectives -------------------------------------------------------------------------
     def all_reduce(self, x: np.ndarray, op: ReduceOp) -> None:
-        if self._core_one_shot(x, op, None):
+        codes = _CORE_REDUCTIONS.get((x.dtype, op))   # `_core_one_shot`, inline: the hot path
+        if codes is not None and x.nbytes <= self._core_max_bytes and self._core is not None \
+                and self.size > 1:
+            if not self._one_shot(x, codes[0], codes[1], True, -1):
+                self._core.reduce(x, self._half_at[self._half], x.size, codes[0], codes[1],
+                                  self.size)
             return
         if self._direct_for("all_reduce", x.nbytes):
             direct.all_reduce(self, x, op)
@@ -820,30 +825,29 @@ class SharedMemoryBackend(Backend):
         if core is None or codes is None or x.nbytes > self._core_max_bytes or self.size == 1:
             return False
         reduce_here = root is None or root == self.rank
-        done, half = self._one_shot(x, codes[0], codes[1], reduce_here, -1)
-        if not done and reduce_here:
-            core.reduce(x, self._half_at[half], x.size, codes[0], codes[1], self.size)
+        if not self._one_shot(x, codes[0], codes[1], reduce_here, -1) and reduce_here:
+            core.reduce(x, self._half_at[self._half], x.size, codes[0], codes[1], self.size)
         return True
 
     def _one_shot(self, x: np.ndarray, dtype_code: int, op_code: int, reduce_here: bool,
-                  source: int) -> tuple[bool, int]:
+                  source: int) -> bool:
         """One staging half's one-shot step in the core (`_shmcore.one_shot`: stage, arrive
         with the signature, spin, compare, then reduce, or copy from `source` >= 0); where the
-        peers were not there within the spin, the wait and the comparison here. (True, half)
-        once the core finished it all; (False, half) when the caller still reduces or copies
-        from that half."""
+        peers were not there within the spin, the wait and the comparison here. True once the
+        core finished it all; False when the caller still reduces or copies from the half
+        (`_half`, the one just used)."""
         self._half = half = self._half ^ 1
         self._epoch = epoch = self._epoch + 1
         agree, self._agree = self._agree, None
         status = self._core.one_shot(x, self._lanes[2 * half + (epoch & 1)], epoch, agree,
                                      dtype_code, op_code, self.size, reduce_here, source)
         if status == 1:
-            return True, half
+            return True
         if agree is not None:
             self._settle(epoch, agree, status)
         elif not status:
             self._arrive_and_wait(epoch)
-        return False, half
+        return False
 
     def broadcast(self, x: np.ndarray, root: int) -> None:
         if self._direct_for("broadcast", x.nbytes):
@@ -857,9 +861,8 @@ class SharedMemoryBackend(Backend):
         """`symmetric.broadcast` of a message that fits one staging half, step for step (the
         root stages, barrier, the others copy), run by the compiled core in one call."""
         raw = x.view(np.uint8)
-        done, half = self._one_shot(raw, 0, 0, False, root)
-        if not done and self.rank != root:
-            raw[...] = self._staging[root][half][:raw.size]
+        if not self._one_shot(raw, 0, 0, False, root) and self.rank != root:
+            raw[...] = self._staging[root][self._half][:raw.size]
 
     def all_gather(self, outs: list[np.ndarray], x: np.ndarray) -> None:
         (direct if self._direct_for("all_gather", x.nbytes) else symmetric).all_gather(

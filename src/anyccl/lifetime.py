@@ -1,0 +1,43 @@
+"""The communicators open in this process: closed together at exit, disowned in a child forked
+after init() (a child must not act as its parent's rank), and what a call on a closed one says."""
+
+from __future__ import annotations
+
+import os
+import weakref
+from typing import Any
+
+from .errors import AnycclError, CommunicatorClosedError
+
+# every communicator open in this process (Communicator adds and discards itself)
+live: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def closed_error(rank: int, op: str, owner_pid: int) -> CommunicatorClosedError:
+    """The error for `op` on a closed communicator of `rank`; one created by process
+    `owner_pid` and used in a child forked from it says so, and what to do instead."""
+    if owner_pid != os.getpid():
+        return CommunicatorClosedError(
+            f"rank {rank}: {op}: this communicator belongs to process {owner_pid}, and this "
+            f"process ({os.getpid()}) was forked from it after init(): a child cannot use its "
+            f"parent's communicator (it would take its parent's place as rank {rank}). Call "
+            f"anyccl.init() in the child as a rank of its own, or fork before init()")
+    return CommunicatorClosedError(f"rank {rank}: {op}: the communicator is closed")
+
+
+def _after_fork_in_child() -> None:
+    for comm in list(live):
+        comm._disown()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def close_all() -> None:
+    """Close every communicator still open (registered with atexit)."""
+    for comm in list(live):
+        try:
+            comm.close()
+        except AnycclError:
+            pass

@@ -1,0 +1,82 @@
+"""Point-to-point messages as a Communicator serves them: each message numbered per (kind,
+peers) for its record, then routed by device: host arrays to the host engine (a blocking
+exchange runs on the caller's thread when it may drive the backend), GPU arrays to the GPU
+engine, queued on streams (inside `comm.batch()`, collected into one group)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .arguments import Arguments
+from .buffers import Array
+from .engine import HostEngine
+from .gpu_dispatch import GpuDispatch
+from .trace import OpRecord, message_text
+from .work import Work
+
+if TYPE_CHECKING:
+    from .communicator import Communicator
+
+
+class MessageCalls:
+    """The point-to-point side of one communicator (its arguments checked already)."""
+
+    def __init__(self, comm: Communicator, check: Arguments, engine: HostEngine,
+                 gpu_side: GpuDispatch) -> None:
+        self._comm, self._check, self._engine, self._gpu_side = comm, check, engine, gpu_side
+        self._log = comm.flight_recorder.add
+        self._seq: dict[tuple[str, int | None, int | None], int] = {}
+
+    def record(self, kind: str, x: Array, peer: int | None, tag: int,
+               src: int | None = None) -> OpRecord:
+        """The record of a message (kind "sendrecv": of an exchange, receiving from `src`),
+        numbered per kind and peers (the host engine's and the GPU engine's callers put it
+        in the flight recorder)."""
+        key = (kind, peer, src)
+        self._seq[key] = seq = self._seq.get(key, 0) + 1
+        nbytes = x.nbytes
+        return OpRecord(kind, seq, (message_text, kind, peer, tag, nbytes, src), nbytes)
+
+    def message(self, kind: str, x: Array, peer: int | None, tag: int, async_op: bool,
+                stream: Any = None) -> Work | int | None:
+        """Send or receive (peer=None: receive from any rank); a blocking receive returns the
+        sender, an async call its Work."""
+        op = "i" + kind if async_op else kind
+        gpu_side = self._gpu_side
+        if (stream is not None or type(x) is not np.ndarray) and gpu_side.on_gpu(
+                op, [("tensor", x)], stream):
+            if peer is None:
+                raise self._check.fail(op, "src=None (from any rank) needs host arrays: GPU "
+                                           "messages match in issue order between two named "
+                                           "ranks (NCCL has no any-source receive); name src")
+            return gpu_side.message(op, self.record(kind, x, peer, tag), x, peer, tag,
+                                    async_op, stream)
+        if gpu_side.batched is not None and not async_op:
+            raise self._check.fail(kind, f"use i{kind} inside `with comm.batch():`")
+        record = self.record(kind, x, peer, tag)
+        self._log(record)
+        return self._engine.message(kind, x, peer, tag, record, async_op)
+
+    def sendrecv(self, send_tensor: Any, dst: int, recv_tensor: Any, src: int | None,
+                 tag: int, stream: Any) -> int | None:
+        """`comm.sendrecv`: both messages checked, then exchanged at once (host arrays: as one
+        blocking operation; GPU arrays: as one batch); returns the sender."""
+        check = self._check
+        x, dst, tag = check.message("sendrecv", send_tensor, dst, "dst", tag, False)
+        y, src, _ = check.message("sendrecv", recv_tensor, src, "src", tag, True)
+        check.disjoint("sendrecv", x, "send_tensor", y, "recv_tensor")
+        if self._gpu_side.batched is not None:
+            raise check.fail("sendrecv", "use isend and irecv inside `with comm.batch():`")
+        if stream is None and type(x) is np.ndarray and type(y) is np.ndarray:
+            record = self.record("sendrecv", x, dst, tag, src)
+            self._log(record)
+            return self._engine.exchange(record, (("send", x, dst, tag), ("recv", y, src, tag)))
+        comm = self._comm
+        with comm.batch():   # GPU arrays: one group; isend and irecv take the caller's arrays
+            sent = comm.isend(send_tensor, dst, tag, stream=stream)
+            received = comm.irecv(recv_tensor, src, tag, stream=stream)
+        sent.wait()
+        received.wait()
+        return src if src is not None else received.source
