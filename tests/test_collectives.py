@@ -7,7 +7,7 @@ import functools
 
 import numpy as np
 import pytest
-from arraykinds import KINDS, as_kind
+from arraykinds import FAKE_GPU, KINDS, as_kind, for_kind, has_dtype
 from harness import run_ranks, suite_backend
 from reference import (
     COUNTS,
@@ -33,17 +33,19 @@ def shm_path(path: str) -> None:
         pytest.skip(f"the staging path is the shm backend's; {suite_backend()} ran 'direct'")
 
 
-def cases():
-    """(dtype, count) pairs: every dtype at the small counts, one per family at the large."""
+def cases(kind="numpy"):
+    """(dtype, count) pairs: every dtype at the small counts, one per family at the large (those
+    that arrays of `kind` hold)."""
     for count in COUNTS:
         for dtype in (DTYPES if count <= 1000 else FAMILY_DTYPES):
-            yield np.dtype(dtype), count
+            if has_dtype(kind, np.dtype(dtype)):
+                yield np.dtype(dtype), count
 
 
 def check_all_reduce(comm, kind="numpy"):
-    k = functools.partial(as_kind, kind)
+    k, comm = functools.partial(as_kind, kind), for_kind(kind, comm)
     checked = 0
-    for dtype, count in cases():
+    for dtype, count in cases(kind):
         for op in valid_ops(dtype):
             x = make_input(comm.rank, count, dtype)
             comm.all_reduce(k(x), op=op)
@@ -54,8 +56,8 @@ def check_all_reduce(comm, kind="numpy"):
 
 
 def check_reduce(comm, kind="numpy"):
-    k = functools.partial(as_kind, kind)
-    for dtype, count in cases():
+    k, comm = functools.partial(as_kind, kind), for_kind(kind, comm)
+    for dtype, count in cases(kind):
         for op in valid_ops(dtype):
             root = (count + 1) % comm.size
             x = make_input(comm.rank, count, dtype)
@@ -70,8 +72,8 @@ def check_reduce(comm, kind="numpy"):
 
 
 def check_broadcast(comm, kind="numpy"):
-    k = functools.partial(as_kind, kind)
-    for dtype, count in cases():
+    k, comm = functools.partial(as_kind, kind), for_kind(kind, comm)
+    for dtype, count in cases(kind):
         root = count % comm.size
         x = make_input(comm.rank, count, dtype)
         comm.broadcast(k(x), src=root)
@@ -80,8 +82,8 @@ def check_broadcast(comm, kind="numpy"):
 
 
 def check_all_gather(comm, kind="numpy"):
-    k = functools.partial(as_kind, kind)
-    for dtype, count in cases():
+    k, comm = functools.partial(as_kind, kind), for_kind(kind, comm)
+    for dtype, count in cases(kind):
         x = make_input(comm.rank, count, dtype)
         as_list = [np.empty(count, dtype) for _ in range(comm.size)]
         comm.all_gather(k(as_list), k(x))
@@ -96,8 +98,8 @@ def check_all_gather(comm, kind="numpy"):
 
 
 def check_gather(comm, kind="numpy"):
-    k = functools.partial(as_kind, kind)
-    for dtype, count in cases():
+    k, comm = functools.partial(as_kind, kind), for_kind(kind, comm)
+    for dtype, count in cases(kind):
         root = (count + 2) % comm.size
         outs = [np.empty(count, dtype) for _ in range(comm.size)] if comm.rank == root else None
         comm.gather(k(make_input(comm.rank, count, dtype)), k(outs), dst=root)
@@ -108,8 +110,8 @@ def check_gather(comm, kind="numpy"):
 
 
 def check_scatter(comm, kind="numpy"):
-    k = functools.partial(as_kind, kind)
-    for dtype, count in cases():
+    k, comm = functools.partial(as_kind, kind), for_kind(kind, comm)
+    for dtype, count in cases(kind):
         root = (count + 3) % comm.size
         chunks = [make_input(r, count, dtype, salt=1) for r in range(comm.size)] \
             if comm.rank == root else None
@@ -121,8 +123,8 @@ def check_scatter(comm, kind="numpy"):
 
 
 def check_reduce_scatter(comm, kind="numpy"):
-    k = functools.partial(as_kind, kind)
-    for dtype, count in cases():
+    k, comm = functools.partial(as_kind, kind), for_kind(kind, comm)
+    for dtype, count in cases(kind):
         for op in valid_ops(dtype):
             inputs = [make_input(comm.rank, count, dtype, salt=j) for j in range(comm.size)]
             out = np.empty(count, dtype)
@@ -138,8 +140,8 @@ def check_reduce_scatter(comm, kind="numpy"):
 
 
 def check_all_to_all(comm, kind="numpy"):
-    k = functools.partial(as_kind, kind)
-    for dtype, count in cases():
+    k, comm = functools.partial(as_kind, kind), for_kind(kind, comm)
+    for dtype, count in cases(kind):
         inputs = [make_input(comm.rank, count, dtype, salt=j) for j in range(comm.size)]
         outs = [np.empty(count, dtype) for _ in range(comm.size)]
         comm.all_to_all(k(outs), k(inputs))
@@ -165,7 +167,7 @@ def test_collective_matches_numpy(check, world_size, path):
     assert all(run_ranks(check, world_size, env=PATHS[path], deadline_s=300))
 
 
-@pytest.mark.parametrize("kind", [k for k in KINDS if k != "numpy"])
+@pytest.mark.parametrize("kind", [k for k in KINDS if k not in ("numpy", "fakegpu")])
 @pytest.mark.parametrize("world_size", (2, 3))
 @pytest.mark.parametrize("check", CHECKS, ids=lambda f: f.__name__.removeprefix("check_"))
 def test_collective_matches_numpy_over_every_array_kind(check, world_size, kind):
@@ -173,6 +175,17 @@ def test_collective_matches_numpy_over_every_array_kind(check, world_size, kind)
     through DLPack, each sharing the NumPy memory the check reads."""
     pytest.importorskip("torch")
     assert all(run_ranks(check, world_size, kind, env=SMALL_STAGING, deadline_s=300))
+
+
+@pytest.mark.shm_only   # the fake GPU's wire is its own shm backend
+@pytest.mark.parametrize("world_size", (2, 3))
+@pytest.mark.parametrize("check", CHECKS, ids=lambda f: f.__name__.removeprefix("check_"))
+def test_collective_matches_numpy_on_gpu_arrays(check, world_size):
+    """The whole matrix on GPU arrays of the simulated device: the GPU engine's path (checks,
+    streams, events) carries every dtype, op and count that `__cuda_array_interface__` can
+    describe."""
+    assert all(run_ranks(check, world_size, "fakegpu", env={**SMALL_STAGING, **FAKE_GPU},
+                         deadline_s=300))
 
 
 def check_path(comm):
