@@ -46,6 +46,7 @@ import numpy as np
 import anyccl
 from anyccl import gpu
 from anyccl.backends.base import Backend
+from anyccl.backends.doorbell import PollingBell
 
 OPS = ("all_reduce", "broadcast", "reduce", "all_gather", "gather", "scatter", "reduce_scatter",
        "all_to_all", "barrier", "send+recv")
@@ -85,18 +86,15 @@ class NoTransport(Backend):
     def _nothing(self, *args: Any) -> None:
         return None
 
-    begin = end = all_reduce = reduce = broadcast = all_gather = gather = scatter = _nothing
-    reduce_scatter = all_to_all = barrier = progress = fail_pending = _nothing
-    wait_for_activity = wake = close = _nothing
+    all_reduce = reduce = broadcast = all_gather = gather = scatter = _nothing
+    reduce_scatter = all_to_all = barrier = progress = abort = close = _nothing
+    doorbell = PollingBell()
 
-    def post_send(self, x, dst, tag, record, deadline, on_done) -> None:
+    def post_send(self, x, dst, tag, record, on_done) -> None:
         on_done(None)
 
-    def post_recv(self, x, src, tag, record, deadline, on_done, found=None) -> None:
+    def post_recv(self, x, src, tag, record, on_done, found=None) -> None:
         on_done(None)
-
-    def wait_for_messages(self, finished, record, deadline) -> None:
-        assert finished()
 
     def subgroup(self, ranks, name, timeout_s):
         return NoTransport(ranks.index(self.rank), len(ranks))

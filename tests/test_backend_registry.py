@@ -7,7 +7,6 @@ it exists, and `anyccl info` and `anyccl bench --compare` list it once registere
 from __future__ import annotations
 
 import time
-from typing import Callable
 
 import numpy as np
 import pytest
@@ -17,6 +16,7 @@ from test_collectives import CHECKS, check_reductions_are_bit_identical_on_every
 import anyccl
 from anyccl.backends import registry
 from anyccl.backends.base import Backend, Completion
+from anyccl.backends.doorbell import PollingBell
 from anyccl.errors import TimeoutError
 from anyccl.ops import ReduceOp, accumulate, finish
 from anyccl.store import PrefixStore, Store
@@ -33,27 +33,22 @@ class StoreBackend(Backend):
 
     def __init__(self, store: Store, rank: int, size: int, timeout_s: float) -> None:
         self.store, self.rank, self.size, self.timeout_s = store, rank, size, timeout_s
+        self.doorbell = PollingBell(nap_s=1e-3)   # nobody rings: the engine polls the store
         self._seq = 0
-        self._deadline = float("inf")
         self._sent: dict[tuple[int, int], int] = {}
         self._taken: dict[tuple[int, int], int] = {}
-        self._pending: list[tuple[np.ndarray, str, float, Completion, OpRecord]] = []
+        self._pending: list[tuple[np.ndarray, str, Completion, OpRecord]] = []
 
-    def begin(self, record: OpRecord, deadline: float) -> None:
-        self._deadline = deadline
-
-    def end(self, record: OpRecord) -> None:
-        self._deadline = float("inf")
-
-    def _exchange(self, payload: bytes) -> list[bytes]:
+    def _exchange(self, payload: bytes, record: OpRecord) -> list[bytes]:
         self._seq += 1
         self.store.set(f"c{self._seq}/{self.rank}", payload)
-        wait = max(0.01, min(self._deadline, time.monotonic() + self.timeout_s) - time.monotonic())
+        wait = max(0.01, min(record.deadline, time.monotonic() + self.timeout_s)
+                   - time.monotonic())
         return [payload if r == self.rank else self.store.get(f"c{self._seq}/{r}", wait)
                 for r in range(self.size)]
 
-    def _everyone(self, x: np.ndarray) -> list[np.ndarray]:
-        return [np.frombuffer(b, x.dtype) for b in self._exchange(x.tobytes())]
+    def _everyone(self, x: np.ndarray, record: OpRecord) -> list[np.ndarray]:
+        return [np.frombuffer(b, x.dtype) for b in self._exchange(x.tobytes(), record)]
 
     def _reduced(self, arrays: list[np.ndarray], op: ReduceOp) -> np.ndarray:
         acc = arrays[0].copy()
@@ -62,92 +57,80 @@ class StoreBackend(Backend):
         finish(acc, op, len(arrays))
         return acc
 
-    def all_reduce(self, x: np.ndarray, op: ReduceOp) -> None:
-        x[...] = self._reduced(self._everyone(x), op)
+    def all_reduce(self, x: np.ndarray, op: ReduceOp, record: OpRecord) -> None:
+        x[...] = self._reduced(self._everyone(x, record), op)
 
-    def reduce(self, x: np.ndarray, root: int, op: ReduceOp) -> None:
-        result = self._reduced(self._everyone(x), op)
+    def reduce(self, x: np.ndarray, root: int, op: ReduceOp, record: OpRecord) -> None:
+        result = self._reduced(self._everyone(x, record), op)
         if self.rank == root:
             x[...] = result
 
-    def broadcast(self, x: np.ndarray, root: int) -> None:
-        parts = self._exchange(x.tobytes() if self.rank == root else b"")
+    def broadcast(self, x: np.ndarray, root: int, record: OpRecord) -> None:
+        parts = self._exchange(x.tobytes() if self.rank == root else b"", record)
         x[...] = np.frombuffer(parts[root], x.dtype)
 
-    def all_gather(self, outs: list[np.ndarray], x: np.ndarray) -> None:
-        for out, part in zip(outs, self._everyone(x)):
+    def all_gather(self, outs: list[np.ndarray], x: np.ndarray, record: OpRecord) -> None:
+        for out, part in zip(outs, self._everyone(x, record)):
             out[...] = part
 
-    def gather(self, x: np.ndarray, outs: list[np.ndarray] | None, root: int) -> None:
-        parts = self._everyone(x)
+    def gather(self, x: np.ndarray, outs: list[np.ndarray] | None, root: int,
+               record: OpRecord) -> None:
+        parts = self._everyone(x, record)
         if outs is not None:
             for out, part in zip(outs, parts):
                 out[...] = part
 
-    def scatter(self, out: np.ndarray, chunks: list[np.ndarray] | None, root: int) -> None:
-        parts = self._exchange(b"".join(c.tobytes() for c in chunks) if chunks else b"")
+    def scatter(self, out: np.ndarray, chunks: list[np.ndarray] | None, root: int,
+                record: OpRecord) -> None:
+        parts = self._exchange(b"".join(c.tobytes() for c in chunks) if chunks else b"", record)
         out[...] = np.frombuffer(parts[root], out.dtype)[self.rank * out.size:
                                                          (self.rank + 1) * out.size]
 
-    def reduce_scatter(self, out: np.ndarray, inputs: list[np.ndarray], op: ReduceOp) -> None:
-        parts = self._exchange(b"".join(a.tobytes() for a in inputs))
+    def reduce_scatter(self, out: np.ndarray, inputs: list[np.ndarray], op: ReduceOp,
+                       record: OpRecord) -> None:
+        parts = self._exchange(b"".join(a.tobytes() for a in inputs), record)
         mine = [np.frombuffer(p, out.dtype)[self.rank * out.size:(self.rank + 1) * out.size]
                 for p in parts]
         out[...] = self._reduced(mine, op)
 
-    def all_to_all(self, outs: list[np.ndarray], inputs: list[np.ndarray]) -> None:
-        parts = self._exchange(b"".join(a.tobytes() for a in inputs))
+    def all_to_all(self, outs: list[np.ndarray], inputs: list[np.ndarray],
+                   record: OpRecord) -> None:
+        parts = self._exchange(b"".join(a.tobytes() for a in inputs), record)
         n = outs[0].size if outs else 0
         for j, out in enumerate(outs):
             out[...] = np.frombuffer(parts[j], out.dtype)[self.rank * n:(self.rank + 1) * n]
 
-    def barrier(self) -> None:
-        self._exchange(b"")
+    def barrier(self, record: OpRecord) -> None:
+        self._exchange(b"", record)
 
     # ---- messages ----------------------------------------------------------------------------
-    def post_send(self, x: np.ndarray, dst: int, tag: int, record: OpRecord, deadline: float,
+    def post_send(self, x: np.ndarray, dst: int, tag: int, record: OpRecord,
                   on_done: Completion) -> None:
         n = self._sent[(dst, tag)] = self._sent.get((dst, tag), 0) + 1
         self.store.set(f"m{self.rank}>{dst}/{tag}/{n}", x.tobytes())
         on_done(None)
 
-    def post_recv(self, x: np.ndarray, src: int, tag: int, record: OpRecord, deadline: float,
+    def post_recv(self, x: np.ndarray, src: int, tag: int, record: OpRecord,
                   on_done: Completion) -> None:
         n = self._taken[(src, tag)] = self._taken.get((src, tag), 0) + 1
-        self._pending.append((x, f"m{src}>{self.rank}/{tag}/{n}", deadline, on_done, record))
+        self._pending.append((x, f"m{src}>{self.rank}/{tag}/{n}", on_done, record))
 
     def progress(self) -> None:
         still = []
-        for x, key, deadline, on_done, record in self._pending:
+        for x, key, on_done, record in self._pending:
             if self.store.check(key):
                 x[...] = np.frombuffer(self.store.get(key, 1.0), x.dtype)
                 on_done(None)
-            elif time.monotonic() >= deadline:
+            elif time.monotonic() >= record.deadline:
                 on_done(TimeoutError(f"rank {self.rank}: {record} timed out (store backend)"))
             else:
-                still.append((x, key, deadline, on_done, record))
+                still.append((x, key, on_done, record))
         self._pending = still
 
-    def fail_pending(self, error: BaseException) -> None:
+    def abort(self, error: BaseException) -> None:
         pending, self._pending = self._pending, []
-        for _, _, _, on_done, _ in pending:
+        for _, _, on_done, _ in pending:
             on_done(error)
-
-    def wait_for_activity(self, timeout_s: float) -> None:
-        time.sleep(min(timeout_s, 1e-3))
-
-    def wake(self) -> None:
-        pass
-
-    def wait_for_messages(self, finished: Callable[[], bool], record: OpRecord,
-                          deadline: float) -> None:
-        while True:
-            self.progress()
-            if finished():
-                return
-            if time.monotonic() >= deadline:
-                raise TimeoutError(f"rank {self.rank}: {record} timed out (store backend)")
-            time.sleep(1e-3)
 
     def subgroup(self, ranks: list[int], name: str, timeout_s: float) -> Backend:
         return StoreBackend(PrefixStore(name, self.store), ranks.index(self.rank), len(ranks),
@@ -169,8 +152,8 @@ class HalfwayFailing(StoreBackend):
     """The store backend, but an all_reduce of 13 elements raises a plain ValueError after
     every rank's data has moved (as a NumPy error inside a kernel would)."""
 
-    def all_reduce(self, x: np.ndarray, op: ReduceOp) -> None:
-        everyone = self._everyone(x)
+    def all_reduce(self, x: np.ndarray, op: ReduceOp, record: OpRecord) -> None:
+        everyone = self._everyone(x, record)
         if x.size == 13:
             raise ValueError("operands could not be broadcast together (inside the kernel)")
         x[...] = self._reduced(everyone, op)

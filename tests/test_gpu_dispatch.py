@@ -59,57 +59,65 @@ class FakeGpuBackend(QueuedGpuBackend):
     def _abort(self) -> None:
         self.aborted = True
 
-    def _kernel(self, what: str, body: Callable[[], None]) -> Enqueue:
+    def _kernel(self, what: str, body: Callable[[OpRecord], None]) -> Enqueue:
+        """A "kernel" that runs `body(record)` on the wire, `record` being the operation's
+        options there."""
         def run() -> None:
             if self.aborted:
                 return
+            record = OpRecord(what, 0)
             # the queue's deadline, not the wire's, is what a stuck operation runs into
-            self.wire.begin(OpRecord(what, 0), time.monotonic() + 10 * self.timeout_s)
+            record.deadline = time.monotonic() + 10 * self.timeout_s
             try:
-                body()
+                body(record)
             except BaseException as exc:  # a kernel that failed: the watchdog reports it
                 self.kernel_errors.append(exc)
-            finally:
-                self.wire.end(OpRecord(what, 0))
         return lambda stream: launch(DEVICE, stream, run)
 
+    def _messages(self, finished: Callable[[], bool]) -> None:
+        """Progress the wire's posted messages until `finished()` (for a communicator the host
+        engine does this; here the fake stream drives a backend of its own). They fail at
+        their deadline by themselves."""
+        while not finished():
+            self.wire.progress()
+            if not finished():
+                self.wire.doorbell.sleep(1e-3)
+
     def all_reduce(self, x: GpuArray, op: ReduceOp) -> Enqueue:
-        return self._kernel("all_reduce", lambda: self.wire.all_reduce(_host(x), op))
+        return self._kernel("all_reduce", lambda r: self.wire.all_reduce(_host(x), op, r))
 
     def reduce(self, x: GpuArray, root: int, op: ReduceOp) -> Enqueue:
-        return self._kernel("reduce", lambda: self.wire.reduce(_host(x), root, op))
+        return self._kernel("reduce", lambda r: self.wire.reduce(_host(x), root, op, r))
 
     def broadcast(self, x: GpuArray, root: int) -> Enqueue:
-        return self._kernel("broadcast", lambda: self.wire.broadcast(_host(x), root))
+        return self._kernel("broadcast", lambda r: self.wire.broadcast(_host(x), root, r))
 
     def all_gather(self, outs: list[GpuArray], x: GpuArray) -> Enqueue:
-        return self._kernel("all_gather", lambda: self.wire.all_gather(
-            [_host(o) for o in outs], _host(x)))
+        return self._kernel("all_gather", lambda r: self.wire.all_gather(
+            [_host(o) for o in outs], _host(x), r))
 
     def gather(self, x: GpuArray, outs: list[GpuArray] | None, root: int) -> Enqueue:
-        return self._kernel("gather", lambda: self.wire.gather(
-            _host(x), [_host(o) for o in outs] if outs is not None else None, root))
+        return self._kernel("gather", lambda r: self.wire.gather(
+            _host(x), [_host(o) for o in outs] if outs is not None else None, root, r))
 
     def scatter(self, out: GpuArray, chunks: list[GpuArray] | None, root: int) -> Enqueue:
-        return self._kernel("scatter", lambda: self.wire.scatter(
-            _host(out), [_host(c) for c in chunks] if chunks is not None else None, root))
+        return self._kernel("scatter", lambda r: self.wire.scatter(
+            _host(out), [_host(c) for c in chunks] if chunks is not None else None, root, r))
 
     def reduce_scatter(self, out: GpuArray, inputs: list[GpuArray], op: ReduceOp) -> Enqueue:
-        return self._kernel("reduce_scatter", lambda: self.wire.reduce_scatter(
-            _host(out), [_host(i) for i in inputs], op))
+        return self._kernel("reduce_scatter", lambda r: self.wire.reduce_scatter(
+            _host(out), [_host(i) for i in inputs], op, r))
 
     def all_to_all(self, outs: list[GpuArray], inputs: list[GpuArray]) -> Enqueue:
-        return self._kernel("all_to_all", lambda: self.wire.all_to_all(
-            [_host(o) for o in outs], [_host(i).copy() for i in inputs]))
+        return self._kernel("all_to_all", lambda r: self.wire.all_to_all(
+            [_host(o) for o in outs], [_host(i).copy() for i in inputs], r))
 
     def _message(self, kind: str, x: GpuArray, peer: int, tag: int) -> Enqueue:
-        def body() -> None:
+        def body(record: OpRecord) -> None:
             done: list[BaseException | None] = []
             post = self.wire.post_send if kind == "send" else self.wire.post_recv
-            record = OpRecord(kind, 0)
-            deadline = time.monotonic() + self.timeout_s
-            post(_host(x), peer, tag, record, deadline, done.append)
-            self.wire.wait_for_messages(lambda: bool(done), record, deadline)
+            post(_host(x), peer, tag, record, done.append)
+            self._messages(lambda: bool(done))
             if done[0] is not None:
                 raise done[0]
         return self._kernel(kind, body)
@@ -145,9 +153,8 @@ class FakeExchangeBackend(FakeGpuBackend):
 
     def exchange(self, sends: list[GpuArray | None],
                  recvs: list[GpuArray | None]) -> Enqueue:
-        def body() -> None:
+        def body(record: OpRecord) -> None:
             done: list[BaseException | None] = []
-            record, deadline = OpRecord("exchange", 0), time.monotonic() + self.timeout_s
             posted = 0
             for peer, (src, out) in enumerate(zip(sends, recvs)):
                 if peer == self.rank:
@@ -155,13 +162,12 @@ class FakeExchangeBackend(FakeGpuBackend):
                         _host(out)[...] = _host(src)
                     continue
                 if src is not None and src.nbytes:
-                    self.wire.post_send(_host(src).copy(), peer, 7, record, deadline,
-                                        done.append)
+                    self.wire.post_send(_host(src).copy(), peer, 7, record, done.append)
                     posted += 1
                 if out is not None and out.nbytes:
-                    self.wire.post_recv(_host(out), peer, 7, record, deadline, done.append)
+                    self.wire.post_recv(_host(out), peer, 7, record, done.append)
                     posted += 1
-            self.wire.wait_for_messages(lambda: len(done) == posted, record, deadline)
+            self._messages(lambda: len(done) == posted)
             failed = next((e for e in done if e is not None), None)
             if failed is not None:
                 raise failed

@@ -70,13 +70,11 @@ class Communicator:
                  device: int | None = None, gpu_backend: GpuBackend | None = None,
                  gpu_kind: str | None = None) -> None:
         self.rank, self.size, self.local_rank = rank, size, local_rank
-        self.debug = debug
-        self.job_id = job_id
+        self.debug, self.job_id = debug, job_id
         self.flight_recorder = FlightRecorder(rank, name)
         self._log = self.flight_recorder.add   # the record of each operation issued
         self._check = Arguments(rank, size)
-        self._backend = backend
-        self._store = store
+        self._backend, self._store = backend, store   # the host backend: for its name only
         self._owns_store = owns_store  # the world communicator; sub-communicators share it
         self._name = name
         self._engine = HostEngine(backend, f"rank {rank} ({name})", rank=rank, size=size,
@@ -115,9 +113,8 @@ class Communicator:
         """The host backend's name ("shm", ...), then the GPU backend's once it exists:
         "shm" or "cpu:shm,cuda:nccl"."""
         gpu_backend = self._gpu_side.gpu
-        if gpu_backend is None:
-            return self._backend.name
-        return f"cpu:{self._backend.name},cuda:{gpu_backend.name}"
+        return self._backend.name if gpu_backend is None else \
+            f"cpu:{self._backend.name},cuda:{gpu_backend.name}"
 
     @property
     def gpu_backend(self) -> GpuBackend | None:
@@ -147,25 +144,28 @@ class Communicator:
         self._seq += 1
         return self._seq
 
-    def _collective(self, name: str, args: ArgsText, nbytes: int, call: Callable[[Any], Any],
+    def _collective(self, name: str, args: ArgsText, nbytes: int, operands: tuple,
                     async_op: bool, *, like: Array | None = None, root: int = -1,
                     op: ReduceOp | None = None, arrays: Sequence[tuple[str, Array]] = (),
-                    stream: Any = None, replayable: bool = True) -> Work | None:
+                    stream: Any = None, replayable: bool = True,
+                    gpu_call: Callable[[Any], Any] | None = None) -> Work | None:
         """Number and record collective `name`, then route it: host arrays to the host engine,
-        where `call(backend)` runs it; GPU arrays to the GPU engine, `call(gpu_backend)`
-        returning the function that queues it. `like` (the array whose dtype and size every
-        rank must agree on), `root` and `op` are its signature. replayable=False: a blocking
-        GPU call leaves no plan (its queued function holds buffers of its own, used once)."""
+        which runs the host backend's method `name` on `operands`; GPU arrays to the GPU
+        engine, which gets the function that queues it from the GPU backend's `name` (or from
+        `gpu_call(gpu_backend)`). `like` (the array whose dtype and size every rank must agree
+        on), `root` and `op` are its signature. replayable=False: a blocking GPU call leaves no
+        plan (its queued function holds buffers of its own, used once)."""
         enqueue = None
         # one host array and no stream (the common case) cannot be on a GPU: no need to ask
         if (stream is not None or len(arrays) != 1 or type(like) is not np.ndarray) \
                 and self._gpu_side.on_gpu(name, arrays, stream):
-            enqueue = self._gpu_side.prepare(name, call)
+            enqueue = self._gpu_side.prepare(name, operands, gpu_call)
         self._seq += 1
         record = OpRecord(name, self._seq, args, nbytes)
         self._log(record)
         if enqueue is None:
-            return self._engine.collective(record, call, async_op, like, root, op, self.debug)
+            return self._engine.collective(record, operands, async_op, like, root, op,
+                                           self.debug)
         if self.debug:
             self._engine.check_agreement(record, like, root, op)
         return self._gpu_side.collective(record, args, enqueue, [a for _, a in arrays],
@@ -266,7 +266,7 @@ class Communicator:
             self._refused("broadcast", exc, (tensor,))
             raise
         work = self._collective("broadcast", about(x, ", src={}", src), x.nbytes,
-                                lambda b: b.broadcast(x, src), async_op, like=x, root=src,
+                                (x, src), async_op, like=x, root=src,
                                 arrays=[("tensor", x)], stream=stream)
         return tensor if work is None else work
 
@@ -294,7 +294,7 @@ class Communicator:
             self._refused("all_reduce", exc, (tensor,))
             raise
         work = self._collective("all_reduce", about(x, ", op={0.name}", rop), x.nbytes,
-                                lambda b: b.all_reduce(x, rop), async_op, like=x, op=rop,
+                                (x, rop), async_op, like=x, op=rop,
                                 arrays=[("tensor", x)], stream=stream)
         return tensor if work is None else work
 
@@ -320,7 +320,7 @@ class Communicator:
             self._refused("reduce", exc, (tensor,))
             raise
         work = self._collective("reduce", about(x, ", dst={}, op={.name}", dst, rop),
-                                x.nbytes, lambda b: b.reduce(x, dst, rop), async_op, like=x,
+                                x.nbytes, (x, dst, rop), async_op, like=x,
                                 root=dst, op=rop, arrays=[("tensor", x)], stream=stream)
         return tensor if work is None else work
 
@@ -338,7 +338,7 @@ class Communicator:
         if not even:
             return self._uneven.all_gather(x, outs, async_op, stream)
         return self._collective("all_gather", about(x), x.nbytes * self.size,
-                                lambda b: b.all_gather(outs, x), async_op, like=x,
+                                (outs, x), async_op, like=x,
                                 arrays=[("tensor", x), *named("out", outs)], stream=stream)
 
     def gather(self, tensor: Any, out_list: Any = None, dst: int = 0,
@@ -357,7 +357,7 @@ class Communicator:
             return self._uneven.rooted("gather", x, out_list, "out_list", dst, "dst", True,
                                        async_op, stream)
         return self._collective("gather", about(x, ", dst={}", dst), x.nbytes * self.size,
-                                lambda b: b.gather(x, outs, dst), async_op, like=x, root=dst,
+                                (x, outs, dst), async_op, like=x, root=dst,
                                 arrays=[("tensor", x), *named("out_list", outs or [])],
                                 stream=stream)
 
@@ -386,7 +386,7 @@ class Communicator:
             return self._uneven.rooted("scatter", x, chunks, "chunks", src, "src", False,
                                        async_op, stream)
         return self._collective("scatter", about(x, ", src={}", src), x.nbytes * self.size,
-                                lambda b: b.scatter(x, pieces, src), async_op, like=x, root=src,
+                                (x, pieces, src), async_op, like=x, root=src,
                                 arrays=[("out", x), *named("chunks", pieces or [])],
                                 stream=stream)
 
@@ -401,7 +401,7 @@ class Communicator:
         x, inputs, rop = self._checked("reduce_scatter", (out, inp), self._check.reduce_scatter,
                                        out, inp, op)
         return self._collective("reduce_scatter", about(x, ", op={0.name}", rop),
-                                x.nbytes * self.size, lambda b: b.reduce_scatter(x, inputs, rop),
+                                x.nbytes * self.size, (x, inputs, rop),
                                 async_op, like=x, op=rop,
                                 arrays=[("out", x), *named("inp", inputs)], stream=stream)
 
@@ -423,7 +423,7 @@ class Communicator:
         outs, inputs, first = self._checked("all_to_all", (out, inp), self._check.all_to_all,
                                             out, inp)
         return self._collective("all_to_all", about(first), first.nbytes * self.size,
-                                lambda b: b.all_to_all(outs, inputs), async_op, like=first,
+                                (outs, inputs), async_op, like=first,
                                 arrays=[*named("inp", inputs), *named("out", outs)],
                                 stream=stream)
 
@@ -431,7 +431,7 @@ class Communicator:
         """Return once every rank of the communicator has called barrier (host arrays' work
         included; GPU work queued on streams is not waited for)."""
         self._check_open("barrier")
-        return self._collective("barrier", "", 0, lambda b: b.barrier(), async_op)
+        return self._collective("barrier", "", 0, (), async_op)
 
     # ---- objects (pickle: trusted peers only) ------------------------------------------------
     def broadcast_object(self, obj: Any, src: int) -> Any:

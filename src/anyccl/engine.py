@@ -34,6 +34,7 @@ from .trace import FlightRecorder, OpRecord, flight_directory
 from .work import Work
 
 _IDLE_POLL_S = 0.25
+_WAIT_POLL_S = 0.05  # a wait for messages looks again this often at the latest (bells wake it)
 _HELPED_S = 0.001  # the worker leaves messages to a waiter that drove them this recently
 _PARK_S = 0.1      # an idle worker looks for new work by itself this long, then parks
 
@@ -177,7 +178,7 @@ class Engine:
                 self.backend.progress()
             except BaseException as exc:  # a lost peer: everything outstanding fails
                 self._note_failure(exc)
-                self.backend.fail_pending(exc)
+                self.backend.abort(exc)
                 return False
             return True
         finally:
@@ -195,7 +196,7 @@ class Engine:
             self._outstanding += 1
             self._queue.append((task, work, finishes_itself))
         self._start_worker()
-        self.backend.wake()
+        self.backend.doorbell.ring()
 
     def completion(self, work: Work) -> Callable[[BaseException | None], None]:
         """The callback a backend calls when a posted message of `work` is done."""
@@ -254,7 +255,7 @@ class Engine:
                 self._note_failure(error)
                 self._fail_all(error)
                 continue
-            self.backend.wait_for_activity(_IDLE_POLL_S)
+            self.backend.doorbell.sleep(_IDLE_POLL_S)
 
     def _run_queued(self, task: Callable[[Work], None], work: Work, finishes_itself: bool) -> None:
         """Run one queued operation; the caller holds `_drive`."""
@@ -273,7 +274,28 @@ class Engine:
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._drive:
-            self.backend.fail_pending(exc)
+            self.backend.abort(exc)
+
+    def wait_for_messages(self, finished: Callable[[], bool], deadline: float) -> None:
+        """Progress posted messages until `finished()`, on the thread that drives the backend:
+        polling for the doorbell's `spin_s`, then sleeping on it between looks, and looking
+        at their `deadline`, when the backend fails a message past it (`progress`); a lost
+        peer raises here."""
+        backend = self.backend
+        progress, bell = backend.progress, backend.doorbell
+        spin_until = time.perf_counter() + bell.spin_s
+        while True:
+            progress()
+            if finished():
+                return
+            if time.perf_counter() >= spin_until:
+                break
+        while True:
+            bell.drain()
+            progress()
+            if finished():
+                return
+            bell.sleep(min(_WAIT_POLL_S, max(deadline - time.monotonic(), 1e-4)))
 
     # ---- state -------------------------------------------------------------------------------
     def _note_failure(self, exc: BaseException) -> None:
@@ -305,7 +327,7 @@ class Engine:
                 self._state.wait(min(left, 0.05))
             self._closing = True
             self._state.notify_all()
-        self.backend.wake()
+        self.backend.doorbell.ring()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=1.0)
         with self._drive:
@@ -336,29 +358,31 @@ class HostEngine(Engine):
         self._recorder, self._job_id = recorder, job_id
 
     # ---- collectives -----------------------------------------------------------------------
-    def collective(self, record: OpRecord, call: Callable[[Backend], Any],
-                   async_op: bool, like: np.ndarray | None, root: int, op: ReduceOp | None,
+    def collective(self, record: OpRecord, operands: tuple, async_op: bool,
+                   like: np.ndarray | None, root: int, op: ReduceOp | None,
                    debug: bool) -> Work | None:
-        """Run host collective `record`: `call(backend)` after everything issued before it,
-        with its signature (`like`'s dtype and size, `root`, `op`) for the backend to compare
+        """Run host collective `record`: the backend's method of its name with `operands`
+        (and the record, its per-operation options), after everything issued before it, with
+        its signature (`like`'s dtype and size, `root`, `op`) for the backend to compare
         across ranks, and in debug mode the full check first. Blocking: returns None once done
         (raising its error); async: its Work."""
+        name = record.name
         if like is not None:  # agreement.word(), inline
-            record.agree = (_NAME_BITS[record.name] | _DTYPE_BITS[like.dtype] | (root + 1) << 15
+            record.agree = (_NAME_BITS[name] | _DTYPE_BITS[like.dtype] | (root + 1) << 15
                             | (0 if op is None else op.agree_bits), like.size)
         else:
-            record.agree = (_NAME_BITS[record.name], 0)
+            record.agree = (_NAME_BITS[name], 0)
         if not (async_op or debug or self._outstanding) and self._drive.acquire(False):
             # the common blocking case (`_may_drive`, inline): right here, on the caller's
             # thread; `_run` notes its failure, as `run_now` would
             try:
                 if not self._outstanding and self.failure is None and not self._closing:
-                    self._run(record, call, None, record.issued_at)
+                    self._run(record, name, operands, None, record.issued_at)
                     return None
             finally:
                 self._drive.release()
         signature = self._signature(record, like, root, op) if debug else None
-        task = self._task(record, signature, call)
+        task = self._task(record, name, operands, signature)
         if async_op:
             return self.submit(task, Work(record, self.rank))
         self.call(task, lambda: Work(record, self.rank))
@@ -372,7 +396,7 @@ class HostEngine(Engine):
     def check_agreement(self, record: OpRecord, like: Any, root: int,
                         op: ReduceOp | None) -> None:
         """Debug mode's check alone, for a collective that runs elsewhere (on a GPU)."""
-        self.call(self._task(record, self._signature(record, like, root, op), None),
+        self.call(self._task(record, None, (), self._signature(record, like, root, op)),
                   lambda: Work(record, self.rank))
 
     def refuse(self, record: OpRecord, reason: str) -> None:
@@ -380,8 +404,7 @@ class HostEngine(Engine):
         same, with a refused signature and the reason, so that every other rank raises too."""
         record.agree = agreement.refused(record.name, reason)
         try:
-            self.call(self._task(record, None, lambda b: b.barrier()),
-                      lambda: Work(record, self.rank))
+            self.call(self._task(record, "barrier", (), None), lambda: Work(record, self.rank))
         except CollectiveMismatchError:
             pass  # what the peers called: they raise their side of it
 
@@ -392,38 +415,37 @@ class HostEngine(Engine):
                          like.size if like is not None else -1, root,
                          _REDOP_CODES.index(op) if op is not None else -1], np.int64)
 
-    def _task(self, record: OpRecord, signature: np.ndarray | None,
-              call: Callable[[Backend], Any] | None) -> Callable[[Work | None], None]:
+    def _task(self, record: OpRecord, method: str | None, operands: tuple,
+              signature: np.ndarray | None) -> Callable[[Work | None], None]:
         """`_run` as the task the engine queues."""
-        return lambda _=None: self._run(record, call, signature)
+        return lambda _=None: self._run(record, method, operands, signature)
 
-    def _run(self, record: OpRecord, call: Callable[[Backend], Any] | None,
+    def _run(self, record: OpRecord, method: str | None, operands: tuple,
              signature: np.ndarray | None = None, now: float = 0.0) -> None:
         """One operation on the host backend: debug mode's agreement check (if `signature`),
-        then `call(backend)` (None: the operation itself runs on a GPU). `now`: when it
-        starts, if the caller knows (a call run as it is issued starts when it was issued)."""
-        backend = self.backend
+        then the backend's `method` with `operands` and the record (None: the operation itself
+        runs on a GPU). `now`: when it starts, if the caller knows (a call run as it is issued
+        starts when it was issued); its deadline is the communicator's timeout after that."""
         record.state = "started"   # FlightRecorder.started, inline: every host op passes here
         record.started_at = now = now or time.monotonic()
-        backend.begin(record, now + self.timeout_s)
+        record.deadline = now + self.timeout_s
         try:
             if signature is not None:
                 self._agree(record, signature)
-            if call is not None:
-                call(backend)
+            if method is not None:
+                getattr(self.backend, method)(*operands, record)
         except BaseException as exc:
             self._note_failure(exc)
             FlightRecorder.ended(record, exc)
             self.post_mortem(exc)
             raise
-        if call is not None:  # FlightRecorder.ended, inline
+        if method is not None:  # FlightRecorder.ended, inline
             record.state, record.ended_at = "done", time.monotonic()
-        backend.end(record)
 
     def _agree(self, record: OpRecord, signature: np.ndarray) -> None:
         """Debug mode: every rank learns what every rank called; all raise on a difference."""
         everyone = [np.empty_like(signature) for _ in range(self.size)]
-        self.backend.all_gather(everyone, signature)
+        self.backend.all_gather(everyone, signature, record)
         if all((s == signature).all() for s in everyone):
             return
         lines = [f"rank {self.rank}: collectives disagree at {record} (debug mode):",
@@ -479,6 +501,7 @@ class HostEngine(Engine):
 
         def task(w: Work) -> None:
             FlightRecorder.started(record)
+            record.deadline = record.started_at + self.timeout_s
             done = self.completion(w)
 
             def on_done(error: BaseException | None) -> None:
@@ -486,7 +509,7 @@ class HostEngine(Engine):
                 if kind == "recv":
                     w.source = sender[0] if sender else peer
                 done(error)
-            post(x, peer, tag, record, time.monotonic() + self.timeout_s, on_done)
+            post(x, peer, tag, record, on_done)
         return self.post(task, work)
 
     def exchange(self, record: OpRecord,
@@ -510,31 +533,28 @@ class HostEngine(Engine):
         rank is in `record` (what peers see while it waits) and get a deadline."""
         FlightRecorder.started(record)
         backend = self.backend
-        posted, deadline = 0, 0.0
+        posted = 0
         outcomes: list[BaseException | None] = []
         for kind, x, peer, tag in messages:
             if peer is not None and (backend.send_now if kind == "send"
                                      else backend.receive_now)(x, peer, tag):
                 continue
             if not posted:
-                deadline = time.monotonic() + self.timeout_s
-                backend.begin(record, deadline)
+                record.deadline = time.monotonic() + self.timeout_s
             posted += 1
             if kind == "send":
-                backend.post_send(x, peer, tag, record, deadline, outcomes.append)
+                backend.post_send(x, peer, tag, record, outcomes.append)
             else:
-                backend.post_recv(x, peer, tag, record, deadline, outcomes.append,
-                                  found=found.append)
+                backend.post_recv(x, peer, tag, record, outcomes.append, found=found.append)
         if not posted:
             FlightRecorder.ended(record)
             return
         if len(outcomes) < posted:
             try:
-                backend.wait_for_messages(lambda: len(outcomes) == posted, record, deadline)
+                self.wait_for_messages(lambda: len(outcomes) == posted, record.deadline)
             except BaseException as exc:
                 self._message_ended(record, exc)
                 raise
-        backend.end(record)
         error = next((e for e in outcomes if e is not None), None)
         self._message_ended(record, error)
         if error is not None:

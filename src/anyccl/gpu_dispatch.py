@@ -100,12 +100,14 @@ class GpuDispatch:
         assert self.gpu is not None
         return self.gpu
 
-    def prepare(self, op: str, call: Callable[[GpuBackend], Enqueue]) -> Enqueue:
-        """`call(gpu_backend)`: the function that queues collective `op` on a stream (the
-        backend refuses what it cannot do here, before any byte moves)."""
+    def prepare(self, op: str, operands: tuple,
+                call: Callable[[GpuBackend], Enqueue] | None = None) -> Enqueue:
+        """The function that queues collective `op` on a stream: from the GPU backend's method
+        `op` with `operands`, or `call(gpu_backend)` (the backend refuses what it cannot do
+        here, before any byte moves)."""
         gpu_backend = self.backend(op, collective=True)
         try:
-            return call(gpu_backend)
+            return getattr(gpu_backend, op)(*operands) if call is None else call(gpu_backend)
         except AnycclError as exc:
             raise type(exc)(f"rank {self.rank}: {op}: {exc}") from None
 

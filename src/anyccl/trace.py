@@ -11,6 +11,8 @@ import time
 from collections import deque
 from typing import Any, Union
 
+_NEVER = float("inf")
+
 # an operation's argument text: the text, or (function, *arguments) that make it when read
 ArgsText = Union[str, tuple]
 
@@ -23,10 +25,12 @@ class OpRecord:
     (function, *arguments) whose call makes the text, once, when it is first read. `state` is
     "queued", "started", "done" or "failed" (with `error`); the times are monotonic seconds;
     `replayed`: a GPU call that took no checks of its own but replayed an earlier call's plan.
+    A host operation's record is also its options for the backend (backends/base.py): its
+    signature `agree` and its `deadline`, set when it starts.
     """
 
-    __slots__ = ("name", "seq", "nbytes", "issued_at", "_args", "agree", "state", "started_at",
-                 "ended_at", "error", "replayed")
+    __slots__ = ("name", "seq", "nbytes", "issued_at", "_args", "agree", "deadline", "state",
+                 "started_at", "ended_at", "error", "replayed")
 
     def __init__(self, name: str, seq: int, args: ArgsText = "", nbytes: int = 0) -> None:
         self.name, self.seq, self.nbytes = name, seq, nbytes
@@ -35,6 +39,7 @@ class OpRecord:
         # a host collective's signature (agreement.py), which the backend compares across
         # ranks before any byte moves; None for messages and GPU operations
         self.agree: tuple | None = None
+        self.deadline = _NEVER   # set when it starts (the host engine, the GPU queue)
         self.state = "queued"
         self.started_at = self.ended_at = self.error = None
         self.replayed = False   # a GPU call that replayed the plan of an earlier one (plans.py)

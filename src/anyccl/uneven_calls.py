@@ -98,9 +98,9 @@ class UnevenCalls:
         moves, after = self._gpu_side.uneven_moves(op, layout, x, stream)
         like = moves.scratch[0] if moves.scratch else None
         try:
-            return self._collective(op, about(x, ", uneven sizes"), x.nbytes,
-                                    moves.queue_on_gpu, async_op, like=like, arrays=arrays,
-                                    stream=stream, replayable=False)
+            return self._collective(op, about(x, ", uneven sizes"), x.nbytes, (), async_op,
+                                    like=like, arrays=arrays, stream=stream, replayable=False,
+                                    gpu_call=moves.queue_on_gpu)
         except BaseException:
             if moves.scratch:   # refused or failed before it was queued: given back here
                 moves.free(after or 0)

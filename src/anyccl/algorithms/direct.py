@@ -40,30 +40,30 @@ class DirectAccess(Protocol):
     def scratch(self, nbytes: int) -> np.ndarray:
         """A private uint8 buffer of at least `nbytes`, reused across ops."""
 
-    def barrier(self) -> None: ...
+    def sync(self) -> None: ...
 
 
 def all_gather(d: DirectAccess, outs: list[np.ndarray], x: np.ndarray) -> None:
     """outs[j] = rank j's `x` on every rank: each rank pulls every peer's array."""
     d.publish([x])
-    d.barrier()   # first: a refused collective (sizes disagree) leaves every array as it was
+    d.sync()   # first: a refused collective (sizes disagree) leaves every array as it was
     outs[d.rank][:] = x
     for j in range(d.size):
         if j != d.rank:
             d.read(j, d.addresses(j)[0], outs[j])
-    d.barrier()
+    d.sync()
 
 
 def gather(d: DirectAccess, outs: list[np.ndarray] | None, x: np.ndarray, root: int) -> None:
     """The root's outs[j] = rank j's `x`: every other rank pushes its array into the root's list,
     so all ranks copy at once instead of the root alone."""
     d.publish(list(outs) if d.rank == root else [])
-    d.barrier()
+    d.sync()
     if d.rank == root:
         outs[root][:] = x
     else:
         d.write(root, d.addresses(root)[d.rank], x)
-    d.barrier()
+    d.sync()
 
 
 def broadcast(d: DirectAccess, x: np.ndarray, root: int) -> None:
@@ -71,7 +71,7 @@ def broadcast(d: DirectAccess, x: np.ndarray, root: int) -> None:
     1/n into every receiver: the copying is spread over all n ranks, not n-1."""
     n = d.size
     d.publish([x])
-    d.barrier()
+    d.sync()
     raw = x.reshape(-1).view(np.uint8)
     split = min(raw.size, -(-raw.size // n // _SLICE_ALIGN_BYTES) * _SLICE_ALIGN_BYTES)
     if d.rank == root:
@@ -80,18 +80,18 @@ def broadcast(d: DirectAccess, x: np.ndarray, root: int) -> None:
                 d.write(j, d.addresses(j)[0], raw[:split])
     elif split < raw.size:
         d.read(root, d.addresses(root)[0] + split, raw[split:])
-    d.barrier()
+    d.sync()
 
 
 def scatter(d: DirectAccess, out: np.ndarray, chunks: list[np.ndarray] | None,
             root: int) -> None:
     d.publish(list(chunks) if d.rank == root else [])
-    d.barrier()
+    d.sync()
     if d.rank == root:
         out[:] = chunks[root]
     else:
         d.read(root, d.addresses(root)[d.rank], out)
-    d.barrier()
+    d.sync()
 
 
 def all_reduce(d: DirectAccess, x: np.ndarray, op: ReduceOp) -> None:
@@ -107,7 +107,7 @@ def all_reduce(d: DirectAccess, x: np.ndarray, op: ReduceOp) -> None:
     step = max(align * n, d.chunk_bytes // item)   # every rank works at once on each chunk
     block = max(align, d.block_bytes // item)      # peers' data read and reduced in L2
     tmp = d.scratch(block * item)
-    d.barrier()
+    d.sync()
     base = [d.addresses(j)[0] if j != me else 0 for j in range(n)]
     for start in range(0, x.size, step):
         lo, hi = split_bounds(min(step, x.size - start), n, align)[me]
@@ -122,4 +122,4 @@ def all_reduce(d: DirectAccess, x: np.ndarray, op: ReduceOp) -> None:
             for j in range(n):
                 if j != me:
                     d.write(j, base[j] + sub_lo * item, acc)
-    d.barrier()
+    d.sync()

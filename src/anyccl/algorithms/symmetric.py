@@ -44,8 +44,9 @@ class SymmetricStaging(Protocol):
         """Every rank's whole `half` viewed as `dtype` (its first `count` elements if given), in
         rank order (write only this rank's); the same views on every call (cached)."""
 
-    def barrier(self) -> None:
-        """Return once every rank has reached the same barrier."""
+    def sync(self) -> None:
+        """Return once every rank has reached the same point of the current collective (its
+        first sync carries the collective's signature, compared across ranks)."""
 
 
 def split_bounds(count: int, parts: int, align: int = 1) -> list[tuple[int, int]]:
@@ -89,7 +90,7 @@ def _one_shot(stg: SymmetricStaging, x: np.ndarray, op: ReduceOp, root: int | No
         out = x if c == count else x[start:start + c]
         staged = stg.typed(stg.next_half(), dtype, c)
         staged[stg.rank][...] = out
-        stg.barrier()
+        stg.sync()
         if root is not None and stg.rank != root:
             continue
         combine(out, staged[0], staged[1], op)
@@ -122,7 +123,7 @@ def _two_shot(stg: SymmetricStaging, x: np.ndarray, op: ReduceOp, root: int | No
                 mine[lo:hi] = x[start + lo:start + hi]
         if pending and receives:
             copy_out(*pending)
-        stg.barrier()
+        stg.sync()
         lo, hi = bounds[me]
         if receives:  # reduce straight into the caller's array, then publish the slice
             acc = x[start + lo:start + hi]
@@ -135,7 +136,7 @@ def _two_shot(stg: SymmetricStaging, x: np.ndarray, op: ReduceOp, root: int | No
         finish(acc, op, n)
         if receives:
             mine[lo:hi] = acc
-        stg.barrier()
+        stg.sync()
         pending = (start, bounds, half)
     if pending and receives:
         copy_out(*pending)
@@ -150,7 +151,7 @@ def broadcast(stg: SymmetricStaging, x: np.ndarray, root: int) -> None:
         half = stg.next_half()
         if stg.rank == root:
             stg.mine(half)[:c] = raw[start:start + c]
-        stg.barrier()
+        stg.sync()
         if stg.rank != root:
             raw[start:start + c] = stg.peer(root, half)[:c]
 
@@ -163,7 +164,7 @@ def all_gather(stg: SymmetricStaging, outs: list[np.ndarray] | None, x: np.ndarr
     for start, c in _chunks(raw.size, stg.half_bytes) if stg.size > 1 else ():
         half = stg.next_half()
         stg.mine(half)[:c] = raw[start:start + c]
-        stg.barrier()
+        stg.sync()
         if receives:
             for j in range(stg.size):
                 if j != stg.rank:
@@ -194,7 +195,7 @@ def scatter(stg: SymmetricStaging, out: np.ndarray, chunks: list[np.ndarray] | N
             for j in range(stg.size):
                 if j != me:
                     _typed(staged[j * slot_bytes:], dtype, c)[:] = chunks[j][start:start + c]
-        stg.barrier()
+        stg.sync()
         if me != root:
             out[start:start + c] = _typed(stg.peer(root, half)[me * slot_bytes:], dtype, c)
     if me == root:  # after the first barrier, as everywhere: a refused call changes nothing
@@ -213,7 +214,7 @@ def _exchange(stg: SymmetricStaging, inputs: list[np.ndarray], on_chunk) -> None
         for j in range(n):
             if j != me:
                 _typed(staged[j * slot_bytes:], dtype, c)[:] = inputs[j][start:start + c]
-        stg.barrier()
+        stg.sync()
         pieces = [None if j == me else _typed(stg.peer(j, half)[me * slot_bytes:], dtype, c)
                   for j in range(n)]
         on_chunk(start, c, pieces)

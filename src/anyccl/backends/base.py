@@ -1,25 +1,61 @@
-"""The interface every host transport implements.
+"""The interface every host transport implements: collectives, messages and lifecycle.
 
 The communicator validates arguments and hands a backend flat, contiguous NumPy arrays of one
 dtype, lists already split into equal pieces, and ranks already checked; backends trust them.
-Collectives are blocking calls made in the same order on every rank. Each collective's record
-carries its signature (`record.agree`, see agreement.py), which the backend compares across
-ranks before any rank touches another's memory, raising `CollectiveMismatchError` on every rank
-when they differ; a backend that cannot may leave that to debug mode. Point-to-point messages are
-posted and then progressed, so that sends and receives issued in any order can complete.
+Collectives are blocking calls made in the same order on every rank. Each gets the operation's
+record as its per-operation options (as Gloo's `AllreduceOptions`): `record.deadline`, the
+monotonic time by which it must finish, and `record.agree`, its signature (agreement.py), which
+the backend compares across ranks before any rank touches another's memory, raising
+`CollectiveMismatchError` on every rank when they differ (a backend that cannot may leave that
+to debug mode). A composite backend may call its parts several times with one record: the first
+call of a record starts the operation, the others continue it.
+
+Point-to-point messages are posted and then progressed, so that sends and receives issued in any
+order can complete. When to progress them, and how to wait meanwhile, is the host engine's
+(engine.py): it calls `progress()` and sleeps on the backend's `doorbell`, which a peer (or a
+local thread) rings when there may be something to do.
 """
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
-from typing import Callable, Optional
+from typing import Any, Callable, Optional, Protocol, TypeVar
 
 import numpy as np
 
 from ..ops import ReduceOp
 from ..trace import OpRecord
+from .doorbell import PollingBell
 
 Completion = Callable[[Optional[BaseException]], None]
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def per_operation(collective: _F) -> _F:
+    """A collective of a backend that keeps its operation's state on itself (its `_record`):
+    the first call with a record starts the operation (`self._enter(record)`); the method
+    itself is written without the record, its last argument."""
+    @functools.wraps(collective)
+    def run(self: Any, *args: Any) -> Any:
+        record = args[-1]
+        if record is not self._record:
+            self._enter(record)
+        return collective(self, *args[:-1])
+    return run  # type: ignore[return-value]
+
+
+class Bell(Protocol):
+    """What the host engine sleeps on (backends/doorbell.py has two kinds); a waiter polls
+    without sleeping for `spin_s` first."""
+
+    spin_s: float
+
+    def ring(self) -> None: ...
+
+    def drain(self) -> None: ...
+
+    def sleep(self, timeout_s: float) -> None: ...
 
 
 class Backend(ABC):
@@ -28,55 +64,55 @@ class Backend(ABC):
     name: str
     rank: int
     size: int
+    # rung by a peer or a local thread when there may be something to progress
+    doorbell: Bell
+
+    # ---- collectives (the record: per-operation options, see the module's docstring) --------
+    @abstractmethod
+    def all_reduce(self, x: np.ndarray, op: ReduceOp, record: OpRecord) -> None: ...
 
     @abstractmethod
-    def begin(self, record: OpRecord, deadline: float) -> None:
-        """Note the collective about to run and the monotonic time by which it must finish."""
+    def reduce(self, x: np.ndarray, root: int, op: ReduceOp, record: OpRecord) -> None: ...
 
     @abstractmethod
-    def end(self, record: OpRecord) -> None:
-        """Note that `record` finished on this rank (what peers see while it is idle)."""
+    def broadcast(self, x: np.ndarray, root: int, record: OpRecord) -> None: ...
 
     @abstractmethod
-    def all_reduce(self, x: np.ndarray, op: ReduceOp) -> None: ...
+    def all_gather(self, outs: list[np.ndarray], x: np.ndarray, record: OpRecord) -> None: ...
 
     @abstractmethod
-    def reduce(self, x: np.ndarray, root: int, op: ReduceOp) -> None: ...
+    def gather(self, x: np.ndarray, outs: list[np.ndarray] | None, root: int,
+               record: OpRecord) -> None: ...
 
     @abstractmethod
-    def broadcast(self, x: np.ndarray, root: int) -> None: ...
+    def scatter(self, out: np.ndarray, chunks: list[np.ndarray] | None, root: int,
+                record: OpRecord) -> None: ...
 
     @abstractmethod
-    def all_gather(self, outs: list[np.ndarray], x: np.ndarray) -> None: ...
+    def reduce_scatter(self, out: np.ndarray, inputs: list[np.ndarray], op: ReduceOp,
+                       record: OpRecord) -> None: ...
 
     @abstractmethod
-    def gather(self, x: np.ndarray, outs: list[np.ndarray] | None, root: int) -> None: ...
+    def all_to_all(self, outs: list[np.ndarray], inputs: list[np.ndarray],
+                   record: OpRecord) -> None: ...
 
     @abstractmethod
-    def scatter(self, out: np.ndarray, chunks: list[np.ndarray] | None, root: int) -> None: ...
+    def barrier(self, record: OpRecord) -> None: ...
 
+    # ---- messages ----------------------------------------------------------------------------
     @abstractmethod
-    def reduce_scatter(self, out: np.ndarray, inputs: list[np.ndarray], op: ReduceOp) -> None: ...
-
-    @abstractmethod
-    def all_to_all(self, outs: list[np.ndarray], inputs: list[np.ndarray]) -> None: ...
-
-    @abstractmethod
-    def barrier(self) -> None: ...
-
-    @abstractmethod
-    def post_send(self, x: np.ndarray, dst: int, tag: int, record: OpRecord, deadline: float,
+    def post_send(self, x: np.ndarray, dst: int, tag: int, record: OpRecord,
                   on_done: Completion) -> None:
-        """Queue `x` for `dst`; `on_done` is called once it is sent (or failed)."""
+        """Queue `x` for `dst`; `on_done` is called once it is sent, or failed (at
+        `record.deadline` at the latest)."""
 
     @abstractmethod
     def post_recv(self, x: np.ndarray, src: int | None, tag: int, record: OpRecord,
-                  deadline: float, on_done: Completion,
-                  found: Callable[[int], None] | None = None) -> None:
-        """Ask for the next message from `src` with `tag` into `x`; `on_done` once it landed.
-        src=None: from whichever rank's message with `tag` is matched first (the earliest
-        posted receive that fits a message takes it, as in MPI); `found(sender)` is called
-        before `on_done`."""
+                  on_done: Completion, found: Callable[[int], None] | None = None) -> None:
+        """Ask for the next message from `src` with `tag` into `x`; `on_done` once it landed
+        (or failed, at `record.deadline` at the latest). src=None: from whichever rank's
+        message with `tag` is matched first (the earliest posted receive that fits a message
+        takes it, as in MPI); `found(sender)` is called before `on_done`."""
 
     def send_now(self, x: np.ndarray, dst: int, tag: int) -> bool:
         """A blocking send's fast path: True once `x` went out whole, here and now; False,
@@ -92,25 +128,10 @@ class Backend(ABC):
 
     @abstractmethod
     def progress(self) -> None:
-        """Advance posted messages as far as possible without blocking; fail expired ones."""
+        """Advance posted messages as far as possible without blocking: complete those done,
+        fail those past their deadline; raise PeerLostError where a peer left."""
 
-    @abstractmethod
-    def fail_pending(self, error: BaseException) -> None:
-        """Complete every posted message with `error` (a peer was lost)."""
-
-    @abstractmethod
-    def wait_for_activity(self, timeout_s: float) -> None:
-        """Sleep until a peer or a local thread signals this rank, or `timeout_s` passes."""
-
-    @abstractmethod
-    def wake(self) -> None:
-        """Interrupt `wait_for_activity` (called by a thread that queued new work)."""
-
-    @abstractmethod
-    def wait_for_messages(self, finished: Callable[[], bool], record: OpRecord,
-                          deadline: float) -> None:
-        """Progress until `finished()`; TimeoutError at `deadline`."""
-
+    # ---- lifecycle ---------------------------------------------------------------------------
     @abstractmethod
     def subgroup(self, ranks: list[int], name: str, timeout_s: float) -> Backend:
         """A backend over `ranks` (this rank among them); collective over those ranks."""
@@ -121,6 +142,10 @@ class Backend(ABC):
         return None
 
     @abstractmethod
+    def abort(self, error: BaseException) -> None:
+        """Complete every posted message with `error` (a peer was lost: nothing will arrive)."""
+
+    @abstractmethod
     def close(self) -> None:
         """Release every resource; peers still waiting on this rank learn that it left."""
 
@@ -129,24 +154,32 @@ class PolledMessages:
     """What a backend whose messages a library completes when polled (mpi, gloo) does alike
     with its list `_pending` of posted messages (each with an `on_done`). Sends are buffered:
     they complete at once, and a delivery that fails later (`_late`) is kept in `_late_error`
-    for the backend's next call to raise."""
+    for the backend's next operation to raise (`_raise_late`)."""
 
     _pending: list
     _late_error: BaseException | None
+    doorbell: PollingBell   # the library progresses only when polled: the engine naps
 
     def _late(self, error: BaseException | None) -> None:
         if error is not None and self._late_error is None:
             self._late_error = error
 
-    def fail_pending(self, error: BaseException) -> None:
+    _record: OpRecord | None
+    _enter: Callable[[OpRecord], None]   # the backend's own start of an operation
+
+    def enter(self, record: OpRecord) -> None:
+        """Start operation `record` now, as its first collective call would (`per_operation`):
+        for a composite backend that drives this one's own steps (`start_agreement`,
+        `all_reduce_start`) under its record."""
+        if record is not self._record:
+            self._enter(record)
+
+    def _raise_late(self) -> None:
+        if self._late_error is not None:
+            error, self._late_error = self._late_error, None
+            raise error
+
+    def abort(self, error: BaseException) -> None:
         pending, self._pending = self._pending, []
         for p in pending:
             p.on_done(error)
-
-    def wait_for_activity(self, timeout_s: float) -> None:
-        import time
-
-        time.sleep(min(timeout_s, 1e-4))   # the library progresses only when polled
-
-    def wake(self) -> None:
-        pass

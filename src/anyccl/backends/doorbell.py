@@ -46,7 +46,10 @@ _has_clockwait = _libc is not None and hasattr(_libc, "sem_clockwait")
 
 
 class Doorbell:
-    """The doorbell at `address` (an address inside a shared mapping, SEM_BYTES long)."""
+    """The doorbell at `address` (an address inside a shared mapping, SEM_BYTES long). A
+    waiter polls without sleeping for `spin_s` first (set by its owner)."""
+
+    spin_s = 0.0
 
     def __init__(self, address: int, *, create: bool) -> None:
         self.address = address
@@ -93,3 +96,21 @@ class Doorbell:
             err = ctypes.get_errno()
             if err not in (errno.ETIMEDOUT, errno.EINTR, errno.EAGAIN):
                 raise OSError(err, f"waiting on a doorbell failed: {os.strerror(err)}")
+
+
+class PollingBell:
+    """The doorbell of a transport that nobody can ring (a library that progresses only when
+    polled: MPI, gloo): sleeping is a short nap, after which the engine polls again. A waiter
+    polls without sleeping for `spin_s` first."""
+
+    def __init__(self, spin_s: float = 0.0, nap_s: float = 1e-4) -> None:
+        self.spin_s, self.nap_s = spin_s, nap_s
+
+    def ring(self) -> None:
+        pass
+
+    def drain(self) -> None:
+        pass
+
+    def sleep(self, timeout_s: float) -> None:
+        time.sleep(min(timeout_s, self.nap_s))

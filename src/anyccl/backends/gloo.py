@@ -40,7 +40,8 @@ from ..ops import ReduceOp, accumulate, finish
 from ..ops import finish as finish_op
 from ..store import Store
 from ..trace import OpRecord
-from .base import Backend, Completion, PolledMessages
+from .base import Backend, Completion, PolledMessages, per_operation
+from .doorbell import PollingBell
 
 _CODES = 16           # the low 4 bits of a Gloo tag name the dtype (as on mpi)
 _SPIN_S = 0.002       # how long a wait for messages polls without sleeping
@@ -218,6 +219,7 @@ class GlooBackend(PolledMessages, Backend):
         self._deadline = float("inf")
         self._pending: list[_Pending] = []
         self._late_error: BaseException | None = None
+        self.doorbell = PollingBell(spin_s=_SPIN_S)
         self._subgroups = 0
         self._closed = False
         # set by a composite backend that starts the agreement itself (start_agreement)
@@ -355,11 +357,11 @@ class GlooBackend(PolledMessages, Backend):
         return AnycclError(f"rank {self._said_rank}: {where} failed in gloo: {text}")
 
     # ---- collectives -----------------------------------------------------------------------
-    def begin(self, record: OpRecord, deadline: float) -> None:
-        self._record, self._deadline = record, deadline
-        if self._late_error is not None:
-            error, self._late_error = self._late_error, None
-            raise error
+    def _enter(self, record: OpRecord) -> None:
+        """Operation `record` starts (`per_operation`): its deadline, a failed delivery of an
+        earlier send raised, and its signature compared across ranks."""
+        self._record, self._deadline = record, record.deadline
+        self._raise_late()
         if record.agree is not None and self.size > 1 and not self.defer_agreement:
             self._agree(record.agree)
 
@@ -394,8 +396,6 @@ class GlooBackend(PolledMessages, Backend):
             raise agreement.mismatch(self.rank, self._record, words, reasons, "gloo")
         return finish
 
-    def end(self, record: OpRecord) -> None:
-        self._record = None
 
     def _native(self, dtype: np.dtype, op: ReduceOp) -> bool:
         if dtype.name not in _NATIVE_REDUCE and dtype != BFLOAT16:
@@ -410,7 +410,7 @@ class GlooBackend(PolledMessages, Backend):
 
     def _gathered(self, x: np.ndarray) -> list[np.ndarray]:
         everyone = [np.empty_like(x) for _ in range(self.size)]
-        self.all_gather(everyone, x)
+        self.all_gather(everyone, x, self._record)
         return everyone
 
     def _reduce_gathered(self, everyone: list[np.ndarray], out: np.ndarray,
@@ -422,6 +422,7 @@ class GlooBackend(PolledMessages, Backend):
             accumulate(out, other, base)
         finish(out, op, self.size)
 
+    @per_operation
     def all_reduce(self, x: np.ndarray, op: ReduceOp) -> None:
         self.all_reduce_start(x, op)()
 
@@ -438,6 +439,7 @@ class GlooBackend(PolledMessages, Backend):
             finish_op(x, op, self.size)
         return finish
 
+    @per_operation
     def reduce(self, x: np.ndarray, root: int, op: ReduceOp) -> None:
         if not self._native(x.dtype, op):
             everyone = self._gathered(x)   # every rank sends its part to every rank: simple
@@ -452,21 +454,25 @@ class GlooBackend(PolledMessages, Backend):
         if self.rank == root:
             finish(x, op, self.size)
 
+    @per_operation
     def broadcast(self, x: np.ndarray, root: int) -> None:
         self._wait(self._pg.broadcast([self._b(x)], self._opts("BroadcastOptions",
                                                                rootRank=root, rootTensor=0)),
                    f"rank {root}'s broadcast")
 
+    @per_operation
     def all_gather(self, outs: list[np.ndarray], x: np.ndarray) -> None:
         self._wait(self._pg.allgather([[self._b(o) for o in outs]], [self._b(x)]),
                    "the other ranks' all_gather")
 
+    @per_operation
     def gather(self, x: np.ndarray, outs: list[np.ndarray] | None, root: int) -> None:
         targets = [[self._b(o) for o in outs]] if self.rank == root and outs is not None else []
         self._wait(self._pg.gather(targets, [self._b(np.ascontiguousarray(x))],
                                    self._opts("GatherOptions", rootRank=root)),
                    "the other ranks' gather" if self.rank == root else "gather at the root")
 
+    @per_operation
     def scatter(self, out: np.ndarray, chunks: list[np.ndarray] | None, root: int) -> None:
         sources = [[self._b(np.ascontiguousarray(c)) for c in chunks]] \
             if self.rank == root and chunks is not None else []
@@ -474,11 +480,13 @@ class GlooBackend(PolledMessages, Backend):
                                     self._opts("ScatterOptions", rootRank=root)),
                    f"rank {root}'s scatter")
 
+    @per_operation
     def reduce_scatter(self, out: np.ndarray, inputs: list[np.ndarray], op: ReduceOp) -> None:
         whole = np.concatenate([i.reshape(-1) for i in inputs])   # a copy: reduced in place
-        self.all_reduce(whole, op)
+        self.all_reduce(whole, op, self._record)
         out.reshape(-1)[...] = whole[self.rank * out.size:(self.rank + 1) * out.size]
 
+    @per_operation
     def all_to_all(self, outs: list[np.ndarray], inputs: list[np.ndarray]) -> None:
         send = np.concatenate([i.reshape(-1).view(np.uint8) for i in inputs])
         receive = np.empty(sum(o.nbytes for o in outs), np.uint8)
@@ -491,6 +499,7 @@ class GlooBackend(PolledMessages, Backend):
             o.reshape(-1).view(np.uint8)[...] = receive[at:at + o.nbytes]
             at += o.nbytes
 
+    @per_operation
     def barrier(self) -> None:
         self._wait(self._pg.barrier(self._opts("BarrierOptions")),
                    "the other ranks to reach the barrier")
@@ -499,8 +508,9 @@ class GlooBackend(PolledMessages, Backend):
     def _tag(self, tag: int, dtype: np.dtype) -> int:
         return tag * _CODES + SUPPORTED_DTYPES.index(dtype)
 
-    def post_send(self, x: np.ndarray, dst: int, tag: int, record: OpRecord, deadline: float,
+    def post_send(self, x: np.ndarray, dst: int, tag: int, record: OpRecord,
                   on_done: Completion) -> None:
+        deadline = record.deadline
         # buffered, as on shm and mpi: the message leaves from a copy, so the send completes
         # now; delivery is finished by later calls (and at close)
         copy = x.reshape(-1).view(np.uint8).copy()
@@ -510,8 +520,8 @@ class GlooBackend(PolledMessages, Backend):
         on_done(None)
 
     def post_recv(self, x: np.ndarray, src: int | None, tag: int, record: OpRecord,
-                  deadline: float, on_done: Completion,
-                  found: Callable[[int], None] | None = None) -> None:
+                  on_done: Completion, found: Callable[[int], None] | None = None) -> None:
+        deadline = record.deadline
         gloo_tag = self._tag(tag, x.dtype)
         view = self._b(x)
         work = _Waited(self._pg.recv_anysource([view], gloo_tag) if src is None
@@ -545,31 +555,14 @@ class GlooBackend(PolledMessages, Backend):
             else:
                 still.append(p)
         self._pending = still
-
-    def wait_for_messages(self, finished: Callable[[], bool], record: OpRecord,
-                          deadline: float) -> None:
-        started = time.monotonic()
-        delay = 0.0
-        while True:
-            self.progress()
-            if finished():
-                return
-            now = time.monotonic()
-            if now >= deadline:
-                saved, self._record = self._record, record
-                try:
-                    raise self._timed_out("its peer", now)
-                finally:
-                    self._record = saved
-            if now - started > _SPIN_S:
-                delay = min(1e-3, delay + 2e-5)
-                time.sleep(delay)
-                if now - started > _WATCH_AFTER_S:
-                    saved, self._record = self._record, record
-                    try:
-                        self._check_peers("its peer")
-                    finally:
-                        self._record = saved
+        waiting = next((p for p in still if p.on_done != self._late), None)
+        if waiting is not None and now - (waiting.record.started_at or
+                                          waiting.record.issued_at) > _WATCH_AFTER_S:
+            saved, self._record = self._record, waiting.record   # a lost peer names it
+            try:
+                self._check_peers("its peer")
+            finally:
+                self._record = saved
 
     # ---- groups and lifetime ---------------------------------------------------------------
     def subgroup(self, ranks: list[int], name: str, timeout_s: float) -> GlooBackend:

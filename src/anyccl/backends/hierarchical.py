@@ -41,7 +41,7 @@ from .base import Backend, Completion
 def _plain(record: OpRecord) -> OpRecord:
     """`record` without its signature: the inner steps of an agreed collective."""
     inner = OpRecord(record.name, record.seq, record._args, record.nbytes)
-    inner.issued_at = record.issued_at
+    inner.issued_at, inner.deadline = record.issued_at, record.deadline
     return inner
 
 
@@ -60,6 +60,19 @@ def _explains_losses(method: Callable) -> Callable:
             self._agreed()   # shm saw this host's ranks differ: say what every rank called
             raise
     return guarded
+
+
+def _collective(method: Callable) -> Callable:
+    """A collective of the hierarchical backend: the first call with a record (its last
+    argument) starts the operation (`_enter`), and the comparison of its signatures across
+    every rank has finished when it returns; losses explained (`_explains_losses`)."""
+    @functools.wraps(method)
+    def run(self: HierarchicalBackend, *args: Any) -> None:
+        if args[-1] is not self._record:
+            self._enter(args[-1])
+        method(self, *args)
+        self._agreed()
+    return _explains_losses(run)
 
 
 class _Local:
@@ -102,7 +115,8 @@ class HierarchicalBackend(Backend):
         self._max_chunks = tuning.value("hierarchical.max_chunks")
         self.hosts = hosts
         self._local, self._net = _Local(local, self), net
-        net.defer_agreement = True   # begin() starts it, and each step awaits it in time
+        self.doorbell = net.doorbell   # messages travel on the network engine
+        net.defer_agreement = True   # _enter() starts it, and each step awaits it in time
         self._agreement: Callable[[], None] | None = None
         order = list(dict.fromkeys(hosts))               # hosts in order of their first rank
         self._members = [[r for r in range(self.size) if hosts[r] == h] for h in order]
@@ -119,6 +133,7 @@ class HierarchicalBackend(Backend):
             self._column = net.subgroup(column, f"{name}-column{self._index}", timeout_s)
         self._owns = owns or []   # what closes with this backend (the heartbeat)
         self._record: OpRecord | None = None
+        self._column_record: OpRecord | None = None   # the column's steps of `_record`
         heartbeat = getattr(getattr(net, "peers", None), "heartbeat", None)
         self._heartbeat = heartbeat if heartbeat is not None else \
             next((o for o in self._owns if hasattr(o, "tell_lost")), None)
@@ -156,16 +171,15 @@ class HierarchicalBackend(Backend):
         return error
 
     # ---- per operation ---------------------------------------------------------------------
-    @_explains_losses
-    def begin(self, record: OpRecord, deadline: float) -> None:
+    def _enter(self, record: OpRecord) -> None:
+        """Operation `record` starts. Its signature is compared inside the host by shm at its
+        first step, and across every rank on the engine: started here, awaited (`_agreed`)
+        before anything is written that another rank or the caller can see."""
         self._record = record
-        # the signature: compared inside the host by shm at its first step, and across every
-        # rank on the engine, started here and awaited (`_agreed`) before anything is written
-        # that another rank or the caller can see
-        self._local.begin(record, deadline)
-        self._net.begin(record, deadline)
+        self._net.enter(record)
         if self._column is not None:
-            self._column.begin(_plain(record), deadline)
+            self._column_record = _plain(record)
+            self._column.enter(self._column_record)
         self._agreement = None if record.agree is None else \
             self._net.start_agreement(record.agree)
 
@@ -175,29 +189,21 @@ class HierarchicalBackend(Backend):
         if pending is not None:
             pending()
 
-    def end(self, record: OpRecord) -> None:
-        self._agreed()
-        self._local.end(record)
-        self._net.end(record)
-        if self._column is not None:
-            self._column.end(record)
-        self._record = None
-
     # ---- collectives -----------------------------------------------------------------------
-    @_explains_losses
-    def all_reduce(self, x: np.ndarray, op: ReduceOp) -> None:
+    @_collective
+    def all_reduce(self, x: np.ndarray, op: ReduceOp, record: OpRecord) -> None:
         column = self._column
         if column is None:
             self._agreed()
-            self._net.all_reduce(x, op)
+            self._net.all_reduce(x, op, record)
             return
         base = ReduceOp.SUM if op is ReduceOp.AVG else op
         per_host, n = self._per_host, x.size
         if x.nbytes < self._slice_min or n < per_host:
             mine = x.copy()          # x is written only once every rank has agreed
-            self._local.all_reduce(mine, base)
+            self._local.all_reduce(mine, base, record)
             self._agreed()
-            column.all_reduce(mine, base)
+            column.all_reduce(mine, base, self._column_record)
             x[...] = mine
             finish(x, op, self.size)
             return
@@ -214,74 +220,75 @@ class HierarchicalBackend(Backend):
         for k in range(chunks):
             chunk = whole[k * span:(k + 1) * span]
             pieces = [chunk[i * piece:(i + 1) * piece] for i in range(per_host)]
-            self._local.reduce_scatter(mine[k], pieces, base)
+            self._local.reduce_scatter(mine[k], pieces, base, record)
             if k == 0:
                 self._agreed()
             started = column.all_reduce_start(mine[k], base)
             if waiting is not None:
-                self._gather_back(*waiting)
+                self._gather_back(*waiting, record)
             waiting = (started, pieces, mine[k])
-        self._gather_back(*waiting)
+        self._gather_back(*waiting, record)
         if whole is not x:
             x[...] = whole[:n]
         finish(x, op, self.size)
 
     def _gather_back(self, crossing: Callable[[], None], pieces: list[np.ndarray],
-                     mine: np.ndarray) -> None:
+                     mine: np.ndarray, record: OpRecord) -> None:
         crossing()
-        self._local.all_gather(pieces, mine)
+        self._local.all_gather(pieces, mine, record)
 
-    @_explains_losses
-    def reduce(self, x: np.ndarray, root: int, op: ReduceOp) -> None:
+    @_collective
+    def reduce(self, x: np.ndarray, root: int, op: ReduceOp, record: OpRecord) -> None:
         if self._column is None:
             self._agreed()
-            self._net.reduce(x, root, op)
+            self._net.reduce(x, root, op, record)
             return
         base = ReduceOp.SUM if op is ReduceOp.AVG else op
         root_host, root_index = self._position[root]
         leads = self._index == root_index     # this rank reduces its host's part
         target = x if self.rank == root or not leads else x.copy()
         self._agreed()
-        self._local.reduce(target, root_index, base)
+        self._local.reduce(target, root_index, base, record)
         if leads:
-            self._column.reduce(target, root_host, base)
+            self._column.reduce(target, root_host, base, self._column_record)
         if self.rank == root:
             finish(x, op, self.size)
 
-    @_explains_losses
-    def broadcast(self, x: np.ndarray, root: int) -> None:
+    @_collective
+    def broadcast(self, x: np.ndarray, root: int, record: OpRecord) -> None:
         self._agreed()
         if self._column is None:
-            self._net.broadcast(x, root)
+            self._net.broadcast(x, root, record)
             return
         root_host, root_index = self._position[root]
         if self._index == root_index:
-            self._column.broadcast(x, root_host)
-        self._local.broadcast(x, root_index)
+            self._column.broadcast(x, root_host, self._column_record)
+        self._local.broadcast(x, root_index, record)
 
-    @_explains_losses
-    def all_gather(self, outs: list[np.ndarray], x: np.ndarray) -> None:
+    @_collective
+    def all_gather(self, outs: list[np.ndarray], x: np.ndarray, record: OpRecord) -> None:
         self._agreed()
         if self._column is None:
-            self._net.all_gather(outs, x)
+            self._net.all_gather(outs, x, record)
             return
         hosts, per_host, s = len(self._members), self._per_host, x.size
         across = np.empty(hosts * s, x.dtype)     # this rank's column, host by host
         self._column.all_gather([across[h * s:(h + 1) * s] for h in range(hosts)],
-                                x.reshape(-1))
+                                x.reshape(-1), self._column_record)
         blocks = np.empty(per_host * hosts * s, x.dtype)
         self._local.all_gather([blocks[i * hosts * s:(i + 1) * hosts * s]
-                                for i in range(per_host)], across)
+                                for i in range(per_host)], across, record)
         for r, out in enumerate(outs):
             h, i = self._position[r]
             at = (i * hosts + h) * s
             out.reshape(-1)[...] = blocks[at:at + s]
 
-    @_explains_losses
-    def reduce_scatter(self, out: np.ndarray, inputs: list[np.ndarray], op: ReduceOp) -> None:
+    @_collective
+    def reduce_scatter(self, out: np.ndarray, inputs: list[np.ndarray], op: ReduceOp,
+                       record: OpRecord) -> None:
         self._agreed()
         if self._column is None:
-            self._net.reduce_scatter(out, inputs, op)
+            self._net.reduce_scatter(out, inputs, op, record)
             return
         base = ReduceOp.SUM if op is ReduceOp.AVG else op
         hosts, per_host, s = len(self._members), self._per_host, out.size
@@ -289,57 +296,50 @@ class HierarchicalBackend(Backend):
         local_inputs = [np.concatenate([inputs[self._members[h][i]].reshape(-1)
                                         for h in range(hosts)]) for i in range(per_host)]
         partial = np.empty(hosts * s, out.dtype)
-        self._local.reduce_scatter(partial, local_inputs, base)
+        self._local.reduce_scatter(partial, local_inputs, base, record)
         self._column.reduce_scatter(out.reshape(-1), [partial[h * s:(h + 1) * s]
-                                                      for h in range(hosts)], base)
+                                                      for h in range(hosts)], base,
+                                    self._column_record)
         finish(out, op, self.size)
 
-    @_explains_losses
-    def gather(self, x: np.ndarray, outs: list[np.ndarray] | None, root: int) -> None:
+    @_collective
+    def gather(self, x: np.ndarray, outs: list[np.ndarray] | None, root: int,
+               record: OpRecord) -> None:
         self._agreed()
-        self._net.gather(x, outs, root)
+        self._net.gather(x, outs, root, record)
 
-    @_explains_losses
-    def scatter(self, out: np.ndarray, chunks: list[np.ndarray] | None, root: int) -> None:
+    @_collective
+    def scatter(self, out: np.ndarray, chunks: list[np.ndarray] | None, root: int,
+                record: OpRecord) -> None:
         self._agreed()
-        self._net.scatter(out, chunks, root)
+        self._net.scatter(out, chunks, root, record)
 
-    @_explains_losses
-    def all_to_all(self, outs: list[np.ndarray], inputs: list[np.ndarray]) -> None:
+    @_collective
+    def all_to_all(self, outs: list[np.ndarray], inputs: list[np.ndarray],
+                   record: OpRecord) -> None:
         self._agreed()
-        self._net.all_to_all(outs, inputs)
+        self._net.all_to_all(outs, inputs, record)
 
-    @_explains_losses
-    def barrier(self) -> None:
+    @_collective
+    def barrier(self, record: OpRecord) -> None:
         self._agreed()
-        self._net.barrier()
+        self._net.barrier(record)
 
     # ---- point to point: on the network engine ----------------------------------------------
-    def post_send(self, x: np.ndarray, dst: int, tag: int, record: OpRecord, deadline: float,
+    def post_send(self, x: np.ndarray, dst: int, tag: int, record: OpRecord,
                   on_done: Completion) -> None:
-        self._net.post_send(x, dst, tag, record, deadline, on_done)
+        self._net.post_send(x, dst, tag, record, on_done)
 
     def post_recv(self, x: np.ndarray, src: int | None, tag: int, record: OpRecord,
-                  deadline: float, on_done: Completion,
-                  found: Callable[[int], None] | None = None) -> None:
-        self._net.post_recv(x, src, tag, record, deadline, on_done, found)
+                  on_done: Completion, found: Callable[[int], None] | None = None) -> None:
+        self._net.post_recv(x, src, tag, record, on_done, found)
 
+    @_explains_losses
     def progress(self) -> None:
         self._net.progress()
 
-    def fail_pending(self, error: BaseException) -> None:
-        self._net.fail_pending(error)
-
-    def wait_for_activity(self, timeout_s: float) -> None:
-        self._net.wait_for_activity(timeout_s)
-
-    def wake(self) -> None:
-        self._net.wake()
-
-    @_explains_losses
-    def wait_for_messages(self, finished: Callable[[], bool], record: OpRecord,
-                          deadline: float) -> None:
-        self._net.wait_for_messages(finished, record, deadline)
+    def abort(self, error: BaseException) -> None:
+        self._net.abort(error)
 
     # ---- groups and lifetime ---------------------------------------------------------------
     def lost_peer(self) -> tuple[int, str] | None:

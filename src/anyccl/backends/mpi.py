@@ -48,7 +48,8 @@ from ..ops import ReduceOp, accumulate, dtype_kind, finish
 from ..ops import finish as finish_op
 from ..store import Store
 from ..trace import OpRecord, format_bytes
-from .base import Backend, Completion, PolledMessages
+from .base import Backend, Completion, PolledMessages, per_operation
+from .doorbell import PollingBell
 from .registry import HostContext
 
 _DTYPE_CODE = {d: i for i, d in enumerate(SUPPORTED_DTYPES)}
@@ -252,6 +253,7 @@ class MpiBackend(PolledMessages, Backend):
         self._lost: tuple[int, str] = (-1, "")
         self._announces_departure = False  # the world backend speaks for the whole process
         self._record: OpRecord | None = None
+        self._told_for: OpRecord | None = None   # the message peers were told this rank waits in
         self._deadline = float("inf")
         self._pending: list[_Pending] = []
         self._late_error: BaseException | None = None  # of a buffered send, for the next call
@@ -262,6 +264,7 @@ class MpiBackend(PolledMessages, Backend):
         # set by a composite backend that starts the agreement itself (start_agreement)
         self.defer_agreement = False
         self._spin_s = _spin_s(self._comm, self.MPI)
+        self.doorbell = PollingBell(spin_s=self._spin_s)
         self._closed = False
         self._agrees = self.size > 1 and settings.MPI_AGREE.get()
         self._split_min = tuning.value("mpi.split_all_reduce_min")   # the tuning table
@@ -335,11 +338,11 @@ class MpiBackend(PolledMessages, Backend):
                             f"waiting for {waiting_for} (mpi backend)", rank)
 
     # ---- waiting -----------------------------------------------------------------------------
-    def begin(self, record: OpRecord, deadline: float) -> None:
-        self._record, self._deadline = record, deadline
-        if self._late_error is not None:
-            error, self._late_error = self._late_error, None
-            raise error
+    def _enter(self, record: OpRecord) -> None:
+        """Operation `record` starts (`per_operation`): its deadline, a failed delivery of an
+        earlier send raised, and its signature compared across ranks."""
+        self._record, self._deadline = record, record.deadline
+        self._raise_late()
         if record.agree is not None and self._agrees and not self.defer_agreement:
             self._agree(record.agree)
 
@@ -405,8 +408,6 @@ class MpiBackend(PolledMessages, Backend):
             finish_op(x, op, self.size)
         return finish_split
 
-    def end(self, record: OpRecord) -> None:
-        self._record = None
 
     def _complete(self, request: Any, what: str) -> None:
         """Poll `request` until done: MPI progresses only inside its calls, so spin on Test as
@@ -495,12 +496,14 @@ class MpiBackend(PolledMessages, Backend):
         return [view, x.size if count is None else count, mpi_type]
 
     # ---- collectives -------------------------------------------------------------------------
+    @per_operation
     def all_reduce(self, x: np.ndarray, op: ReduceOp) -> None:
         _, mpi_op = self._reduction(op, x.dtype)
         self._complete(self._comm.Iallreduce(self.MPI.IN_PLACE, self._reduced(x, op), mpi_op),
                        "the other ranks' all_reduce")
         finish(x, op, self.size)
 
+    @per_operation
     def reduce(self, x: np.ndarray, root: int, op: ReduceOp) -> None:
         _, mpi_op = self._reduction(op, x.dtype)
         if self.rank == root:
@@ -511,9 +514,11 @@ class MpiBackend(PolledMessages, Backend):
         if self.rank == root:
             finish(x, op, self.size)
 
+    @per_operation
     def broadcast(self, x: np.ndarray, root: int) -> None:
         self._complete(self._comm.Ibcast(self._bytes(x), root), f"rank {root}'s broadcast")
 
+    @per_operation
     def all_gather(self, outs: list[np.ndarray], x: np.ndarray) -> None:
         whole, scatter_back = _joined(outs)
         if x.size and np.may_share_memory(outs[self.rank], x):
@@ -526,6 +531,7 @@ class MpiBackend(PolledMessages, Backend):
         if scatter_back is not None:
             scatter_back()
 
+    @per_operation
     def gather(self, x: np.ndarray, outs: list[np.ndarray] | None, root: int) -> None:
         if self.rank != root:
             self._complete(self._comm.Igather(self._bytes(x), None, root), "gather at the root")
@@ -537,6 +543,7 @@ class MpiBackend(PolledMessages, Backend):
         if scatter_back is not None:
             scatter_back()
 
+    @per_operation
     def scatter(self, out: np.ndarray, chunks: list[np.ndarray] | None, root: int) -> None:
         if self.rank != root:
             self._complete(self._comm.Iscatter(None, self._bytes(out), root),
@@ -547,6 +554,7 @@ class MpiBackend(PolledMessages, Backend):
         self._complete(self._comm.Iscatter([whole, self.MPI.BYTE], self._bytes(out), root),
                        "the other ranks' scatter")
 
+    @per_operation
     def reduce_scatter(self, out: np.ndarray, inputs: list[np.ndarray], op: ReduceOp) -> None:
         whole = np.concatenate(inputs)  # a copy: MPI buffers must not overlap (in place)
         _, mpi_op = self._reduction(op, out.dtype)
@@ -555,6 +563,7 @@ class MpiBackend(PolledMessages, Backend):
                        "the other ranks' reduce_scatter")
         finish(out, op, self.size)
 
+    @per_operation
     def all_to_all(self, outs: list[np.ndarray], inputs: list[np.ndarray]) -> None:
         send = np.concatenate([i.reshape(-1).view(np.uint8) for i in inputs])  # a copy
         whole, scatter_back = _joined(outs)
@@ -563,6 +572,7 @@ class MpiBackend(PolledMessages, Backend):
         if scatter_back is not None:
             scatter_back()
 
+    @per_operation
     def barrier(self) -> None:
         self._complete(self._comm.Ibarrier(), "the other ranks to reach the barrier")
 
@@ -573,8 +583,9 @@ class MpiBackend(PolledMessages, Backend):
                                    f"MPI can carry on the mpi backend (tags < {self._tag_limit})")
         return tag * _CODES + _DTYPE_CODE[dtype]
 
-    def post_send(self, x: np.ndarray, dst: int, tag: int, record: OpRecord, deadline: float,
+    def post_send(self, x: np.ndarray, dst: int, tag: int, record: OpRecord,
                   on_done: Completion) -> None:
+        deadline = record.deadline
         # Buffered, as the shm backend's ring is: the message leaves from a copy, so the send
         # completes now and a large message cannot wait on a receive the peer posts later (MPI's
         # rendezvous would make "send 0, send 1 / recv 1, recv 0" deadlock). A failure of the
@@ -586,8 +597,8 @@ class MpiBackend(PolledMessages, Backend):
         on_done(None)
 
     def post_recv(self, x: np.ndarray, src: int | None, tag: int, record: OpRecord,
-                  deadline: float, on_done: Completion,
-                  found: Callable[[int], None] | None = None) -> None:
+                  on_done: Completion, found: Callable[[int], None] | None = None) -> None:
+        deadline = record.deadline
         mpi_tag = self._mpi_tag(tag, x.dtype, record)
         if src is not None:
             self._check_mismatch(x, src, tag, mpi_tag, record)
@@ -689,31 +700,23 @@ class MpiBackend(PolledMessages, Backend):
         self._pending = still
         if still:  # messages from (or to) a rank that left will never complete
             self._check_peers(still[0].record, "its peer")
+            self._say_what_waits(still, now)
+
+    def _say_what_waits(self, still: list[_Pending], now: float) -> None:
+        """Once a message this rank waits for (not a buffered send's delivery) has waited past
+        the spin, tell the peers which (what their timeouts then say this rank is in)."""
+        waiting = next((p for p in still if p.on_done != self._late), None)
+        if waiting is None or waiting.record is self._told_for:
+            return
+        record = waiting.record
+        if now - (record.started_at or record.issued_at) > self._spin_s:
+            self._tell_waiting(record, "its peer")
+            self._told_for = record
 
     def _expired(self, p: _Pending, now: float) -> TimeoutError:
         return TimeoutError(f"rank {self.rank}: {p.record} timed out after "
                             f"{now - p.record.issued_at:.3g} s waiting for its peer (mpi "
                             f"backend)" + self._what_peers_do())
-
-    def wait_for_messages(self, finished: Callable[[], bool], record: OpRecord,
-                          deadline: float) -> None:
-        started = time.monotonic()
-        self._lost_since = None
-        told = False
-        while True:
-            self.progress()
-            if finished():
-                return
-            now = time.monotonic()
-            if now >= deadline:
-                raise TimeoutError(f"rank {self.rank}: {record} timed out after "
-                                   f"{now - record.issued_at:.3g} s waiting for its peer "
-                                   f"(mpi backend)" + self._what_peers_do())
-            if now - started > self._spin_s:
-                if not told:
-                    told = self._tell_waiting(record, "its peer")
-                self._check_peers(record, "its peer")
-                time.sleep(1e-4)
 
     # ---- lifetime ----------------------------------------------------------------------------
     def _finish_sends(self) -> None:

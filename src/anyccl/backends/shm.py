@@ -273,20 +273,20 @@ def reclaim_dead_segments(directory: str = "/dev/shm") -> list[str]:
 class _Send:
     __slots__ = ("data", "header", "total", "written", "record", "deadline", "on_done")
 
-    def __init__(self, data, tag, dtype, record, deadline, on_done):
+    def __init__(self, data, tag, dtype, record, on_done):
         self.data = data
         self.header = (tag, data.size, _DTYPE_CODE[dtype], 0)
         self.total = _HEADER + _round_up(data.size, _HEADER)
         self.written = 0
-        self.record, self.deadline, self.on_done = record, deadline, on_done
+        self.record, self.deadline, self.on_done = record, record.deadline, on_done
 
 
 class _Recv:
     __slots__ = ("data", "tag", "dtype", "record", "deadline", "on_done", "order", "found")
 
-    def __init__(self, data, tag, dtype, record, deadline, on_done, order, found):
+    def __init__(self, data, tag, dtype, record, on_done, order, found):
         self.data, self.tag, self.dtype = data, tag, dtype
-        self.record, self.deadline, self.on_done = record, deadline, on_done
+        self.record, self.deadline, self.on_done = record, record.deadline, on_done
         self.order = order    # when it was posted: the earliest fitting receive takes a message
         self.found = found    # a receive from any rank: told the sender
 
@@ -348,7 +348,7 @@ class SharedMemoryBackend(Backend):
         try:
             self._own.words[_W_PID] = os.getpid()
             self._own.words[_W_SEGMENT_ADDRESS] = self._own.address(0)
-            self._bell = Doorbell(self._own.address(_BELL_OFFSET), create=True)
+            self._bell = self.doorbell = Doorbell(self._own.address(_BELL_OFFSET), create=True)
             self._own.words[_W_MAGIC] = _MAGIC
             self._segments = self._rendezvous(store, name, timeout_s)
         except BaseException:
@@ -356,6 +356,7 @@ class SharedMemoryBackend(Backend):
             self._own.unlink()
             raise
         self._words = self._own.words   # this rank's control block
+        self._bell.spin_s = self._spin_ns * 1e-9
         self._ctl = [seg.words for seg in self._segments]
         self._bells = [Doorbell(seg.address(_BELL_OFFSET), create=False)
                        for seg in self._segments]
@@ -497,20 +498,26 @@ class SharedMemoryBackend(Backend):
                                    timeout_s=timeout_s)
 
     # ---- waiting ---------------------------------------------------------------------------
-    # What a rank does is two integers in its control block, written at every begin and end;
-    # the full text (arguments and all) only when it starts to sleep in a wait, which is where
-    # a rank that holds the others up is found.
-    def begin(self, record: OpRecord, deadline: float) -> None:
-        self._record, self._deadline = record, deadline
+    # What a rank does is two integers in its control block, written as each operation starts
+    # and ends; the full text (arguments and all) only when it starts to sleep in a wait, which
+    # is where a rank that holds the others up is found.
+    def _enter(self, record: OpRecord) -> None:
+        """Operation `record` starts on this rank (its first call: a composite backend's later
+        calls with the same record continue it): what it is, for peers' messages, its
+        deadline, and the signature its first sync carries."""
+        if record is self._record:
+            self._words[_W_DOING] = self._doing
+            return
+        self._record, self._deadline = record, record.deadline
         self._doing = doing = (record.seq << 24) | (_NAME_CODE.get(record.name, 0) << 1) | 1
         self._words[_W_DOING] = doing
-        # the signature travels with the collective's first barrier (see barrier())
         agree = self._agree = record.agree
         self._half_before = self._half
         if agree is not None and len(agree) > 2:   # this rank refused: its reason, for peers
             self._write_refusal(agree[2])
 
-    def end(self, record: OpRecord) -> None:
+    def _idle(self) -> None:
+        """This rank finished its operation (what peers see while it is idle)."""
         self._words[_W_DOING] = self._doing & ~1
 
     def _describe_waiting(self) -> None:
@@ -632,12 +639,6 @@ class SharedMemoryBackend(Backend):
         without (a crash, a signal, os._exit)."""
         return "closed its communicator and exited" if self._ctl[j][_W_CLOSED] else "died"
 
-    def wait_for_activity(self, timeout_s: float) -> None:
-        self._bell.sleep(timeout_s)
-
-    def wake(self) -> None:
-        self._bell.ring()
-
     # ---- staging interface of algorithms.symmetric ------------------------------------------
     def next_half(self) -> int:
         self._half ^= 1
@@ -665,8 +666,13 @@ class SharedMemoryBackend(Backend):
         self._typed[key] = views
         return views
 
-    def barrier(self) -> None:
-        """Return once every rank has arrived. The first barrier of a collective also carries
+    def barrier(self, record: OpRecord) -> None:
+        self._enter(record)
+        self.sync()
+        self._idle()
+
+    def sync(self) -> None:
+        """Return once every rank has arrived. The first sync of a collective also carries
         its signature: written before the arrival, compared with every peer's right after, so
         every rank raises on a difference before any rank touches another's memory. (A rank
         rewrites the slot of this parity only at the barrier after next, which no rank passes
@@ -798,22 +804,25 @@ class SharedMemoryBackend(Backend):
         return self.direct and self.size > 1 and nbytes >= self._direct_min[op]
 
     # ---- collectives -------------------------------------------------------------------------
-    def all_reduce(self, x: np.ndarray, op: ReduceOp) -> None:
+    def all_reduce(self, x: np.ndarray, op: ReduceOp, record: OpRecord) -> None:
+        self._enter(record)
         codes = _CORE_REDUCTIONS.get((x.dtype, op))   # `_core_one_shot`, inline: the hot path
         if codes is not None and x.nbytes <= self._core_max_bytes and self._core is not None \
                 and self.size > 1:
             if not self._one_shot(x, codes[0], codes[1], True, -1):
                 self._core.reduce(x, self._half_at[self._half], x.size, codes[0], codes[1],
                                   self.size)
-            return
-        if self._direct_for("all_reduce", x.nbytes):
+        elif self._direct_for("all_reduce", x.nbytes):
             direct.all_reduce(self, x, op)
         else:
             symmetric.all_reduce(self, x, op)
+        self._words[_W_DOING] = self._doing & ~1   # `_idle`, inline
 
-    def reduce(self, x: np.ndarray, root: int, op: ReduceOp) -> None:
+    def reduce(self, x: np.ndarray, root: int, op: ReduceOp, record: OpRecord) -> None:
+        self._enter(record)
         if not self._core_one_shot(x, op, root):
             symmetric.all_reduce(self, x, op, root=root)
+        self._idle()
 
     def _core_one_shot(self, x: np.ndarray, op: ReduceOp, root: int | None) -> bool:
         """`symmetric`'s one-shot schedule for a message that fits one staging half, step for
@@ -849,13 +858,15 @@ class SharedMemoryBackend(Backend):
             self._arrive_and_wait(epoch)
         return False
 
-    def broadcast(self, x: np.ndarray, root: int) -> None:
+    def broadcast(self, x: np.ndarray, root: int, record: OpRecord) -> None:
+        self._enter(record)
         if self._direct_for("broadcast", x.nbytes):
             direct.broadcast(self, x, root)
         elif self._core is not None and self.size > 1 and x.nbytes <= self.half_bytes:
             self._core_broadcast(x, root)   # one chunk: symmetric.broadcast's steps, in C
         else:
             symmetric.broadcast(self, x, root)
+        self._idle()
 
     def _core_broadcast(self, x: np.ndarray, root: int) -> None:
         """`symmetric.broadcast` of a message that fits one staging half, step for step (the
@@ -864,25 +875,39 @@ class SharedMemoryBackend(Backend):
         if not self._one_shot(raw, 0, 0, False, root) and self.rank != root:
             raw[...] = self._staging[root][self._half][:raw.size]
 
-    def all_gather(self, outs: list[np.ndarray], x: np.ndarray) -> None:
+    def all_gather(self, outs: list[np.ndarray], x: np.ndarray, record: OpRecord) -> None:
+        self._enter(record)
         (direct if self._direct_for("all_gather", x.nbytes) else symmetric).all_gather(
             self, outs, x)
+        self._idle()
 
-    def gather(self, x: np.ndarray, outs: list[np.ndarray] | None, root: int) -> None:
+    def gather(self, x: np.ndarray, outs: list[np.ndarray] | None, root: int,
+               record: OpRecord) -> None:
+        self._enter(record)
         if self._direct_for("gather", x.nbytes):
             direct.gather(self, outs, x, root)
         else:
             symmetric.all_gather(self, outs, x, root)
+        self._idle()
 
-    def scatter(self, out: np.ndarray, chunks: list[np.ndarray] | None, root: int) -> None:
+    def scatter(self, out: np.ndarray, chunks: list[np.ndarray] | None, root: int,
+                record: OpRecord) -> None:
+        self._enter(record)
         (direct if self._direct_for("scatter", out.nbytes) else symmetric).scatter(
             self, out, chunks, root)
+        self._idle()
 
-    def reduce_scatter(self, out: np.ndarray, inputs: list[np.ndarray], op: ReduceOp) -> None:
+    def reduce_scatter(self, out: np.ndarray, inputs: list[np.ndarray], op: ReduceOp,
+                       record: OpRecord) -> None:
+        self._enter(record)
         symmetric.reduce_scatter(self, out, inputs, op)
+        self._idle()
 
-    def all_to_all(self, outs: list[np.ndarray], inputs: list[np.ndarray]) -> None:
+    def all_to_all(self, outs: list[np.ndarray], inputs: list[np.ndarray],
+                   record: OpRecord) -> None:
+        self._enter(record)
         symmetric.all_to_all(self, outs, inputs)
+        self._idle()
 
     # ---- point to point ----------------------------------------------------------------------
     def send_now(self, x: np.ndarray, dst: int, tag: int) -> bool:
@@ -897,21 +922,22 @@ class SharedMemoryBackend(Backend):
         self._sent[dst] = pos
         return True
 
-    def post_send(self, x: np.ndarray, dst: int, tag: int, record: OpRecord, deadline: float,
+    def post_send(self, x: np.ndarray, dst: int, tag: int, record: OpRecord,
                   on_done: Completion) -> None:
         if self.send_now(x, dst, tag):
             on_done(None)
             return
+        self._waits_in(record)
         self._sendq[dst].append(_Send(x.reshape(-1).view(np.uint8), tag, x.dtype, record,
-                                      deadline, on_done))
+                                      self._until_done(record, on_done)))
         self._progress_send(dst)
 
     def post_recv(self, x: np.ndarray, src: int | None, tag: int, record: OpRecord,
-                  deadline: float, on_done: Completion,
-                  found: Callable[[int], None] | None = None) -> None:
+                  on_done: Completion, found: Callable[[int], None] | None = None) -> None:
         self._posts += 1
-        recv = _Recv(x.reshape(-1).view(np.uint8), tag, x.dtype, record, deadline, on_done,
-                     self._posts, found)
+        self._waits_in(record)
+        recv = _Recv(x.reshape(-1).view(np.uint8), tag, x.dtype, record,
+                     self._until_done(record, on_done), self._posts, found)
         if src is None:   # the first message with the tag to have arrived, from any rank
             arrived = [(msg.arrival, j, msg) for j in range(self.size)
                        for msg in self._unexpected[j] if msg.tag == tag]
@@ -931,6 +957,22 @@ class SharedMemoryBackend(Backend):
         self._posted[src].append(recv)
         self._progress_receive(src)
 
+    def _waits_in(self, record: OpRecord) -> None:
+        """A message of `record` is posted: this rank is in it (for peers' messages) until it
+        is done (`_until_done`)."""
+        if record is not self._record:
+            self._record, self._deadline = record, record.deadline
+            self._doing = (record.seq << 24) | (_NAME_CODE.get(record.name, 0) << 1) | 1
+        self._words[_W_DOING] = self._doing
+
+    def _until_done(self, record: OpRecord, on_done: Completion) -> Completion:
+        """`on_done`, after which this rank is idle, if `record` is still what it is in."""
+        def done(error: BaseException | None) -> None:
+            if record is self._record and error is None:
+                self._idle()
+            on_done(error)
+        return done
+
     def progress(self) -> None:
         self._progress_messages()
         now = time.monotonic()
@@ -940,13 +982,15 @@ class SharedMemoryBackend(Backend):
         if now < self._next_deadline_check:  # deadlines are seconds away: a look per ms will do
             return
         self._next_deadline_check = now + _DEADLINE_CHECK_S
+        if self._words[_W_DOING] & 1:   # a message has waited a while: say what in, for peers
+            self._describe_waiting()
         for queue in (*self._sendq, *self._posted, self._posted_any):
             for req in list(queue):
                 if now >= req.deadline:
                     queue.remove(req)
                     req.on_done(self._timeout_error(req.record, "its peer"))
 
-    def fail_pending(self, error: BaseException) -> None:
+    def abort(self, error: BaseException) -> None:
         for queue in (*self._sendq, *self._posted, self._posted_any):
             while queue:
                 queue.pop().on_done(error)
@@ -954,15 +998,6 @@ class SharedMemoryBackend(Backend):
             if msg is not None and msg.target is not None:
                 msg.target.on_done(error)
                 msg.target = None
-
-    def wait_for_messages(self, finished: Callable[[], bool], record: OpRecord,
-                          deadline: float) -> None:
-        progress = self._progress_messages
-
-        def ready() -> bool:  # messages move only when someone moves them: while spinning too
-            progress()
-            return finished()
-        self._wait_until(ready, record, deadline, lambda: "the matching message")
 
     def _progress_messages(self) -> bool:
         moved = False

@@ -66,16 +66,14 @@ class StagedGpuBackend(GpuBackend):
             gpu.stream_wait(self.stream, self._start)
         for entry in entries:
             FlightRecorder.started(entry)
+        record.deadline = deadline   # the host steps' options (see `_record`)
         self._record, self._deadline = record, deadline
-        self._host.begin(record, deadline)
         try:
             enqueue(self.stream)
         except BaseException as exc:
             for entry in entries:
                 FlightRecorder.ended(entry, exc)
             raise
-        finally:
-            self._host.end(record)
         gpu.record(self._start, self._back)
         gpu.stream_wait(self.stream, self._start)
         gpu.record(self._done, self.stream)
@@ -180,10 +178,10 @@ class StagedGpuBackend(GpuBackend):
         return staged
 
     def all_reduce(self, x: GpuArray, op: ReduceOp) -> Callable[[int], None]:
-        return self._pipelined(x, lambda h: self._host.all_reduce(h, op))
+        return self._pipelined(x, lambda h: self._host.all_reduce(h, op, self._record))
 
     def broadcast(self, x: GpuArray, root: int) -> Callable[[int], None]:
-        return self._pipelined(x, lambda h: self._host.broadcast(h, root))
+        return self._pipelined(x, lambda h: self._host.broadcast(h, root, self._record))
 
     # ---- whole arrays: the other collectives --------------------------------------------------
     def _whole(self, arrays: list[GpuArray | None], results: list[GpuArray | None],
@@ -211,34 +209,35 @@ class StagedGpuBackend(GpuBackend):
 
     def reduce(self, x: GpuArray, root: int, op: ReduceOp) -> Callable[[int], None]:
         return self._whole([x], [x] if self.rank == root else [],
-                           lambda h: self._host.reduce(h, root, op))
+                           lambda h: self._host.reduce(h, root, op, self._record))
 
     def all_gather(self, outs: list[GpuArray], x: GpuArray) -> Callable[[int], None]:
         n = len(outs)
         return self._whole([x, *outs], outs,
-                           lambda h, *o: self._host.all_gather(list(o[:n]), h))
+                           lambda h, *o: self._host.all_gather(list(o[:n]), h, self._record))
 
     def gather(self, x: GpuArray, outs: list[GpuArray] | None,
                root: int) -> Callable[[int], None]:
         outs = outs or []
         return self._whole([x, *outs], outs, lambda h, *o: self._host.gather(
-            h, list(o) if self.rank == root else None, root))
+            h, list(o) if self.rank == root else None, root, self._record))
 
     def scatter(self, out: GpuArray, chunks: list[GpuArray] | None,
                 root: int) -> Callable[[int], None]:
         chunks = chunks or []
         return self._whole([out, *chunks], [out], lambda h, *c: self._host.scatter(
-            h, list(c) if self.rank == root else None, root))
+            h, list(c) if self.rank == root else None, root, self._record))
 
     def reduce_scatter(self, out: GpuArray, inputs: list[GpuArray],
                        op: ReduceOp) -> Callable[[int], None]:
         return self._whole([out, *inputs], [out],
-                           lambda h, *i: self._host.reduce_scatter(h, list(i), op))
+                           lambda h, *i: self._host.reduce_scatter(h, list(i), op, self._record))
 
     def all_to_all(self, outs: list[GpuArray], inputs: list[GpuArray]) -> Callable[[int], None]:
         n = len(outs)
         return self._whole([*outs, *inputs], outs,
-                           lambda *a: self._host.all_to_all(list(a[:n]), list(a[n:])))
+                           lambda *a: self._host.all_to_all(list(a[:n]), list(a[n:]),
+                                                             self._record))
 
 
 def create(ctx: GpuContext) -> StagedGpuBackend:
