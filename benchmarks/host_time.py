@@ -264,7 +264,7 @@ def main() -> int:
                 profile.runcall(lambda: [call() for _ in range(2000)])  # noqa: B023
                 print(f"## {op} on {backend}")
                 pstats.Stats(profile).sort_stats("tottime").print_stats(12)
-    for comm in list(anyccl.communicator._live):  # the stubbed GPU sides have nothing to close
+    for comm in list(anyccl.lifetime.live):  # the stubbed GPU sides have nothing to close
         comm._gpu_side.gpu = None
     print(f"# anyccl {anyccl.__version__}, numpy {np.__version__}, Python "
           f"{platform.python_version()}, {platform.machine()}; us of host time per call "
