@@ -16,8 +16,9 @@ default; ipc, auto). Every rank of a group meets through the store torch hands t
 
 Each operation runs as anyccl's blocking call and returns a torch Work whose future is already
 complete: on CPU the result is in place when the call returns. On CUDA, as with NCCL's process
-group, the operation is queued on the group's own stream for the device, after the work already
-on the caller's current stream, with no host synchronisation: the caller's later kernels (the rest
+group, the GPU engine queues the operation on the group's own stream for the device
+(gpu_dispatch.SideStreams), after the work already on the caller's current stream, with no
+host synchronisation: the caller's later kernels (the rest
 of backward, under DDP) overlap it, and the future's CUDA event orders whoever waits on the Work
 after the result. CPU tensors are read through views built from their data pointers, never
 ``Tensor.numpy()`` (which would mark the caller's storage non-resizable for good).
@@ -33,10 +34,9 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import _create_work_from_future
 
-from . import gpu, settings
+from . import settings
 from .algorithms.uneven import split_elements
 from .bootstrap import C10dStore, join
-from .buffers import torch_stream_function
 from .communicator import Communicator
 from .errors import TimeoutError, UnsupportedError
 from .ops import ReduceOp
@@ -135,43 +135,6 @@ class _BackendView:
         return False
 
 
-class _SideStream:
-    """A process group's own stream on one device, with what its operations use each time: the
-    stream, torch's (id, device index, device type) for it, its raw handle, an event to order
-    it after the caller's stream, the device list of the operations' futures, and torch's
-    lookup of the current raw stream."""
-
-    __slots__ = ("stream", "ids", "handle", "_event", "event", "devices", "caller")
-
-    def __init__(self, index: int) -> None:
-        self.stream = torch.cuda.Stream(index)
-        self.ids = (self.stream.stream_id, self.stream.device_index, self.stream.device_type)
-        self.handle = self.stream.cuda_stream
-        self._event = torch.cuda.Event()  # torch owns it; made on this device by a record
-        self._event.record(self.stream)
-        self.event = self._event.cuda_event
-        self.devices = [torch.device("cuda", index)]
-        self.caller = torch_stream_function()
-
-
-def _use_device(index: int) -> int | None:
-    """Make CUDA device `index` current on this thread for one operation, as torch's own groups
-    do with a device guard: the device to restore afterwards, or None when it was current (a
-    thread new to CUDA also gets the device's context: the driver calls below need one)."""
-    current = torch._C._cuda_getDevice()
-    if current == index:
-        gpu.ensure_context(index)
-        return None
-    gpu.set_device(index)
-    return current
-
-
-# torch.cuda.set_stream's own step, without building a Stream object: make the stream torch
-# knows as (stream id, device index, device type) current on its device (CUDA builds only)
-_set_stream = getattr(torch._C, "_cuda_setStream", None)
-_get_stream = getattr(torch._C, "_cuda_getCurrentStream", None)
-
-
 class ProcessGroup(dist.ProcessGroup):
     """A torch process group whose operations run on an anyccl Communicator."""
 
@@ -180,16 +143,15 @@ class ProcessGroup(dist.ProcessGroup):
         self.comm = comm
         self._group_name = ""
         self._group_desc = ""
-        self._sides: dict[int, _SideStream] = {}   # the group's stream, by CUDA device index
+        self._gpu = comm._gpu_side   # the GPU engine: where this group's CUDA work is queued
 
     def _run(self, call: Callable[[], object], result: Any, tensors: list[torch.Tensor]) -> Any:
         """Run `call` (anyccl's blocking calls on `tensors`) and return its torch Work. With a
-        CUDA tensor among them, the calls are queued on this group's stream for its device,
-        after the work on the caller's current stream; every CUDA tensor is marked as used
-        there (the caching allocator then keeps its memory until the operation is done).
-        Streams are switched through their raw handles: torch's `wait_stream` and stream
-        context cost more host time than the operation itself (this runs once per DDP bucket,
-        on autograd's thread)."""
+        CUDA tensor among them, the calls are queued where the GPU engine puts a process
+        group's operations (`GpuDispatch.side_streams`: the group's own stream for the device,
+        after the work on the caller's current stream); every CUDA tensor is marked as used
+        there (the caching allocator then keeps its memory until the operation is done), and
+        the Work's future records that stream."""
         index = -1
         for t in tensors:
             if t.is_cuda:
@@ -201,24 +163,15 @@ class ProcessGroup(dist.ProcessGroup):
             except TimeoutError as exc:
                 raise self._in_torch_words(exc) from None
             return _completed(_NO_DEVICES, result)
-        restore = _use_device(index)
-        side = self._sides.get(index)
-        if side is None:
-            side = self._sides[index] = _SideStream(index)
-        gpu.follow(side.handle, side.event, side.caller(index))  # after the caller's work so far
-        previous = _get_stream(index)
-        _set_stream(*side.ids)
-        try:
+
+        def on_side(side: Any) -> Any:
             call()   # (refuses tensors on another device than this rank's)
             stream = side.stream
             for t in tensors:
                 if t.is_cuda:
                     t.record_stream(stream)
             return _completed(side.devices, result)
-        finally:
-            _set_stream(*previous)
-            if restore is not None:
-                gpu.set_device(restore)
+        return self._gpu.side_streams().run(index, on_side)
 
     def _get_backend(self, device: Any) -> _BackendView:
         return _BackendView()
@@ -444,8 +397,7 @@ class ProcessGroup(dist.ProcessGroup):
         self._close()
 
     def _close(self) -> None:
-        self.comm.close()
-        self._sides.clear()
+        self.comm.close()   # (the GPU engine lets its streams go)
 
 
 def create(store: Any, rank: int, size: int, timeout: timedelta) -> ProcessGroup:
