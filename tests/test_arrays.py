@@ -84,8 +84,10 @@ def test_a_gpu_array_splits_into_consecutive_pieces_like_its_slices():
         want = whole[i * 4:(i + 1) * 4]
         assert (piece.ptr, piece.size, piece.dtype, piece.device, piece.stream, piece.kind) == \
             (want.ptr, want.size, want.dtype, want.device, want.stream, want.kind)
-        assert piece.owner is owner                       # keeps the user's array alive
+        assert piece.owner is owner                       # the user's array, for the queue
     assert pieces[1].ptr == whole.ptr + 8                 # 4 float16 elements further
+    bare = whole.bare()                                   # what a GPU backend gets
+    assert bare.owner is None and (bare.ptr, bare.size, bare.stream) == (whole.ptr, 12, 77)
 
 
 def check_results_are_returned_for_every_kind(comm):

@@ -405,6 +405,44 @@ def test_repeated_async_gpu_calls_replay_their_plan_and_hold_their_arrays_until_
         assert got["seqs"] == list(range(5)), got["seqs"]
 
 
+def check_keep_alive(comm) -> dict[str, bool]:
+    """The GPU engine's one keep-alive: a queued operation holds the arrays it was given, whose
+    last reference the caller dropped, until it is done, and lets them go then; neither the
+    backend's queued function nor a plan made from it keeps them (they get bare arrays)."""
+    import gc
+    import threading
+    import weakref
+
+    def gone(ref: weakref.ref) -> bool:
+        return eventually(lambda: gc.collect() >= 0 and ref() is None, timeout_s=10)
+
+    out = {}
+    with _as_torch_tensors():
+        for name, async_op, count in (("async", True, 11), ("blocking", False, 13)):
+            gate = threading.Event()
+            launch(DEVICE, 0, lambda gate=gate: gate.wait(10))   # the caller's stream waits
+            # a size no other check uses: this call takes the full path (and plans)
+            array = FakeGpuArray(np.full(count, float(comm.rank)))
+            ref = weakref.ref(array)
+            # (a blocking call returns the array: not kept here; it leaves a plan)
+            work = comm.all_reduce(array, async_op=True) if async_op else \
+                comm.all_reduce(array) and None
+            del array
+            out[f"{name} held while queued"] = ref() is not None
+            out[f"{name} took the full path"] = not comm.flight_recorder.entries()[-1]["replayed"]
+            gate.set()
+            if work is not None:
+                work.wait(timeout=10)
+            _landed()
+            out[f"{name} let go once done"] = gone(ref)
+    return out
+
+
+def test_a_queued_gpu_operation_holds_its_arrays_until_done_and_nothing_else_does():
+    for got in run_ranks(check_keep_alive, 2, env=SETUP):
+        assert all(got.values()), got
+
+
 def check_uneven_calls_leave_no_plan(comm) -> tuple[list[bool], list[bool]]:
     """Repeated blocking uneven calls on the same arrays, with plans being kept: each is right
     (its queued function holds scratch of its own, given back after one use: never a plan)."""

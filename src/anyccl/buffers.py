@@ -171,9 +171,12 @@ class GpuArray:
 
     `stream` is the stream the array's producer works on now (its framework's current stream), or
     None when the framework has no stream to order after (JAX): then anyccl synchronises on the
-    host before and after the operation. `owner` keeps the user's array alive while in use.
-    A value: never changed after it is made (a plain slotted class, not a frozen dataclass,
-    because every GPU call makes several and a frozen dataclass takes five times as long).
+    host before and after the operation. `owner` is the user's array (None in a `bare` copy):
+    the GPU engine's queued operation holds the owners of its arrays until it is done, and
+    hands backends bare copies, so that nothing a backend keeps (a cached plan's function)
+    keeps a user's array alive. A value: never changed after it is made (a plain slotted class,
+    not a frozen dataclass, because every GPU call makes several and a frozen dataclass takes
+    five times as long).
     """
 
     __slots__ = ("ptr", "size", "dtype", "device", "stream", "kind", "owner")
@@ -201,6 +204,10 @@ class GpuArray:
         stop = max(stop, start)
         return GpuArray(self.ptr + start * self.dtype.itemsize, stop - start, self.dtype,
                         self.device, self.stream, self.kind, self.owner)
+
+    def bare(self) -> GpuArray:
+        """This array without its owner."""
+        return GpuArray(self.ptr, self.size, self.dtype, self.device, self.stream, self.kind, None)
 
     def pieces(self, count: int, size: int) -> list[GpuArray]:
         """The first `size` consecutive pieces of `count` elements (made directly: collectives
@@ -268,10 +275,8 @@ def torch_stream_function() -> Callable[[int], int]:
 def _from_torch(t: Any, name: str) -> GpuArray:
     _check_torch_layout(t, name)
     device = t.get_device()  # an int, without building a torch.device
-    # the owner is held in a list that a cached plan empties (plans.py): it must not keep the
-    # tensor alive; the pieces of the array share the list
     return GpuArray(t.data_ptr(), t.numel(), _torch_dtype(t, name), device, torch_stream(device),
-                    "torch", [t])
+                    "torch", t)
 
 
 def cuda_tensor_key(x: Any) -> tuple[int, int, Any] | None:

@@ -19,7 +19,7 @@ from .backends import registry
 from .backends.base import Backend
 from .backends.gpu_base import GpuBackend
 from .backends.gpu_queue import Enqueue
-from .buffers import Array, GpuArray, current_stream, torch_stream_function
+from .buffers import Array, GpuArray, Pieces, current_stream, torch_stream_function
 from .errors import AnycclError, UnsupportedError
 from .plans import Plans
 from .store import Store
@@ -117,7 +117,9 @@ class GpuDispatch:
         here, before any byte moves)."""
         gpu_backend = self.backend(op, collective=True)
         try:
-            return getattr(gpu_backend, op)(*operands) if call is None else call(gpu_backend)
+            if call is not None:
+                return call(gpu_backend)
+            return getattr(gpu_backend, op)(*[_bare(o) for o in operands])
         except AnycclError as exc:
             raise type(exc)(f"rank {self.rank}: {op}: {exc}") from None
 
@@ -161,10 +163,7 @@ class GpuDispatch:
                    plan: bool) -> GpuWork | None:
         """Queue GPU collective `record` (see `queue`); with `plan`, keep its plan so that the
         next such call on the same arrays replays it (`replay`)."""
-        # an async operation holds its tensors itself: a plan releases the arrays' owners
-        held = [a.owner[0] for a in arrays if type(a.owner) is list and a.owner] \
-            if plan and async_op else None
-        work = self.queue(record, [record], enqueue, arrays, async_op, stream, keep=held)
+        work = self.queue(record, [record], enqueue, arrays, async_op, stream)
         if plan:
             if self.plans is None:
                 self.plans = Plans()
@@ -207,7 +206,7 @@ class GpuDispatch:
         """GPU point-to-point: messages between two ranks match in the order they were issued
         (NCCL has no tags; the ipc backend checks them). Inside a batch, collected for it."""
         backend = self.backend(op, collective=False)
-        enqueue = (backend.send if record.name == "send" else backend.recv)(x, peer, tag)
+        enqueue = (backend.send if record.name == "send" else backend.recv)(x.bare(), peer, tag)
         self._recorder.queued(record)
         if self.batched is not None:
             if not async_op:
@@ -263,7 +262,8 @@ class GpuDispatch:
               work: GpuWork | None = None, keep: Any = None) -> GpuWork | None:
         """Queue GPU work after what the callers' streams (or `stream`) hold; a blocking call
         makes that stream wait for it, an async one returns a GpuWork. The queued operation
-        holds `arrays` (and `keep`) until it is done."""
+        holds the owners of `arrays` (the user's arrays), and `keep`, until it is done: its
+        keep-alive, the only one (backends get bare arrays)."""
         backend = self.gpu
         if stream is not None:
             after = [gpu.stream_pointer(stream)]
@@ -281,8 +281,9 @@ class GpuDispatch:
         on = after[0] if (not async_op and work is None and not host_synced
                           and len(after) == 1) else None
         try:
+            owners = [a.owner for a in arrays]
             event = backend.run(record, after, deadline, enqueue,
-                                arrays if keep is None else (arrays, keep), entries, on)
+                                owners if keep is None else (owners, keep), entries, on)
         except BaseException as exc:
             for entry in entries:
                 FlightRecorder.ended(entry, exc)
@@ -320,6 +321,19 @@ class _Batch:
         pending, dispatch.batched = dispatch.batched, None
         if kind is None and pending:
             dispatch._issue_batch(pending)
+
+
+def _bare(operand: Any) -> Any:
+    """A GPU backend's operand without the user's arrays: GpuArrays (alone or in a list) bare,
+    anything else as it is."""
+    if isinstance(operand, GpuArray):
+        return operand.bare()
+    if isinstance(operand, Pieces):   # still the pieces of one array, for backends that ask
+        return Pieces(operand.whole.bare(), operand[0].size, len(operand)) \
+            if isinstance(operand.whole, GpuArray) else operand
+    if isinstance(operand, list):
+        return [_bare(o) for o in operand]
+    return operand
 
 
 # ---- a torch process group's stream ---------------------------------------------------------

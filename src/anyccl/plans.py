@@ -13,11 +13,12 @@ its Work (the queued operation holds the call's tensors until it is done). Anyth
 arrays, CuPy or JAX arrays, stream=, debug mode) always takes the full path.
 
 What a plan may not do: keep the user's arrays alive. Its function captures the first call's
-`GpuArray`s; their owner is released when the plan is made (torch's caching allocator orders a
-freed block after the work already queued on the caller's stream, which is where a blocking
-call runs, so a blocking call needs no reference of its own; an async call runs on another
-stream, so its queued operation holds the call's tensors until it is done, the first call's
-too).
+`GpuArray`s bare (the GPU engine hands backends arrays without their owners). A replayed call
+holds its tensors as any queued operation holds its arrays' owners, only where it needs to:
+torch's caching allocator orders a freed block after the work already queued on the caller's
+stream, which is where a blocking call runs, so a blocking call needs no reference of its own;
+an async call runs on another stream, so its queued operation holds the call's tensors until
+it is done.
 """
 
 from __future__ import annotations
@@ -105,9 +106,7 @@ class Plans:
     def keep(self, name: str, args: ArgsText, nbytes: int, enqueue: Enqueue,
              arrays: Sequence[GpuArray], backend: Any) -> None:
         """Store the plan of the call whose full path is running now, if `find` saw that call
-        miss (the pending key names the same operation), and release its arrays' owners (an
-        async call has its queued operation hold its tensors itself); `backend` is the GPU
-        backend."""
+        miss (the pending key names the same operation); `backend` is the GPU backend."""
         key, self._pending = self._pending, None
         if key is None or key[0] != name or arrays[0].dtype.kind == "c":
             return  # (complex: a conjugate view has the same key as its tensor)
@@ -117,9 +116,6 @@ class Plans:
                                 backend.runner())
         torch = sys.modules.get("torch")
         self._tensor = torch.Tensor if torch is not None else ()
-        for a in arrays:
-            if isinstance(a.owner, list):   # torch's: one holder shared by an array's pieces
-                a.owner.clear()
 
     def forget(self) -> None:
         """Drop every plan (the communicator closes)."""
