@@ -172,11 +172,10 @@ class GpuArray:
     `stream` is the stream the array's producer works on now (its framework's current stream), or
     None when the framework has no stream to order after (JAX): then anyccl synchronises on the
     host before and after the operation. `owner` is the user's array (None in a `bare` copy):
-    the GPU engine's queued operation holds the owners of its arrays until it is done, and
-    hands backends bare copies, so that nothing a backend keeps (a cached plan's function)
-    keeps a user's array alive. A value: never changed after it is made (a plain slotted class,
-    not a frozen dataclass, because every GPU call makes several and a frozen dataclass takes
-    five times as long).
+    the GPU engine's queued operation holds its arrays, so their owners, until it is done; a
+    cached plan's function is built from bare copies, so that it keeps no user's array alive.
+    A value: never changed after it is made (a plain slotted class, not a frozen dataclass,
+    because every GPU call makes several and a frozen dataclass takes five times as long).
     """
 
     __slots__ = ("ptr", "size", "dtype", "device", "stream", "kind", "owner")

@@ -168,7 +168,7 @@ class Communicator:
                                            self.debug)
         if self.debug:
             self._engine.check_agreement(record, like, root, op)
-        return self._gpu_side.collective(record, args, enqueue, [a for _, a in arrays],
+        return self._gpu_side.collective(record, args, enqueue, operands, [a for _, a in arrays],
                                          async_op, stream, replayable and not (
                                              self.debug or stream is not None))
 

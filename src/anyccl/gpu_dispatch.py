@@ -117,9 +117,7 @@ class GpuDispatch:
         here, before any byte moves)."""
         gpu_backend = self.backend(op, collective=True)
         try:
-            if call is not None:
-                return call(gpu_backend)
-            return getattr(gpu_backend, op)(*[_bare(o) for o in operands])
+            return getattr(gpu_backend, op)(*operands) if call is None else call(gpu_backend)
         except AnycclError as exc:
             raise type(exc)(f"rank {self.rank}: {op}: {exc}") from None
 
@@ -158,16 +156,18 @@ class GpuDispatch:
         self.gpu = registry.gpu_entry(kind).create(context)
 
     # ---- operations ------------------------------------------------------------------------
-    def collective(self, record: OpRecord, args: ArgsText, enqueue: Enqueue,
+    def collective(self, record: OpRecord, args: ArgsText, enqueue: Enqueue, operands: tuple,
                    arrays: list[GpuArray], async_op: bool, stream: Any,
                    plan: bool) -> GpuWork | None:
         """Queue GPU collective `record` (see `queue`); with `plan`, keep its plan so that the
-        next such call on the same arrays replays it (`replay`)."""
+        next such call on the same arrays replays it (`replay`): the backend's function for
+        its `operands` without their owners, which a plan must not keep alive."""
         work = self.queue(record, [record], enqueue, arrays, async_op, stream)
         if plan:
             if self.plans is None:
                 self.plans = Plans()
-            self.plans.keep(record.name, args, record.nbytes, enqueue, arrays, self.gpu)
+            self.plans.keep(record.name, args, record.nbytes, lambda: getattr(
+                self.gpu, record.name)(*[_bare(o) for o in operands]), arrays, self.gpu)
         return work
 
     def replay(self, tag: tuple, tensors: tuple, async_op: bool, stream: Any) -> Any:
@@ -206,7 +206,7 @@ class GpuDispatch:
         """GPU point-to-point: messages between two ranks match in the order they were issued
         (NCCL has no tags; the ipc backend checks them). Inside a batch, collected for it."""
         backend = self.backend(op, collective=False)
-        enqueue = (backend.send if record.name == "send" else backend.recv)(x.bare(), peer, tag)
+        enqueue = (backend.send if record.name == "send" else backend.recv)(x, peer, tag)
         self._recorder.queued(record)
         if self.batched is not None:
             if not async_op:
@@ -262,8 +262,8 @@ class GpuDispatch:
               work: GpuWork | None = None, keep: Any = None) -> GpuWork | None:
         """Queue GPU work after what the callers' streams (or `stream`) hold; a blocking call
         makes that stream wait for it, an async one returns a GpuWork. The queued operation
-        holds the owners of `arrays` (the user's arrays), and `keep`, until it is done: its
-        keep-alive, the only one (backends get bare arrays)."""
+        holds `arrays` (so their owners, the user's arrays), and `keep`, until it is done: its
+        keep-alive, the only one (a plan's function holds bare arrays)."""
         backend = self.gpu
         if stream is not None:
             after = [gpu.stream_pointer(stream)]
@@ -281,9 +281,8 @@ class GpuDispatch:
         on = after[0] if (not async_op and work is None and not host_synced
                           and len(after) == 1) else None
         try:
-            owners = [a.owner for a in arrays]
             event = backend.run(record, after, deadline, enqueue,
-                                owners if keep is None else (owners, keep), entries, on)
+                                arrays if keep is None else (arrays, keep), entries, on)
         except BaseException as exc:
             for entry in entries:
                 FlightRecorder.ended(entry, exc)

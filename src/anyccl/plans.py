@@ -12,8 +12,8 @@ the caller's current stream, an async one on the backend's stream after the call
 its Work (the queued operation holds the call's tensors until it is done). Anything else (host
 arrays, CuPy or JAX arrays, stream=, debug mode) always takes the full path.
 
-What a plan may not do: keep the user's arrays alive. Its function captures the first call's
-`GpuArray`s bare (the GPU engine hands backends arrays without their owners). A replayed call
+What a plan may not do: keep the user's arrays alive. Its function is built again, once, from
+the first call's `GpuArray`s without their owners (`GpuArray.bare`). A replayed call
 holds its tensors as any queued operation holds its arrays' owners, only where it needs to:
 torch's caching allocator orders a freed block after the work already queued on the caller's
 stream, which is where a blocking call runs, so a blocking call needs no reference of its own;
@@ -103,16 +103,17 @@ class Plans:
             self._pending = key
         return plan
 
-    def keep(self, name: str, args: ArgsText, nbytes: int, enqueue: Enqueue,
+    def keep(self, name: str, args: ArgsText, nbytes: int, bare_enqueue: Callable[[], Enqueue],
              arrays: Sequence[GpuArray], backend: Any) -> None:
         """Store the plan of the call whose full path is running now, if `find` saw that call
-        miss (the pending key names the same operation); `backend` is the GPU backend."""
+        miss (the pending key names the same operation): its function, `bare_enqueue()`, built
+        from the call's arrays without their owners; `backend` is the GPU backend."""
         key, self._pending = self._pending, None
         if key is None or key[0] != name or arrays[0].dtype.kind == "c":
             return  # (complex: a conjugate view has the same key as its tensor)
         if len(self._plans) >= _LIMIT:
             self._plans.clear()
-        self._plans[key] = Plan(name, args, nbytes, enqueue, arrays[0].device, backend,
+        self._plans[key] = Plan(name, args, nbytes, bare_enqueue(), arrays[0].device, backend,
                                 backend.runner())
         torch = sys.modules.get("torch")
         self._tensor = torch.Tensor if torch is not None else ()
