@@ -333,8 +333,11 @@ class Communicator:
                 ("all_gather",), (out, tensor), async_op, stream)) is not FULL_PATH:
             return replayed   # a GPU call ran: this one replayed its plan
         self._check_open("all_gather")
-        x, outs, even = self._checked("all_gather", (out, tensor), self._check.all_gather, out,
-                                      tensor)
+        try:
+            x, outs, even = self._check.all_gather(out, tensor)
+        except _REFUSALS as exc:
+            self._refused("all_gather", exc, (out, tensor))
+            raise
         if not even:
             return self._uneven.all_gather(x, outs, async_op, stream)
         return self._collective("all_gather", about(x), x.nbytes * self.size,
@@ -351,8 +354,12 @@ class Communicator:
                 ("gather", dst), (tensor, out_list), async_op, stream)) is not FULL_PATH:
             return replayed   # a GPU call ran: this one replayed its plan
         self._check_open("gather")
-        x, dst, outs = self._checked("gather", (tensor, out_list), self._check.rooted, "gather",
-                                     tensor, "tensor", dst, "dst", out_list, "out_list", uneven)
+        try:
+            x, dst, outs = self._check.rooted("gather", tensor, "tensor", dst, "dst", out_list,
+                                              "out_list", uneven)
+        except _REFUSALS as exc:
+            self._refused("gather", exc, (tensor, out_list))
+            raise
         if uneven:
             return self._uneven.rooted("gather", x, out_list, "out_list", dst, "dst", True,
                                        async_op, stream)
@@ -360,15 +367,6 @@ class Communicator:
                                 (x, outs, dst), async_op, like=x, root=dst,
                                 arrays=[("tensor", x), *named("out_list", outs or [])],
                                 stream=stream)
-
-    def _checked(self, op: str, told: tuple, check: Callable[..., Any], *args: Any) -> Any:
-        """`check(*args)`: an Arguments check of collective `op`; a refusal is told to the
-        other ranks (`_refused`, `told`: the arguments that say whether they live on a GPU)."""
-        try:
-            return check(*args)
-        except _REFUSALS as exc:
-            self._refused(op, exc, told)
-            raise
 
     def scatter(self, out: Any, chunks: Any = None, src: int = 0,
                 async_op: bool = False, *, stream: Any = None,
@@ -380,8 +378,12 @@ class Communicator:
                 ("scatter", src), (out, chunks), async_op, stream)) is not FULL_PATH:
             return replayed   # a GPU call ran: this one replayed its plan
         self._check_open("scatter")
-        x, src, pieces = self._checked("scatter", (out, chunks), self._check.rooted, "scatter",
-                                       out, "out", src, "src", chunks, "chunks", uneven)
+        try:
+            x, src, pieces = self._check.rooted("scatter", out, "out", src, "src", chunks,
+                                                "chunks", uneven)
+        except _REFUSALS as exc:
+            self._refused("scatter", exc, (out, chunks))
+            raise
         if uneven:
             return self._uneven.rooted("scatter", x, chunks, "chunks", src, "src", False,
                                        async_op, stream)
@@ -398,8 +400,11 @@ class Communicator:
                 ("reduce_scatter", op), (out, inp), async_op, stream)) is not FULL_PATH:
             return replayed   # a GPU call ran: this one replayed its plan
         self._check_open("reduce_scatter")
-        x, inputs, rop = self._checked("reduce_scatter", (out, inp), self._check.reduce_scatter,
-                                       out, inp, op)
+        try:
+            x, inputs, rop = self._check.reduce_scatter(out, inp, op)
+        except _REFUSALS as exc:
+            self._refused("reduce_scatter", exc, (out, inp))
+            raise
         return self._collective("reduce_scatter", about(x, ", op={0.name}", rop),
                                 x.nbytes * self.size, (x, inputs, rop),
                                 async_op, like=x, op=rop,
@@ -420,8 +425,11 @@ class Communicator:
                 ("all_to_all",), (out, inp), async_op, stream)) is not FULL_PATH:
             return replayed   # a GPU call ran: this one replayed its plan
         self._check_open("all_to_all")
-        outs, inputs, first = self._checked("all_to_all", (out, inp), self._check.all_to_all,
-                                            out, inp)
+        try:
+            outs, inputs, first = self._check.all_to_all(out, inp)
+        except _REFUSALS as exc:
+            self._refused("all_to_all", exc, (out, inp))
+            raise
         return self._collective("all_to_all", about(first), first.nbytes * self.size,
                                 (outs, inputs), async_op, like=first,
                                 arrays=[*named("inp", inputs), *named("out", outs)],
@@ -468,29 +476,11 @@ class Communicator:
         if self._closed:
             raise lifetime.closed_error(self.rank, op, self._owner_pid)
 
-    def _disown(self) -> None:
-        """In a child forked from this communicator's process: refuse every call, and leave
-        the parent's shared memory, threads and connections to the parent (closing them
-        here would tell the parent's peers that it left)."""
-        self._closed = True
-        self._gpu_side.plans = None
-        lifetime.live.discard(self)
-
     def close(self) -> None:
         """Finish queued work (briefly), then release shared memory, threads and connections.
         Idempotent; also called at interpreter exit."""
-        if self._closed:
-            return
-        self._closed = True
-        lifetime.live.discard(self)
-        try:
-            self._gpu_side.close()
-        finally:
-            try:
-                self._engine.close()
-            finally:
-                if self._owns_store:
-                    self._store.close()
+        lifetime.close(self, self._gpu_side, self._engine, self._store if self._owns_store
+                       else None)
 
     def __enter__(self) -> Communicator:
         return self

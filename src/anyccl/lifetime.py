@@ -25,9 +25,31 @@ def closed_error(rank: int, op: str, owner_pid: int) -> CommunicatorClosedError:
     return CommunicatorClosedError(f"rank {rank}: {op}: the communicator is closed")
 
 
+def close(comm: Any, gpu_side: Any, engine: Any, store: Any) -> None:
+    """Close `comm` once: its GPU engine (and GPU backend), then its host engine (its worker
+    and host backend), then `store` (None: the store is a parent communicator's)."""
+    if comm._closed:
+        return
+    comm._closed = True
+    live.discard(comm)
+    try:
+        gpu_side.close()
+    finally:
+        try:
+            engine.close()
+        finally:
+            if store is not None:
+                store.close()
+
+
 def _after_fork_in_child() -> None:
+    """In a child forked after init(): every communicator refuses every call, and leaves the
+    parent's shared memory, threads and connections to the parent (closing them here would
+    tell the parent's peers that it left)."""
     for comm in list(live):
-        comm._disown()
+        comm._closed = True
+        comm._gpu_side.plans = None
+        live.discard(comm)
 
 
 if hasattr(os, "register_at_fork"):
