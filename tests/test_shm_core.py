@@ -1,7 +1,8 @@
 """The shm transport's compiled core (backends/_shmcore.c) does exactly what the Python path it
 replaces does: the same bytes for every reduction it covers (NaN, infinities, signed zeros,
 integer wrap-around included), the same messages in the same order. Each check runs once with
-the core and once with ANYCCL_SHM_CORE=0, and the two runs must agree bit for bit."""
+the core and once on the Python path (what runs where the core could not be built: the test
+setup `without_core` takes it away before init()), and the two runs must agree bit for bit."""
 
 from __future__ import annotations
 
@@ -13,11 +14,31 @@ from anyccl import ReduceOp
 
 pytestmark = pytest.mark.shm_only
 
-PYTHON_PATH = {"ANYCCL_SHM_CORE": "0"}
+PYTHON_PATH = {"ANYCCL_TEST_SETUP": "test_shm_core:without_core"}
 CORE_DTYPES = ("float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16",
                "uint32", "uint64")
 # 1 element, an odd count, and the largest one-shot message of float32 (128 KiB)
 COUNTS = (1, 7, 1000, 32768)
+
+
+def without_core() -> None:
+    """In every rank, before init(): the shm transport as where its core could not be built."""
+    from anyccl.backends import doorbell, shm
+
+    shm._shmcore = None
+    doorbell._post = None
+
+
+def core_status(comm) -> str:
+    from anyccl.backends import shm
+
+    return shm.status()
+
+
+def test_the_python_path_runs_where_the_core_is_taken_away():
+    assert all("compiled core built" in s for s in run_ranks(core_status, 2))
+    assert all("compiled core not built: Python path" in s
+               for s in run_ranks(core_status, 2, env=PYTHON_PATH))
 
 
 def hostile_values(rank: int, count: int, dtype: np.dtype, salt: int) -> np.ndarray:

@@ -178,9 +178,6 @@ SHM_CHANNEL_BYTES = _declare("SHM_CHANNEL_BYTES", "size", 1 << 20,
 SHM_CMA = _declare("SHM_CMA", "bool", True,
                    "Move large messages once, reading the peer's memory directly "
                    "(process_vm_readv), where the kernel allows it.")
-SHM_CORE = _declare("SHM_CORE", "bool", True,
-                    "Run the shm transport's per-call work (small reductions, barriers, "
-                    "doorbells) in its compiled core where it was built; off: Python and NumPy.")
 SPIN_US = _declare("SPIN_US", "float", None,
                    "How long a waiting rank spins before it sleeps. Default: 200, or 0 when "
                    "ranks outnumber cores.", unit="us", minimum=0)

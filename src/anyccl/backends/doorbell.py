@@ -18,8 +18,6 @@ import os
 import sys
 import time
 
-from .. import settings
-
 SEM_BYTES = 32  # sizeof(sem_t) on 64-bit glibc and musl; the slot reserved in a segment
 _CLOCK_MONOTONIC = 1
 
@@ -53,7 +51,7 @@ class Doorbell:
 
     def __init__(self, address: int, *, create: bool) -> None:
         self.address = address
-        self._post = _post if settings.SHM_CORE.get() else None
+        self._post = _post
         self._addr = ctypes.c_void_p(address)
         self.polling = _libc is None
         if create and not self.polling and _libc.sem_init(self._addr, 1, 0) != 0:

@@ -381,7 +381,7 @@ class SharedMemoryBackend(Backend):
         self._incoming: list[_Incoming | None] = [None] * size
         self._pids = [int(ctl[_W_PID]) for ctl in self._ctl]
         self._scratch = np.empty(0, np.uint8)
-        self._core = _shmcore if settings.SHM_CORE.get() else None
+        self._core = _shmcore   # None where it could not be built: the Python path
         # the tuning table's thresholds (tuning.py), read once
         self.one_shot_max_bytes = tuning.value("shm.one_shot_max")
         self.chunk_bytes = tuning.value("shm.direct_chunk")
