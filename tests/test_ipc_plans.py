@@ -18,7 +18,7 @@ from anyccl.backends.ipc import backend as ipc
 from anyccl.backends.ipc import compiler
 from anyccl.backends.ipc.memory import TILE_BYTES, KernelArgs, Layout
 from anyccl.buffers import BFLOAT16, GpuArray
-from anyccl.errors import AnycclError, CommunicatorClosedError, InvalidArgumentError
+from anyccl.errors import AnycclError, CommunicatorClosedError
 from anyccl.trace import OpRecord
 
 
@@ -235,11 +235,3 @@ def test_a_kernel_that_ended_early_fails_the_next_call_before_it_queues(launches
     assert len(seen) == 1 and aborted == [True]     # nothing more queued; kernels told to stop
     with pytest.raises(CommunicatorClosedError, match="aborted on an earlier error"):
         queue.run(OpRecord("all_reduce", 3), [7], deadline, call, None, [], on=7)
-
-
-@pytest.mark.parametrize("value", ["memops", "Kernels", "events"])
-def test_an_unknown_copy_engine_wait_is_refused_by_name_before_any_gpu_work(value, monkeypatch):
-    monkeypatch.setenv("ANYCCL_IPC_CE_SYNC", value)
-    with pytest.raises(InvalidArgumentError, match=f"ANYCCL_IPC_CE_SYNC='{value}'.*kernels, "
-                                                   "memop-wait"):
-        ipc.IpcBackend(None, None, "ipc")   # no NCCL, no memory: refused first

@@ -58,7 +58,6 @@ def test_the_docs_table_lists_every_variable_with_its_default():
     ("ANYCCL_DEBUG", "yes", True),
     ("ANYCCL_DEBUG", "0", False),
     ("ANYCCL_SHM_CMA", "off", False),
-    ("ANYCCL_IPC_CE_SYNC", "memop-wait", "memop-wait"),
     ("ANYCCL_IPC_BLOCKS", "64", 64),
 ])
 def test_values_are_parsed_the_same_way_everywhere(monkeypatch, name, text, expected):
@@ -84,8 +83,6 @@ def test_unset_and_empty_mean_the_default(monkeypatch):
     ("ANYCCL_DEBUG", "maybe", "1 or 0"),
     ("ANYCCL_IPC_BLOCKS", "many", "an integer"),
     ("ANYCCL_IPC_BLOCKS", "0", "at least 1"),
-    ("ANYCCL_IPC_CE_SYNC", "spin", "one of kernels, memop-wait"),
-    ("ANYCCL_CUDA_API", "cuda", "one of driver, bindings, runtime"),
 ])
 def test_a_bad_value_is_refused_naming_the_variable(monkeypatch, name, text, expected):
     monkeypatch.setenv(name, text)

@@ -1,5 +1,5 @@
 """The copy-engine all_reduce between processes (src/anyccl/backends/ipc/ce.py), timed
-for each way of waiting for its flags (ANYCCL_IPC_CE_SYNC: kernels, memop-wait) and each
+for each way of waiting for its flags (kernels, the backend's way, or memop-wait) and each
 number of chunks per segment, beside the SM two-shot kernels of the same backend and torch, in
 rounds that rotate the order. Two timings of the same back-to-back calls: eager (the host queues
 them as the GPU runs) and held (queued while the GPU sleeps, then timed from the sleep's end:
@@ -48,7 +48,7 @@ def configure(name: str) -> None:
     """'sm': the SM kernels; 'ce SYNC CHUNKS': the copy engines from 1 MiB up."""
     if name.startswith("ce"):
         _, sync, chunks = name.split()
-        backend.ce_memop_wait = sync == "memop-wait"     # as ANYCCL_IPC_CE_SYNC sets it
+        backend.ce_memop_wait = sync == "memop-wait"     # the experiment's own switch
         backend.ce_bytes, backend.ce_chunks = 1 << 20, int(chunks)
     else:
         backend.ce_bytes = SM_ONLY

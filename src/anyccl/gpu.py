@@ -14,7 +14,6 @@ import sys
 import threading
 from typing import Any
 
-from . import settings
 from .errors import AnycclError, InvalidArgumentError, UnsupportedError
 
 
@@ -148,17 +147,12 @@ def destroy_event(event: int) -> None:
     _check(_rt().cudaEventDestroy(event), "cudaEventDestroy")
 
 
-# The calls made on every GPU operation go through the driver API by default, compiled
-# (_cudacore.c) where it was built: the bindings' argument wrapping costs about a microsecond a
-# call, their runtime layer more (ANYCCL_CUDA_API=bindings or runtime selects them, to compare).
-_DRIVER = settings.CUDA_API.get() != "runtime"
-
-
+# The calls made on every GPU operation go through the driver API, compiled (_cudacore.c)
+# where it was built and the driver library opens: the bindings' argument wrapping costs about a
+# microsecond a call. Where it is not, cuda-bindings' driver API serves them: the one fallback.
 def _load_core() -> Any:
     """anyccl's compiled driver calls (`_cudacore.c`), where the module was built and the driver
     library opens; else None (the bindings serve every call)."""
-    if settings.CUDA_API.get() != "driver":
-        return None
     try:
         from . import _cudacore
     except ImportError:
@@ -171,10 +165,6 @@ _core = _load_core()
 
 def calls_status() -> str:
     """How this process makes anyccl's per-operation CUDA calls, as `anyccl info` says it."""
-    api = settings.CUDA_API.get()
-    if api != "driver":
-        return f"cuda-bindings' {'runtime' if api == 'runtime' else 'driver'} API " \
-               f"(ANYCCL_CUDA_API={api})"
     try:
         from . import _cudacore  # noqa: F401 - only whether it was built
     except ImportError:
@@ -203,10 +193,8 @@ def record(event: int, stream: int) -> None:
         status = _core.record(event, stream)
         if status:
             _check_driver(_drv().CUresult(status), "cuEventRecord")
-    elif _DRIVER:
-        _check_driver(_drv().cuEventRecord(event, stream)[0], "cuEventRecord")
     else:
-        _check(_rt().cudaEventRecord(event, stream), "cudaEventRecord")
+        _check_driver(_drv().cuEventRecord(event, stream)[0], "cuEventRecord")
 
 
 def stream_wait(stream: int, event: int) -> None:
@@ -215,10 +203,8 @@ def stream_wait(stream: int, event: int) -> None:
         status = _core.stream_wait(stream, event)
         if status:
             _check_driver(_drv().CUresult(status), "cuStreamWaitEvent")
-    elif _DRIVER:
-        _check_driver(_drv().cuStreamWaitEvent(stream, event, 0)[0], "cuStreamWaitEvent")
     else:
-        _check(_rt().cudaStreamWaitEvent(stream, event, 0), "cudaStreamWaitEvent")
+        _check_driver(_drv().cuStreamWaitEvent(stream, event, 0)[0], "cuStreamWaitEvent")
 
 
 def follow(stream: int, event: int, after: int) -> None:
@@ -245,18 +231,11 @@ def event_done(event: int) -> bool:
         if status:
             _check_driver(_drv().CUresult(status), "cuEventQuery")
         return True
-    if _DRIVER:
-        driver = _drv()
-        status = driver.cuEventQuery(event)[0]
-        if status == driver.CUresult.CUDA_ERROR_NOT_READY:
-            return False
-        _check_driver(status, "cuEventQuery")
-        return True
-    rt = _rt()
-    status = rt.cudaEventQuery(event)[0]
-    if status == rt.cudaError_t.cudaErrorNotReady:
+    driver = _drv()
+    status = driver.cuEventQuery(event)[0]
+    if status == driver.CUresult.CUDA_ERROR_NOT_READY:
         return False
-    _check((status,), "cudaEventQuery")
+    _check_driver(status, "cuEventQuery")
     return True
 
 

@@ -25,14 +25,13 @@ _UNITS = {"bytes": 1, "KiB": 1 << 10, "MiB": 1 << 20}
 @dataclass(frozen=True)
 class Setting:
     """One environment variable. kind: "size" (bytes; `unit` is what a bare number means),
-    "int", "float", "seconds", "bool", "choice" (one of `choices`), "text" or "path"."""
+    "int", "float", "seconds", "bool", "text" or "path"."""
 
     name: str
     kind: str
     default: Any
     doc: str
     unit: str = ""
-    choices: tuple[str, ...] = ()
     minimum: float | None = None
     set_by_launcher: bool = False
 
@@ -70,10 +69,6 @@ class Setting:
             if lowered not in _TRUE + _FALSE:
                 self._refuse(text, "1 or 0 (true/false, yes/no, on/off)")
             value = lowered in _TRUE
-        elif self.kind == "choice":
-            if text not in self.choices:
-                self._refuse(text, "one of " + ", ".join(self.choices))
-            value = text
         else:
             value = text
         if self.minimum is not None and value < self.minimum:
@@ -192,12 +187,6 @@ MPI_STAGING_CHUNK = _declare("MPI_STAGING_CHUNK", "size", 4 << 20,
                              "through pinned host memory.", unit="bytes", minimum=1)
 
 # ---- GPUs ------------------------------------------------------------------------------------
-CUDA_API = _declare("CUDA_API", "choice", "driver",
-                    "How anyccl's own per-operation CUDA calls are made: driver (its compiled "
-                    "driver calls where they were built, else cuda-bindings' driver API), "
-                    "bindings (cuda-bindings' driver API), runtime (cuda-bindings' runtime "
-                    "API).",
-                    choices=("driver", "bindings", "runtime"))
 CACHE_DIR = _declare("CACHE_DIR", "path", None,
                      "Where the ipc kernels compiled by NVRTC are kept. Default: "
                      "~/.cache/anyccl.")
@@ -212,10 +201,6 @@ IPC_CE_MB = _declare("IPC_CE_MB", "size", 512 << 20,
                      "The copy-engine all_reduce's area on each GPU, shared by the peers' "
                      "slots; 0 turns the copy engines off and saves that memory.", unit="MiB",
                      minimum=0)
-IPC_CE_SYNC = _declare("IPC_CE_SYNC", "choice", "kernels",
-                       "How streams wait for the copy-engine all_reduce's flags: spinning "
-                       "one-thread kernels, or cuStreamWaitValue32 (memop-wait).",
-                       choices=("kernels", "memop-wait"))
 
 
 def table() -> str:
@@ -223,8 +208,6 @@ def table() -> str:
     rows = ["| variable | type | default | what it does |", "|---|---|---|---|"]
     for s in SETTINGS.values():
         kind = s.kind + (f" ({s.unit})" if s.unit else "")
-        if s.choices:
-            kind += ": " + " / ".join(s.choices)
         doc = s.doc + (" Set by `anyccl run`." if s.set_by_launcher else "")
         rows.append(f"| `{s.name}` | {kind} | `{s.default_text()}` | {doc} |")
     return "\n".join(rows)

@@ -84,7 +84,6 @@ class IpcBackend(QueuedGpuBackend):
         if policy not in POLICIES:
             raise UnsupportedError(f"ipc policy {policy!r} is unknown; expected one of "
                                    f"{', '.join(POLICIES)}")
-        sync = settings.IPC_CE_SYNC.get()  # refused by name here if unknown
         self.nccl = nccl
         self.queue = nccl.queue
         self.policy = policy
@@ -105,8 +104,9 @@ class IpcBackend(QueuedGpuBackend):
         # the size from which they beat the two-shot kernels in the recorded runs
         self.ce_bytes = tuning.value("ipc.ce_min")
         self.ce_chunks = tuning.value("ipc.ce_chunks")  # per segment
-        # streams wait for its flags in ce_wait kernels, or by cuStreamWaitValue32
-        self.ce_memop_wait = sync == "memop-wait"
+        # streams wait for the copy engines' flags by one-thread kernels; by stream memory
+        # operations only in the experiment that measured both alike (lab/ce_modes.py)
+        self.ce_memop_wait = False
         if not self.layout.ce_slot_bytes or self.size == 1:
             self.ce_bytes = 1 << 62
         self._ce = ce.CopyEngineAllReduce(memory, self.device)
@@ -398,8 +398,9 @@ class IpcBackend(QueuedGpuBackend):
 
 class _CeKernels:
     """ce.Kernels for one copy-engine all_reduce: `reduce_local` (the `kernel` named), flags
-    raised by a one-thread kernel (ce_flags) and waited for by another (ce_wait) or, with
-    ANYCCL_IPC_CE_SYNC=memop-wait, by stream memory operations (cuStreamWaitValue32)."""
+    raised by a one-thread kernel (ce_flags) and waited for by another (ce_wait) or, where
+    `ce_memop_wait` is set (lab/ce_modes.py), by stream memory operations
+    (cuStreamWaitValue32)."""
 
     def __init__(self, backend: IpcBackend, kernel: str, itemsize: int, scale: float) -> None:
         self.b, self.kernel, self.itemsize, self.scale = backend, kernel, itemsize, scale

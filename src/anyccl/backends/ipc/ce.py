@@ -21,7 +21,8 @@ peer in each rank's copy-engine area). For each chunk, on three streams of this 
               its slot for me into the output; clear those flags
 
 Flags are written by a one-thread kernel (`ce_flags`) and waited for by another (`ce_wait`),
-or by cuStreamWaitValue32 (ANYCCL_IPC_CE_SYNC=memop-wait). Not written by cuStreamWriteValue32:
+or by cuStreamWaitValue32 (the backend's `ce_memop_wait`, set only by lab/ce_modes.py). Not
+written by cuStreamWriteValue32:
 CUDA precedes it with a system-wide memory fence, which slows the copies in flight.
 
 S is the caller's stream; P and B fork from it and join it again at the end. A push into a
