@@ -184,6 +184,39 @@ def test_a_recv_with_no_matching_send_fails_with_a_timeout_that_names_it():
     assert 0.9 < waited < 5
 
 
+def check_a_sendrecv_whose_send_went_is_still_in_it(comm):
+    """Rank 0's sendrecv sends a message larger than its ring (so the send is posted and
+    finishes only as rank 1 drains it) and waits for a receive that never comes; rank 1 waits
+    for a message that never comes either. When rank 1 times out, rank 0 is still in its
+    sendrecv, although its send is done."""
+    comm_timeout = comm.timeout_s
+    try:
+        if comm.rank == 0:
+            comm.timeout_s = 4.0
+            big = np.ones(3 << 20, np.uint8)   # 3 MiB: more than the 1 MiB ring
+            try:
+                comm.sendrecv(big, 1, np.empty(4, np.float32), 1, tag=5)
+            except anyccl.TimeoutError as exc:
+                return str(exc)
+            return "no error"
+        comm.timeout_s = 1.5
+        try:
+            comm.recv(np.empty(3, np.float32), 0, tag=6)
+        except anyccl.TimeoutError as exc:
+            return str(exc)
+        return "no error"
+    finally:
+        comm.timeout_s = comm_timeout
+
+
+@pytest.mark.shm_only   # shm shows each peer's state; MPI cannot see it
+def test_a_peer_waiting_in_a_sendrecv_is_named_as_in_it_after_its_send_went():
+    outcomes = run_ranks_outcomes(check_a_sendrecv_whose_send_went_is_still_in_it, 2,
+                                  env={"ANYCCL_SHM_CMA": "0"})
+    message = outcomes[1]
+    assert "timed out" in message and "rank 0 is in sendrecv(" in message, message
+
+
 def check_receives_from_any_rank(comm):
     """Rank 0 receives from whichever rank's message comes; each sender's messages still arrive
     in the order it sent them, a message with another tag is left for its own receive, and an

@@ -328,6 +328,7 @@ class SharedMemoryBackend(Backend):
         self._half = 1
         self._epoch = 0
         self._record: OpRecord | None = None
+        self._posted_of_record = 0   # its messages posted and not yet done (`_waits_in`)
         self._deadline = float("inf")
         self._agree: tuple | None = None   # the signature the next barrier carries
         self._half_before = 1
@@ -958,18 +959,24 @@ class SharedMemoryBackend(Backend):
         self._progress_receive(src)
 
     def _waits_in(self, record: OpRecord) -> None:
-        """A message of `record` is posted: this rank is in it (for peers' messages) until it
-        is done (`_until_done`)."""
+        """A message of `record` is posted: this rank is in it (for peers' messages) until
+        every message of it posted here is done (`_until_done`)."""
         if record is not self._record:
             self._record, self._deadline = record, record.deadline
             self._doing = (record.seq << 24) | (_NAME_CODE.get(record.name, 0) << 1) | 1
+            self._posted_of_record = 0
+        self._posted_of_record += 1
         self._words[_W_DOING] = self._doing
 
     def _until_done(self, record: OpRecord, on_done: Completion) -> Completion:
-        """`on_done`, after which this rank is idle, if `record` is still what it is in."""
+        """`on_done`, after which this rank is idle if `record` is still what it is in and
+        this was its last posted message (a sendrecv waiting for its receive is still in it
+        after its send went)."""
         def done(error: BaseException | None) -> None:
-            if record is self._record and error is None:
-                self._idle()
+            if record is self._record:
+                self._posted_of_record -= 1
+                if not self._posted_of_record and error is None:
+                    self._idle()
             on_done(error)
         return done
 
