@@ -91,7 +91,7 @@ def serve(conn, comm) -> None:
 
 def _usable(comm) -> bool:
     gpu_failed = comm.gpu_backend is not None and comm.gpu_backend.failure is not None
-    return not comm._closed and comm._engine.failure is None and not gpu_failed
+    return not comm.closed and comm.failure is None and not gpu_failed
 
 
 class RankPool:

@@ -218,9 +218,11 @@ def fail_halfway_then_call_again(comm) -> tuple[str, str]:
     with pytest.raises(anyccl.UnsupportedError):   # refused before any byte moves
         comm.all_reduce(np.ones(4), "median")
     comm.all_reduce(np.ones(4))                          # ... so it stays usable
+    assert comm.failure is None and not comm.closed
     with pytest.raises(ValueError, match="inside the kernel") as halfway:
         comm.all_reduce(np.ones(13))
     assert not isinstance(halfway.value, anyccl.AnycclError)
+    assert comm.failure is halfway.value and not comm.closed   # broken, not closed
     with pytest.raises(anyccl.CommunicatorClosedError) as after:
         comm.all_reduce(np.ones(4))
     return str(after.value), type(after.value.__cause__).__name__

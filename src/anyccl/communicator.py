@@ -128,6 +128,17 @@ class Communicator:
         local_rank modulo the visible GPUs; None where no GPU is visible."""
         return self._gpu_side.device_if_any()
 
+    @property
+    def failure(self) -> BaseException | None:
+        """The error that broke this communicator (a timeout, a lost peer, an error halfway
+        through an operation): every later call raises naming it. None while none has."""
+        return self._engine.failure
+
+    @property
+    def closed(self) -> bool:
+        """Whether `close()` was called (or this process was forked from the one that made it)."""
+        return self._closed
+
     def __repr__(self) -> str:
         return (f"<anyccl.Communicator {self._name} rank {self.rank}/{self.size} "
                 f"backend={self.backend}{' closed' if self._closed else ''}>")
@@ -173,9 +184,8 @@ class Communicator:
                                              self.debug or stream is not None))
 
     def _refused(self, name: str, exc: AnycclError, args: tuple) -> None:
-        """This rank refused its arguments to collective `name`: the other ranks are told, and
-        raise too (host collectives; a call on GPU arrays, or on a closed or one-rank
-        communicator, tells nobody)."""
+        """This rank refused its arguments to collective `name`: the other ranks are told and
+        raise too (host collectives only; a closed or one-rank communicator tells nobody)."""
         if self._closed or self.size == 1 or self._engine.failure is not None \
                 or lives_on_gpu(args):
             return
