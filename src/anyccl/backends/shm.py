@@ -670,7 +670,7 @@ class SharedMemoryBackend(Backend):
     def barrier(self, record: OpRecord) -> None:
         self._enter(record)
         self.sync()
-        self._words[_W_DOING] = self._doing & ~1   # `_idle`, inline
+        self._idle()
 
     def sync(self) -> None:
         """Return once every rank has arrived. The first sync of a collective also carries
@@ -823,7 +823,7 @@ class SharedMemoryBackend(Backend):
         self._enter(record)
         if not self._core_one_shot(x, op, root):
             symmetric.all_reduce(self, x, op, root=root)
-        self._words[_W_DOING] = self._doing & ~1   # `_idle`, inline
+        self._idle()
 
     def _core_one_shot(self, x: np.ndarray, op: ReduceOp, root: int | None) -> bool:
         """`symmetric`'s one-shot schedule for a message that fits one staging half, step for
@@ -867,7 +867,7 @@ class SharedMemoryBackend(Backend):
             self._core_broadcast(x, root)   # one chunk: symmetric.broadcast's steps, in C
         else:
             symmetric.broadcast(self, x, root)
-        self._words[_W_DOING] = self._doing & ~1   # `_idle`, inline
+        self._idle()
 
     def _core_broadcast(self, x: np.ndarray, root: int) -> None:
         """`symmetric.broadcast` of a message that fits one staging half, step for step (the
@@ -880,7 +880,7 @@ class SharedMemoryBackend(Backend):
         self._enter(record)
         (direct if self._direct_for("all_gather", x.nbytes) else symmetric).all_gather(
             self, outs, x)
-        self._words[_W_DOING] = self._doing & ~1   # `_idle`, inline
+        self._idle()
 
     def gather(self, x: np.ndarray, outs: list[np.ndarray] | None, root: int,
                record: OpRecord) -> None:
@@ -889,26 +889,26 @@ class SharedMemoryBackend(Backend):
             direct.gather(self, outs, x, root)
         else:
             symmetric.all_gather(self, outs, x, root)
-        self._words[_W_DOING] = self._doing & ~1   # `_idle`, inline
+        self._idle()
 
     def scatter(self, out: np.ndarray, chunks: list[np.ndarray] | None, root: int,
                 record: OpRecord) -> None:
         self._enter(record)
         (direct if self._direct_for("scatter", out.nbytes) else symmetric).scatter(
             self, out, chunks, root)
-        self._words[_W_DOING] = self._doing & ~1   # `_idle`, inline
+        self._idle()
 
     def reduce_scatter(self, out: np.ndarray, inputs: list[np.ndarray], op: ReduceOp,
                        record: OpRecord) -> None:
         self._enter(record)
         symmetric.reduce_scatter(self, out, inputs, op)
-        self._words[_W_DOING] = self._doing & ~1   # `_idle`, inline
+        self._idle()
 
     def all_to_all(self, outs: list[np.ndarray], inputs: list[np.ndarray],
                    record: OpRecord) -> None:
         self._enter(record)
         symmetric.all_to_all(self, outs, inputs)
-        self._words[_W_DOING] = self._doing & ~1   # `_idle`, inline
+        self._idle()
 
     # ---- point to point ----------------------------------------------------------------------
     def send_now(self, x: np.ndarray, dst: int, tag: int) -> bool:
@@ -962,11 +962,9 @@ class SharedMemoryBackend(Backend):
         """A message of `record` is posted: this rank is in it (for peers' messages) until
         every message of it posted here is done (`_until_done`)."""
         if record is not self._record:
-            self._record, self._deadline = record, record.deadline
-            self._doing = (record.seq << 24) | (_NAME_CODE.get(record.name, 0) << 1) | 1
             self._posted_of_record = 0
+        self._enter(record)   # (a message carries no signature: nothing for a sync to check)
         self._posted_of_record += 1
-        self._words[_W_DOING] = self._doing
 
     def _until_done(self, record: OpRecord, on_done: Completion) -> Completion:
         """`on_done`, after which this rank is idle if `record` is still what it is in and
