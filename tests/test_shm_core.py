@@ -158,4 +158,5 @@ def test_the_compiled_core_is_built_by_the_install():
     from anyccl.backends import _shmcore
 
     assert {"ring", "arrive", "reached", "stage", "send", "take", "reduce",
-            "one_shot"} <= set(dir(_shmcore))
+            "Staging"} <= set(dir(_shmcore))
+    assert {"one_shot", "close", "epoch", "half"} <= set(dir(_shmcore.Staging))

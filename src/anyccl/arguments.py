@@ -62,6 +62,25 @@ class Arguments:
             raise self.fail(op, f"{peer_name}={peer} is this rank; a rank cannot message itself")
         return self.array(op, x, "tensor", writable=writable), peer, self.tag(op, tag)
 
+    def exchange(self, x: Any, dst: Any, y: Any, src: Any,
+                 tag: Any) -> tuple[Array, int, Array, int | None, int]:
+        """sendrecv's arrays, peers and tag: `message`'s checks of the send (`x` to `dst`) and
+        of the receive (into `y` from `src`), and the two arrays apart in memory."""
+        size, rank = self.size, self.rank
+        if type(x) is np.ndarray and type(y) is np.ndarray and type(dst) is int \
+                and type(src) is int and type(tag) is int and 0 <= dst < size and dst != rank \
+                and 0 <= src < size and src != rank and 0 <= tag < 2 ** 63 \
+                and x.base is None and y.base is None and x is not y \
+                and x.dtype in SUPPORTED and y.dtype in SUPPORTED:
+            fx, fy = x.flags, y.flags
+            if fx.c_contiguous and fy.c_contiguous and fy.writeable:   # the common case
+                return (x if x.ndim == 1 else x.reshape(-1)), dst, \
+                    (y if y.ndim == 1 else y.reshape(-1)), src, tag
+        x, dst, tag = self.message("sendrecv", x, dst, "dst", tag, False)
+        y, src, _ = self.message("sendrecv", y, src, "src", tag, True)
+        self.disjoint("sendrecv", x, "send_tensor", y, "recv_tensor")
+        return x, dst, y, src, tag  # type: ignore[return-value]
+
     def peer(self, op: str, value: Any, name: str) -> int:
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
             raise self.fail(op, f"{name}={value!r} must be an int rank")

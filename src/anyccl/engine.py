@@ -82,14 +82,14 @@ class Engine:
                 self._inline = False
                 self._state.notify_all()
 
-    def run_now(self, fn: Callable[..., None], *args: Any, after_posted: bool = False) -> bool:
-        """Run `fn(*args)` on the calling thread if it may drive the backend now (`_may_drive`;
+    def run_now(self, fn: Callable[[], None]) -> bool:
+        """Run `fn()` on the calling thread if it may drive the backend now (`_may_drive`;
         True, its error raised and failing the engine as `call`'s would); else do nothing and
         return False (then `call` queues it)."""
-        if not self._may_drive(after_posted):
+        if not self._may_drive():
             return False
         try:
-            fn(*args)
+            fn()
         except BaseException as exc:
             self._note_failure(exc)
             raise
@@ -518,10 +518,19 @@ class HostEngine(Engine):
         this thread when it may drive the host backend (else in turn on the engine); return
         the sender of the receive among them."""
         found: list[int] = []
-        if not self.run_now(self._exchange_now, record, messages, found,
-                            after_posted=True):
-            self.call(lambda: self._exchange_now(record, messages, found),
-                      lambda: Work(record, self.rank))
+        if not self._queue and self._drive.acquire(False):
+            # `run_now(after_posted=True)`, inline: the common blocking exchange
+            try:
+                if not self._queue and self.failure is None and not self._closing:
+                    self._exchange_now(record, messages, found)
+                    return found[0] if found else messages[-1][2]
+            except BaseException as exc:
+                self._note_failure(exc)
+                raise
+            finally:
+                self._drive.release()
+        self.call(lambda: self._exchange_now(record, messages, found),
+                  lambda: Work(record, self.rank))
         return found[0] if found else messages[-1][2]
 
     def _exchange_now(self, record: OpRecord, messages: tuple[HostMessage, ...],
@@ -531,7 +540,7 @@ class HostEngine(Engine):
         others posted; return once all are done, raising the first error. A receive from any
         rank appends its sender to `found`. Only posted messages tell the backend that this
         rank is in `record` (what peers see while it waits) and get a deadline."""
-        FlightRecorder.started(record)
+        record.state, record.started_at = "started", time.monotonic()   # FlightRecorder.started
         backend = self.backend
         posted = 0
         outcomes: list[BaseException | None] = []
@@ -547,7 +556,7 @@ class HostEngine(Engine):
             else:
                 backend.post_recv(x, peer, tag, record, outcomes.append, found=found.append)
         if not posted:
-            FlightRecorder.ended(record)
+            record.state, record.ended_at = "done", time.monotonic()   # FlightRecorder.ended
             return
         if len(outcomes) < posted:
             try:

@@ -5,7 +5,9 @@ engine, queued on streams (inside `comm.batch()`, collected into one group)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import itertools
+from collections import defaultdict
+from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np
 
@@ -27,15 +29,15 @@ class MessageCalls:
                  gpu_side: GpuDispatch) -> None:
         self._comm, self._check, self._engine, self._gpu_side = comm, check, engine, gpu_side
         self._log = comm.flight_recorder.add
-        self._seq: dict[tuple[str, int | None, int | None], int] = {}
+        self._seq: defaultdict[tuple[str, int | None, int | None], Iterator[int]] = \
+            defaultdict(lambda: itertools.count(1))
 
     def record(self, kind: str, x: Array, peer: int | None, tag: int,
                src: int | None = None) -> OpRecord:
         """The record of a message (kind "sendrecv": of an exchange, receiving from `src`),
         numbered per kind and peers (the host engine's and the GPU engine's callers put it
         in the flight recorder)."""
-        key = (kind, peer, src)
-        self._seq[key] = seq = self._seq.get(key, 0) + 1
+        seq = next(self._seq[kind, peer, src])
         nbytes = x.nbytes
         return OpRecord(kind, seq, (message_text, kind, peer, tag, nbytes, src), nbytes)
 
@@ -63,12 +65,10 @@ class MessageCalls:
                  tag: int, stream: Any) -> int | None:
         """`comm.sendrecv`: both messages checked, then exchanged at once (host arrays: as one
         blocking operation; GPU arrays: as one batch); returns the sender."""
-        check = self._check
-        x, dst, tag = check.message("sendrecv", send_tensor, dst, "dst", tag, False)
-        y, src, _ = check.message("sendrecv", recv_tensor, src, "src", tag, True)
-        check.disjoint("sendrecv", x, "send_tensor", y, "recv_tensor")
+        x, dst, y, src, tag = self._check.exchange(send_tensor, dst, recv_tensor, src, tag)
         if self._gpu_side.batched is not None:
-            raise check.fail("sendrecv", "use isend and irecv inside `with comm.batch():`")
+            raise self._check.fail("sendrecv",
+                                   "use isend and irecv inside `with comm.batch():`")
         if stream is None and type(x) is np.ndarray and type(y) is np.ndarray:
             record = self.record("sendrecv", x, dst, tag, src)
             self._log(record)

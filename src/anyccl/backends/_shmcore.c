@@ -24,15 +24,18 @@
  *                                    out = srcs[0] (op) srcs[1] (op) ... in that order, in out's
  *                                    dtype, then / divisor for AVG; False if the dtype/op pair
  *                                    is not one this module covers (the caller uses NumPy)
- *   one_shot(x, lane, epoch, ...)    a small all_reduce, reduce or broadcast whole: stage,
- *                                    arrive with the signature, spin until every peer arrived,
- *                                    compare, reduce or copy; one call where the above take four
+ *   Staging(lanes, doing, half_bytes).one_shot(x, doing, agree, ...)
+ *                                    a small all_reduce, reduce or broadcast whole: take the
+ *                                    next staging half and epoch, stage, arrive with the
+ *                                    signature, spin until every peer arrived, compare, reduce
+ *                                    or copy; one call where the above take four
  *
  * Addresses are Python ints (of shared mappings the caller keeps alive); buffers are objects
  * with the buffer protocol (NumPy arrays). Counters are aligned 8-byte words with one writer.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>
 #include <semaphore.h>
 #include <stdint.h>
 #include <string.h>
@@ -386,86 +389,178 @@ static PyObject *reduce(PyObject *self, PyObject *args) {
     return PyBool_FromLong(ok);
 }
 
-/* one_shot(x, lane, epoch, agree, dtype, op, divisor, reduce_here, source) -> 1, 0 or -1: a
- * small collective's whole schedule in one call (a message that fits one staging half).
- * `lane` holds what does not change from call to call, for one staging half and one barrier
- * parity: (halves, rank, arrive_word, bells, sig, words, sigs, spin_ns).
- * source < 0 (all_reduce, reduce): stage x at halves[rank], arrive as `arrive` does (with the
- * signature `agree` at sig, unless agree is None), spin as `reached` does, then, if every rank
- * arrived with the same signature and reduce_here, reduce the staged halves in rank order into
- * x as `reduce` does. source >= 0 (broadcast from that rank): only the source stages x; once
- * every rank arrived with the same signature, the others copy its half into x.
- * 1: done; -1: every rank arrived and a signature differs (x untouched); 0: arrived, but the
- * peers had not within spin_ns (the caller waits, compares, then reduces or copies). */
-static PyObject *one_shot(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 9 || !PyTuple_Check(args[1]) || PyTuple_GET_SIZE(args[1]) != 8) {
-        PyErr_SetString(PyExc_TypeError, "one_shot(x, lane, epoch, agree, dtype, op, divisor, "
-                                         "reduce_here, source): lane is a tuple of 8");
-        return NULL;
+/* Staging(lanes, doing, half_bytes): one rank's staging halves and barrier epochs, and the
+ * one-shot step over them. `lanes` are the four (halves, rank, arrive_word, bells, sig, words,
+ * sigs, spin_ns) of staging half h and barrier parity p at 2 * h + p, read once here; `doing` is
+ * the address of this rank's "what it does" word. `epoch` and `half` (the last barrier's count,
+ * the last staging half used) are the one copy of these counters, which shm.py reads and writes
+ * for its other schedules. close() forgets every address: a later call raises. */
+typedef struct {
+    PyObject_HEAD
+    unsigned long long epoch;
+    int half;
+    int closed;
+    Py_ssize_t rank, size, half_bytes;
+    unsigned long long spin_ns;
+    uint64_t *arrive, *doing;
+    uint64_t *sig[2];
+    void **at[2];                 /* at[h][j]: rank j's staging half h */
+    sem_t **bells;                /* the peers' doorbells */
+    const uint64_t **peer;        /* the peers' arrival counters */
+    const uint64_t **peer_sig[2]; /* the peers' signature slots, per barrier parity */
+    void *block;                  /* the one allocation behind the arrays above */
+} Staging;
+
+static int lane_address(PyObject *lane, Py_ssize_t item, void **out) {
+    return address(PyTuple_GET_ITEM(lane, item), out);
+}
+
+static int tuple_addresses(PyObject *t, Py_ssize_t n, void **out) {
+    if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != n) {
+        PyErr_SetString(PyExc_ValueError, "Staging: a lane's tuple has the wrong length");
+        return -1;
     }
-    PyObject *lane = args[1];
-    PyObject *halves = PyTuple_GET_ITEM(lane, 0), *bells = PyTuple_GET_ITEM(lane, 3);
-    PyObject *words = PyTuple_GET_ITEM(lane, 5), *sigs = PyTuple_GET_ITEM(lane, 6);
-    PyObject *agree = args[3] == Py_None ? NULL : args[3];
-    if (!PyTuple_Check(halves) || !PyTuple_Check(bells) || !PyTuple_Check(words)
-        || !PyTuple_Check(sigs)) {
-        PyErr_SetString(PyExc_TypeError, "one_shot: the lane's halves, bells, words and sigs "
-                                         "are tuples");
-        return NULL;
-    }
-    Py_ssize_t rank = PyLong_AsSsize_t(PyTuple_GET_ITEM(lane, 1));
-    unsigned long long spin_ns = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(lane, 7));
-    unsigned long long epoch = PyLong_AsUnsignedLongLong(args[2]);
-    int dtype = (int)PyLong_AsLong(args[4]), op = (int)PyLong_AsLong(args[5]);
-    long divisor = PyLong_AsLong(args[6]);
-    int reduce_here = PyObject_IsTrue(args[7]);
-    Py_ssize_t source = PyLong_AsSsize_t(args[8]);
-    if (PyErr_Occurred()) return NULL;
-    Py_ssize_t size = PyTuple_GET_SIZE(halves), n = PyTuple_GET_SIZE(words);
-    if (size < 2 || size > MAX_WORDS || rank < 0 || rank >= size || n != size - 1
-        || PyTuple_GET_SIZE(sigs) != n || divisor < 1 || source >= size) {
-        PyErr_SetString(PyExc_ValueError, "one_shot: bad arguments");
-        return NULL;
-    }
-    void *at[MAX_WORDS];
-    for (Py_ssize_t i = 0; i < size; i++)
-        if (address(PyTuple_GET_ITEM(halves, i), &at[i]) < 0) return NULL;
-    void *arrive_word, *sig = NULL;
-    uint64_t w[2] = {0, 0};
-    if (address(PyTuple_GET_ITEM(lane, 2), &arrive_word) < 0) return NULL;
-    if (agree != NULL) {
-        if (!PyTuple_Check(agree) || address(PyTuple_GET_ITEM(lane, 4), &sig) < 0
-            || signature(agree, epoch, w) < 0)
-            return NULL;
-    }
-    const uint64_t *peer[MAX_WORDS];
     for (Py_ssize_t i = 0; i < n; i++)
-        if (address(PyTuple_GET_ITEM(words, i), (void **)&peer[i]) < 0) return NULL;
+        if (address(PyTuple_GET_ITEM(t, i), &out[i]) < 0) return -1;
+    return 0;
+}
+
+static int staging_init(Staging *self, PyObject *args, PyObject *kwds) {
+    PyObject *lanes, *doing;
+    Py_ssize_t half_bytes;
+    if (!PyArg_ParseTuple(args, "O!On", &PyTuple_Type, &lanes, &doing, &half_bytes)) return -1;
+    if (self->block != NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "Staging: already initialised");
+        return -1;
+    }
+    if (PyTuple_GET_SIZE(lanes) != 4) {
+        PyErr_SetString(PyExc_ValueError, "Staging: four lanes (2 * half + parity)");
+        return -1;
+    }
+    for (int k = 0; k < 4; k++) {
+        PyObject *lane = PyTuple_GET_ITEM(lanes, k);
+        if (!PyTuple_Check(lane) || PyTuple_GET_SIZE(lane) != 8
+            || !PyTuple_Check(PyTuple_GET_ITEM(lane, 0))) {
+            PyErr_SetString(PyExc_ValueError, "Staging: a lane is a tuple of 8");
+            return -1;
+        }
+    }
+    PyObject *first = PyTuple_GET_ITEM(lanes, 0);
+    Py_ssize_t size = PyTuple_GET_SIZE(PyTuple_GET_ITEM(first, 0)), n = size - 1;
+    Py_ssize_t rank = PyLong_AsSsize_t(PyTuple_GET_ITEM(first, 1));
+    unsigned long long spin_ns = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(first, 7));
+    if (PyErr_Occurred()) return -1;
+    if (size < 2 || size > MAX_WORDS || rank < 0 || rank >= size || half_bytes < 0) {
+        PyErr_SetString(PyExc_ValueError, "Staging: bad rank, size or half_bytes");
+        return -1;
+    }
+    void **block = PyMem_Calloc((size_t)(2 * size + 4 * n), sizeof(void *));
+    if (block == NULL) { PyErr_NoMemory(); return -1; }
+    self->block = block;
+    self->at[0] = block;
+    self->at[1] = block + size;
+    self->bells = (sem_t **)(block + 2 * size);
+    self->peer = (const uint64_t **)(block + 2 * size + n);
+    self->peer_sig[0] = (const uint64_t **)(block + 2 * size + 2 * n);
+    self->peer_sig[1] = (const uint64_t **)(block + 2 * size + 3 * n);
+    for (int h = 0; h < 2; h++) {
+        PyObject *lane = PyTuple_GET_ITEM(lanes, 2 * h);
+        if (tuple_addresses(PyTuple_GET_ITEM(lane, 0), size, self->at[h]) < 0) return -1;
+    }
+    for (int p = 0; p < 2; p++) {
+        PyObject *lane = PyTuple_GET_ITEM(lanes, p);
+        if (lane_address(lane, 4, (void **)&self->sig[p]) < 0
+            || tuple_addresses(PyTuple_GET_ITEM(lane, 6), n, (void **)self->peer_sig[p]) < 0)
+            return -1;
+    }
+    if (lane_address(first, 2, (void **)&self->arrive) < 0
+        || tuple_addresses(PyTuple_GET_ITEM(first, 3), n, (void **)self->bells) < 0
+        || tuple_addresses(PyTuple_GET_ITEM(first, 5), n, (void **)self->peer) < 0
+        || address(doing, (void **)&self->doing) < 0)
+        return -1;
+    self->rank = rank;
+    self->size = size;
+    self->half_bytes = half_bytes;
+    self->spin_ns = spin_ns;
+    self->epoch = 0;
+    self->half = 1;
+    return 0;
+}
+
+static void staging_dealloc(Staging *self) {
+    PyMem_Free(self->block);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *staging_close(Staging *self, PyObject *unused) {
+    self->closed = 1;
+    Py_RETURN_NONE;
+}
+
+/* one_shot(x, doing, agree, dtype, op, reduce_here, source) -> 1, 0 or -1: a small collective's
+ * whole schedule in one call (a message of at most half_bytes). Takes the next staging half and
+ * epoch; stores `doing` as what this rank does; source < 0 (all_reduce, reduce): stages x in
+ * this rank's half, arrives (with the signature `agree`, unless it is None, in the slot of the
+ * epoch's parity), spins as `reached` does, then, if every rank arrived with the same signature
+ * and reduce_here, reduces the staged halves in rank order into x as `reduce` does. source >= 0
+ * (broadcast from that rank): only the source stages x; once every rank arrived with the same
+ * signature, the others copy its half into x.
+ * 1: done, and `doing` is stored again as finished (its low bit cleared); -1: every rank arrived
+ * and a signature differs (x untouched); 0: arrived, but the peers had not within spin_ns (the
+ * caller waits, compares, then reduces or copies, from half `half` of barrier `epoch`). */
+static PyObject *staging_one_shot(Staging *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "one_shot(x, doing, agree, dtype, op, reduce_here, "
+                                         "source)");
+        return NULL;
+    }
+    if (self->closed || self->block == NULL) {
+        PyErr_SetString(PyExc_ValueError, "one_shot: the staging memory is closed");
+        return NULL;
+    }
+    PyObject *agree = args[2] == Py_None ? NULL : args[2];
+    unsigned long long doing = PyLong_AsUnsignedLongLong(args[1]);
+    int dtype = (int)PyLong_AsLong(args[3]), op = (int)PyLong_AsLong(args[4]);
+    int reduce_here = PyObject_IsTrue(args[5]);
+    Py_ssize_t source = PyLong_AsSsize_t(args[6]);
+    if (PyErr_Occurred()) return NULL;
+    Py_ssize_t rank = self->rank, size = self->size, n = size - 1;
+    if (source >= size || (agree != NULL && !PyTuple_Check(agree))) {
+        PyErr_SetString(PyExc_ValueError, "one_shot: bad source or signature");
+        return NULL;
+    }
+    uint64_t w[2] = {0, 0};
+    unsigned long long epoch = self->epoch + 1;
+    if (agree != NULL && signature(agree, epoch, w) < 0) return NULL;
     Py_buffer x;
     if (PyObject_GetBuffer(args[0], &x, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    if (x.len > self->half_bytes) {
+        PyBuffer_Release(&x);
+        PyErr_SetString(PyExc_ValueError, "one_shot: the array is larger than a staging half");
+        return NULL;
+    }
+    int half = self->half ^ 1, parity = (int)(epoch & 1);
+    self->half = half;
+    self->epoch = epoch;
+    void **at = self->at[half];
+    __atomic_store_n(self->doing, (uint64_t)doing, __ATOMIC_RELAXED);
     if (source < 0 || source == rank) memcpy(at[rank], x.buf, (size_t)x.len);
-    if (sig != NULL) {   /* published by the release store of the counter below */
-        ((uint64_t *)sig)[0] = w[0];
-        ((uint64_t *)sig)[1] = w[1];
+    if (agree != NULL) {   /* published by the release store of the counter below */
+        self->sig[parity][0] = w[0];
+        self->sig[parity][1] = w[1];
     }
-    __atomic_store_n((uint64_t *)arrive_word, (uint64_t)epoch, __ATOMIC_RELEASE);
-    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(bells); i++) {
-        void *bell;
-        if (address(PyTuple_GET_ITEM(bells, i), &bell) < 0) { PyBuffer_Release(&x); return NULL; }
-        sem_post((sem_t *)bell);
-    }
+    __atomic_store_n(self->arrive, (uint64_t)epoch, __ATOMIC_RELEASE);
+    for (Py_ssize_t i = 0; i < n; i++) sem_post(self->bells[i]);
     int done;
+    unsigned long long spin_ns = self->spin_ns;
+    const uint64_t **peer = self->peer;
     Py_BEGIN_ALLOW_THREADS
     done = spin_until(peer, n, epoch, spin_ns);
     Py_END_ALLOW_THREADS
     long status = done;
-    if (done && sig != NULL) {   /* the counters' acquire loads made the signatures visible */
+    if (done && agree != NULL) {   /* the counters' acquire loads made the signatures visible */
         for (Py_ssize_t i = 0; i < n; i++) {
-            const uint64_t *s;
-            if (address(PyTuple_GET_ITEM(sigs, i), (void **)&s) < 0) {
-                PyBuffer_Release(&x);
-                return NULL;
-            }
+            const uint64_t *s = self->peer_sig[parity][i];
             if (s[0] != w[0] || s[1] != w[1]) status = -1;
         }
     }
@@ -473,18 +568,44 @@ static PyObject *one_shot(PyObject *self, PyObject *const *args, Py_ssize_t narg
         if (source != rank) memcpy(x.buf, at[source], (size_t)x.len);
     } else if (status == 1 && reduce_here
                && !reduce_into(x.buf, at, size, x.len / (x.itemsize ? x.itemsize : 1), dtype, op,
-                               divisor)) {
+                               (long)size)) {
         PyErr_SetString(PyExc_ValueError, "one_shot: a dtype and op the core does not reduce");
     }
     PyBuffer_Release(&x);
     if (PyErr_Occurred()) return NULL;
+    if (status == 1) __atomic_store_n(self->doing, (uint64_t)(doing & ~1ull), __ATOMIC_RELAXED);
     return PyLong_FromLong(status);
 }
 
+static PyMethodDef staging_methods[] = {
+    {"one_shot", (PyCFunction)(void (*)(void))staging_one_shot, METH_FASTCALL,
+     "one_shot(x, doing, agree, dtype, op, reduce_here, source) -> 1 done, 0 peers not there "
+     "yet, -1 signatures differ."},
+    {"close", (PyCFunction)staging_close, METH_NOARGS,
+     "close(): forget the addresses (the mappings are going); a later one_shot raises."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyMemberDef staging_members[] = {
+    {"epoch", T_ULONGLONG, offsetof(Staging, epoch), 0, "the last barrier's count"},
+    {"half", T_INT, offsetof(Staging, half), 0, "the staging half used last (0 or 1)"},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyTypeObject StagingType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "anyccl.backends._shmcore.Staging",
+    .tp_basicsize = sizeof(Staging),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Staging(lanes, doing, half_bytes): staging halves, barrier epochs, one-shot step",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)staging_init,
+    .tp_dealloc = (destructor)staging_dealloc,
+    .tp_methods = staging_methods,
+    .tp_members = staging_members,
+};
+
 static PyMethodDef methods[] = {
-    {"one_shot", (PyCFunction)(void (*)(void))one_shot, METH_FASTCALL,
-     "one_shot(x, lane, epoch, agree, dtype, op, divisor, reduce_here, source) -> 1 done, 0 "
-     "peers not there yet, -1 signatures differ."},
     {"ring", ring, METH_O, "ring(bell): wake the doorbell at address `bell`."},
     {"arrive", arrive, METH_VARARGS,
      "arrive(word, value, bells[, sig, agree]): store the signature `agree` at sig, then value "
@@ -504,4 +625,15 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_shmcore", NULL, -1, methods};
 
-PyMODINIT_FUNC PyInit__shmcore(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__shmcore(void) {
+    if (PyType_Ready(&StagingType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL) return NULL;
+    Py_INCREF(&StagingType);
+    if (PyModule_AddObject(m, "Staging", (PyObject *)&StagingType) < 0) {
+        Py_DECREF(&StagingType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -35,7 +35,7 @@ import socket
 import struct
 import time
 from collections import deque
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
@@ -107,6 +107,20 @@ _CORE_REDUCTIONS = {(np.dtype(d), op): (i, k) for i, d in enumerate(_CORE_DTYPES
                     for k, op in enumerate(_CORE_OPS) if _defined(op, np.dtype(d))}
 _NAMES = ("an operation", *COLLECTIVES, "barrier", "send", "recv", "batch", "sendrecv")
 _NAME_CODE = {name: i for i, name in enumerate(_NAMES)}
+_ALL_REDUCE_DOING = _NAME_CODE["all_reduce"] << 1 | 1   # the hot path's "doing" word, less seq
+
+
+class _Steps:
+    """The staging half used last and the last barrier's count, where the core's Staging does
+    not keep them (the Python path, a communicator of one rank)."""
+
+    __slots__ = ("half", "epoch")
+
+    def __init__(self) -> None:
+        self.half, self.epoch = 1, 0
+
+    def close(self) -> None:
+        """As Staging.close; these counters hold no address."""
 
 
 def _round_up(n: int, m: int) -> int:
@@ -325,8 +339,9 @@ class SharedMemoryBackend(Backend):
         if spin_us is None:  # spinning only helps while every rank has a core of its own
             spin_us = 0 if size > (os.cpu_count() or 1) else _SPIN_US
         self._spin_ns = int(spin_us * 1000)
-        self._half = 1
-        self._epoch = 0
+        # the staging half used last and the last barrier's count: the core's Staging, which
+        # also runs the one-shot step, once the lanes are known (below); else these
+        self._steps: _Steps | Any = _Steps()
         self._record: OpRecord | None = None
         self._posted_of_record = 0   # its messages posted and not yet done (`_waits_in`)
         self._deadline = float("inf")
@@ -407,6 +422,11 @@ class SharedMemoryBackend(Backend):
         self._lanes = [(self._half_at[h], rank, self._arrive_at, self._peer_bells_at,
                         self._agree_at[p], self._peer_arrive_at, self._peer_agree_at[p],
                         self._spin_ns) for h in (0, 1) for p in (0, 1)]
+        if self._core is not None and size > 1:
+            self._steps = self._core.Staging(tuple(self._lanes), self._own.address(_W_DOING * 8),
+                                             self.half_bytes)
+        else:   # the Python path, or one rank (no peer to stage for)
+            self._core_max_bytes = -1
         self._bells_at = [bell.address for bell in self._bells]
         self._sent_at = [self._own.address((_W_SENT + j) * 8) for j in range(size)]
         self._consumed_at = [self._own.address((layout.w_consumed + j) * 8) for j in range(size)]
@@ -513,7 +533,7 @@ class SharedMemoryBackend(Backend):
         self._doing = doing = (record.seq << 24) | (_NAME_CODE.get(record.name, 0) << 1) | 1
         self._words[_W_DOING] = doing
         agree = self._agree = record.agree
-        self._half_before = self._half
+        self._half_before = self._steps.half
         if agree is not None and len(agree) > 2:   # this rank refused: its reason, for peers
             self._write_refusal(agree[2])
 
@@ -642,8 +662,9 @@ class SharedMemoryBackend(Backend):
 
     # ---- staging interface of algorithms.symmetric ------------------------------------------
     def next_half(self) -> int:
-        self._half ^= 1
-        return self._half
+        steps = self._steps
+        steps.half ^= 1
+        return steps.half
 
     def mine(self, half: int) -> np.ndarray:
         return self._staging[self.rank][half]
@@ -678,7 +699,8 @@ class SharedMemoryBackend(Backend):
         every rank raises on a difference before any rank touches another's memory. (A rank
         rewrites the slot of this parity only at the barrier after next, which no rank passes
         before every rank has compared this one.)"""
-        self._epoch = epoch = self._epoch + 1
+        steps = self._steps
+        steps.epoch = epoch = steps.epoch + 1
         agree, core = self._agree, self._core
         if agree is None:
             if core is not None:
@@ -736,7 +758,7 @@ class SharedMemoryBackend(Backend):
         """The signatures at `slot` differ: every rank raises the same error, and leaves the
         staging halves as they were before the collective (no rank read or wrote a peer's),
         so the communicator stays usable."""
-        self._half = self._half_before
+        self._steps.half = self._half_before
         words, reasons = [], {}
         at = self._layout.refusal
         for j, ctl in enumerate(self._ctl):
@@ -806,18 +828,25 @@ class SharedMemoryBackend(Backend):
 
     # ---- collectives -------------------------------------------------------------------------
     def all_reduce(self, x: np.ndarray, op: ReduceOp, record: OpRecord) -> None:
+        codes = _CORE_REDUCTIONS.get((x.dtype, op))
+        if codes is not None and x.nbytes <= self._core_max_bytes and record is not self._record:
+            # the hot path, `_enter` and `_core_one_shot` inline: a new operation whose one-shot
+            # step the core runs whole, marking this rank in it, then idle
+            self._record, self._agree = record, None
+            self._doing = doing = (record.seq << 24) | _ALL_REDUCE_DOING
+            status = self._steps.one_shot(x, doing, record.agree, codes[0], codes[1], True, -1)
+            if status != 1:
+                self._deadline, self._half_before = record.deadline, self._steps.half ^ 1
+                self._one_shot_rest(x, codes, True, -1, record.agree, status)
+                self._idle()
+            return
         self._enter(record)
-        codes = _CORE_REDUCTIONS.get((x.dtype, op))   # `_core_one_shot`, inline: the hot path
-        if codes is not None and x.nbytes <= self._core_max_bytes and self._core is not None \
-                and self.size > 1:
-            if not self._one_shot(x, codes[0], codes[1], True, -1):
-                self._core.reduce(x, self._half_at[self._half], x.size, codes[0], codes[1],
-                                  self.size)
-        elif self._direct_for("all_reduce", x.nbytes):
-            direct.all_reduce(self, x, op)
-        else:
-            symmetric.all_reduce(self, x, op)
-        self._words[_W_DOING] = self._doing & ~1   # `_idle`, inline
+        if not self._core_one_shot(x, op, None):
+            if self._direct_for("all_reduce", x.nbytes):
+                direct.all_reduce(self, x, op)
+            else:
+                symmetric.all_reduce(self, x, op)
+        self._idle()
 
     def reduce(self, x: np.ndarray, root: int, op: ReduceOp, record: OpRecord) -> None:
         self._enter(record)
@@ -830,51 +859,50 @@ class SharedMemoryBackend(Backend):
         step (stage, barrier, reduce in rank order), run by the compiled core in one call;
         False (nothing done) without the core, where it does not reduce this dtype and op, or
         for a larger message."""
-        core = self._core
         codes = _CORE_REDUCTIONS.get((x.dtype, op))
-        if core is None or codes is None or x.nbytes > self._core_max_bytes or self.size == 1:
+        if codes is None or x.nbytes > self._core_max_bytes:
             return False
-        reduce_here = root is None or root == self.rank
-        if not self._one_shot(x, codes[0], codes[1], reduce_here, -1) and reduce_here:
-            core.reduce(x, self._half_at[self._half], x.size, codes[0], codes[1], self.size)
+        self._one_shot(x, codes, root is None or root == self.rank, -1)
         return True
 
-    def _one_shot(self, x: np.ndarray, dtype_code: int, op_code: int, reduce_here: bool,
-                  source: int) -> bool:
-        """One staging half's one-shot step in the core (`_shmcore.one_shot`: stage, arrive
-        with the signature, spin, compare, then reduce, or copy from `source` >= 0); where the
-        peers were not there within the spin, the wait and the comparison here. True once the
-        core finished it all; False when the caller still reduces or copies from the half
-        (`_half`, the one just used)."""
-        self._half = half = self._half ^ 1
-        self._epoch = epoch = self._epoch + 1
+    def _one_shot(self, x: np.ndarray, codes: tuple[int, int], reduce_here: bool,
+                  source: int) -> None:
+        """One staging half's one-shot step (`_shmcore.Staging.one_shot`: stage, arrive with
+        the signature, spin, compare, then reduce, or copy from `source` >= 0), finished here
+        where the peers were not there within the spin."""
         agree, self._agree = self._agree, None
-        status = self._core.one_shot(x, self._lanes[2 * half + (epoch & 1)], epoch, agree,
-                                     dtype_code, op_code, self.size, reduce_here, source)
-        if status == 1:
-            return True
+        status = self._steps.one_shot(x, self._doing, agree, codes[0], codes[1], reduce_here,
+                                      source)
+        if status != 1:
+            self._one_shot_rest(x, codes, reduce_here, source, agree, status)
+
+    def _one_shot_rest(self, x: np.ndarray, codes: tuple[int, int], reduce_here: bool,
+                       source: int, agree: tuple | None, status: int) -> None:
+        """The rest of a one-shot step the core began (`status` 0: the peers had not arrived
+        within its spin; -1: they had, and a signature differs): wait, compare, then reduce or
+        copy from the staging half it used."""
+        steps = self._steps
         if agree is not None:
-            self._settle(epoch, agree, status)
+            self._settle(steps.epoch, agree, status)
         elif not status:
-            self._arrive_and_wait(epoch)
-        return False
+            self._arrive_and_wait(steps.epoch)
+        if source >= 0:
+            if source != self.rank:
+                x[...] = self._staging[source][steps.half][:x.size]
+        elif reduce_here:
+            self._core.reduce(x, self._half_at[steps.half], x.size, codes[0], codes[1],
+                              self.size)
 
     def broadcast(self, x: np.ndarray, root: int, record: OpRecord) -> None:
         self._enter(record)
         if self._direct_for("broadcast", x.nbytes):
             direct.broadcast(self, x, root)
-        elif self._core is not None and self.size > 1 and x.nbytes <= self.half_bytes:
-            self._core_broadcast(x, root)   # one chunk: symmetric.broadcast's steps, in C
+        elif self._core_max_bytes >= 0 and x.nbytes <= self.half_bytes:
+            # one chunk: symmetric.broadcast's steps, in C
+            self._one_shot(x.view(np.uint8), (0, 0), False, root)
         else:
             symmetric.broadcast(self, x, root)
         self._idle()
-
-    def _core_broadcast(self, x: np.ndarray, root: int) -> None:
-        """`symmetric.broadcast` of a message that fits one staging half, step for step (the
-        root stages, barrier, the others copy), run by the compiled core in one call."""
-        raw = x.view(np.uint8)
-        if not self._one_shot(raw, 0, 0, False, root) and self.rank != root:
-            raw[...] = self._staging[root][self._half][:raw.size]
 
     def all_gather(self, outs: list[np.ndarray], x: np.ndarray, record: OpRecord) -> None:
         self._enter(record)
@@ -1077,11 +1105,18 @@ class SharedMemoryBackend(Backend):
         while for it first, without the GIL. False, with nothing changed, when it is not
         (then the caller posts the receive the general way, which also reports mismatches,
         deadlines and lost peers)."""
-        if self._core is None or self._posted[src] or self._posted_any \
+        core = self._core
+        if core is None or self._posted[src] or self._posted_any \
                 or self._unexpected[src] or self._incoming[src] is not None \
                 or any(self._sendq):
             return False
-        return self._take(x, src, tag, x.dtype, self._spin_ns if wait else 0)
+        pos = core.take(self._take_lanes[src], self._consumed[src], tag,   # `_take`, inline
+                        _DTYPE_CODE[x.dtype], x, self._spin_ns if wait else 0)
+        if not pos:
+            return False
+        self._consumed[src] = pos
+        self._arrivals += 1
+        return True
 
     def _progress_receive(self, src: int) -> bool:
         if self._take_whole(src):
@@ -1165,6 +1200,7 @@ class SharedMemoryBackend(Backend):
         if self._closed:
             return
         self._closed = True
+        self._steps.close()   # its addresses are of the mappings closed below
         self._own.words[_W_CLOSED] = 1
         for j, bell in enumerate(self._bells):
             if j != self.rank:
