@@ -373,3 +373,45 @@ def check_progress_while_the_sender_computes(comm):
 def test_a_posted_send_progresses_while_its_caller_computes():
     sender, receiver = run_ranks(check_progress_while_the_sender_computes, 2)
     assert sender == [True, True] and receiver == [True, True], (sender, receiver)
+
+
+def check_a_held_receive_keeps_its_place_and_completes_when_polled(comm):
+    """A small irecv whose message has not arrived is held by its engine rather than posted
+    (engine.held_recv_max): it must still take the first message, before a later receive,
+    complete when polled with is_completed() alone, and complete under wait(timeout)."""
+    import time
+
+    if comm.rank == 0:
+        go = np.empty(1, np.int64)
+        comm.recv(go, 1, tag=2)             # rank 1's irecvs are issued
+        comm.send(np.full(3, 1.0), 1, tag=1)
+        comm.send(np.full(3, 2.0), 1, tag=1)
+        comm.recv(go, 1, tag=2)
+        time.sleep(0.2)                     # rank 1 polls meanwhile
+        comm.send(np.full(3, 3.0), 1, tag=1)
+        comm.recv(go, 1, tag=2)
+        comm.send(np.full(3, 4.0), 1, tag=1)
+        return True
+    first, second = np.zeros(3), np.zeros(3)
+    work = comm.irecv(first, 0, tag=1)      # held: nothing sent yet
+    comm.send(np.ones(1, np.int64), 0, tag=2)
+    comm.recv(second, 0, tag=1)             # a later receive: the held one goes first
+    work.wait()
+    in_order = first[0] == 1.0 and second[0] == 2.0
+    polled = np.zeros(3)
+    work = comm.irecv(polled, 0, tag=1)
+    comm.send(np.ones(1, np.int64), 0, tag=2)
+    deadline = time.monotonic() + 10
+    while not work.is_completed() and time.monotonic() < deadline:
+        pass
+    polled_in_time = work.is_completed() and polled[0] == 3.0
+    timed = np.zeros(3)
+    work2 = comm.irecv(timed, 0, tag=1)
+    comm.send(np.ones(1, np.int64), 0, tag=2)
+    work2.wait(timeout=10)
+    return (in_order, polled_in_time, timed[0] == 4.0)
+
+
+def test_a_small_receive_held_by_its_engine_keeps_its_place_and_completes_when_polled():
+    outcomes = run_ranks(check_a_held_receive_keeps_its_place_and_completes_when_polled, 2)
+    assert outcomes[1] == (True, True, True), outcomes

@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from . import agreement
+from . import agreement, tuning
 from .backends.base import Backend
 from .buffers import SUPPORTED_DTYPES
 from .errors import (
@@ -53,12 +53,17 @@ class Engine:
         self._helped_at = 0.0     # when a waiter last drove the backend itself
         self._parked = False      # the worker waits to be woken (idle for _PARK_S)
         self._draining = False    # close() waits for outstanding work to finish
+        # a small receive held instead of posted (`HostEngine._hold`): (its Work, array, peer,
+        # tag); counted as outstanding. Settled by `flush` (HostEngine's)
+        self._deferred: tuple[Work, np.ndarray, int, int] | None = None
         self.failure: BaseException | None = None
 
     # ---- issuing -----------------------------------------------------------------------------
     def call(self, task: Callable[[], None], work: Callable[[], Work]) -> None:
         """Run `task` to completion after everything issued before it; raise its error.
         `work()` makes the Work that tracks it, needed only if it must queue."""
+        if self._deferred is not None:
+            self.flush()
         if self.run_now(task):
             return
         with self._state:
@@ -164,6 +169,8 @@ class Engine:
         next queued operation, else progress posted messages. False when another thread drives
         or nothing is outstanding. A waiter that drives itself saves two thread hand-offs per
         message, which cost more than a small message itself."""
+        if self._deferred is not None:
+            self.flush()
         if not self._drive.acquire(False):
             return False
         try:
@@ -191,6 +198,8 @@ class Engine:
             return self._queue.popleft() if self._queue else None
 
     def _enqueue(self, task: Callable[[Work], None], work: Work, finishes_itself: bool) -> None:
+        if self._deferred is not None:
+            self.flush()
         with self._state:
             self._raise_if_unusable()
             self._outstanding += 1
@@ -218,7 +227,9 @@ class Engine:
         while True:
             with self._state:
                 idle_since = None
-                while not self._queue and self._outstanding == 0 and not self._closing:
+                # (a held message is the waiter's to settle: no work of this thread's)
+                while not self._queue and not self._closing \
+                        and self._outstanding == (self._deferred is not None):
                     now = time.monotonic()
                     idle_since = idle_since or now
                     if now - idle_since < _PARK_S:   # posts do not wake it: it looks again
@@ -315,6 +326,7 @@ class Engine:
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Let queued work finish (up to `timeout_s`), stop the worker, close the backend."""
+        self.flush()
         with self._state:
             if self._closing:
                 return
@@ -356,6 +368,7 @@ class HostEngine(Engine):
         super().__init__(backend, label)
         self.rank, self.size, self.timeout_s = rank, size, timeout_s
         self._recorder, self._job_id = recorder, job_id
+        self._held_max = tuning.value("engine.held_recv_max")
 
     # ---- collectives -----------------------------------------------------------------------
     def collective(self, record: OpRecord, operands: tuple, async_op: bool,
@@ -472,24 +485,97 @@ class HostEngine(Engine):
     def message(self, kind: str, x: np.ndarray, peer: int | None, tag: int, record: OpRecord,
                 async_op: bool) -> Work | int | None:
         """Send or receive (peer=None: receive from any rank); a blocking receive returns the
-        sender, an async call its Work."""
+        sender, an async call its Work. An async receive of at most `engine.held_recv_max`
+        bytes that has not arrived, issued with nothing else outstanding, is held rather than
+        posted (`defer`): its wait takes it on the transport's fast path, as a blocking receive
+        would. Its sender never needs it posted: so small a message is written whole into the
+        transport's buffers without it."""
         if not async_op:
             return self.exchange(record, ((kind, x, peer, tag),))
+        if self._deferred is not None and kind == "recv":   # receives match in issue order
+            self.flush()
         if peer is not None and self._may_drive(after_posted=True):
+            held = None
             try:
                 backend = self.backend
-                done = backend.send_now(x, peer, tag) if kind == "send" else \
-                    backend.receive_now(x, peer, tag, wait=False)
+                if kind == "send":
+                    done = backend.send_now(x, peer, tag)
+                else:
+                    done = backend.receive_now(x, peer, tag, wait=False)
+                    if not done and not self._outstanding and x.nbytes <= self._held_max:
+                        held = self._hold(Work(record, self.rank), x, peer, tag)
             except BaseException as exc:
                 self._note_failure(exc)
                 raise
             finally:
                 self._drive.release()
+            if held is not None:
+                return held
             if done:   # the transport's fast path finished it here and now
                 record.state, record.started_at = "done", time.monotonic()
                 record.ended_at = record.started_at
                 return Work.finished(record, self.rank, peer if kind == "recv" else None)
-        work = Work(record, self.rank)
+        return self.post(self._post_task(kind, x, peer, tag, record), Work(record, self.rank))
+
+    def _hold(self, work: Work, x: np.ndarray, peer: int, tag: int) -> Work:
+        """Hold receive `work` instead of posting it (`message`; the caller holds `_drive` and
+        found nothing outstanding). `flush` settles it: when its Work is waited on or polled,
+        or before any later receive or collective, so that messages keep their issue order."""
+        work.helper, work.poke = self.help, self.flush
+        with self._state:
+            self._outstanding += 1
+            self._deferred = (work, x, peer, tag)
+        return work
+
+    def flush(self, wait: bool = False) -> None:
+        """Settle the held receive, if any (`_hold`): taken now through the transport's fast
+        path (`wait`: spinning a while for it), else posted. Where another thread drives the
+        backend, it is queued instead, ahead of anything issued after it."""
+        if self._deferred is None:
+            return
+        if not self._drive.acquire(False):
+            with self._state:
+                held, self._deferred = self._deferred, None
+                if held is not None:
+                    work, x, peer, tag = held
+                    work.poke = None
+                    self._queue.append((self._post_task("recv", x, peer, tag, work.record),
+                                        work, True))
+            if held is not None:
+                self._start_worker()
+                self.backend.doorbell.ring()
+            return
+        try:
+            with self._state:
+                held, self._deferred = self._deferred, None
+            if held is None:
+                return
+            work, x, peer, tag = held
+            work.poke = None
+            record = work.record
+            try:
+                taken = self.failure is None and not self._closing \
+                    and self.backend.receive_now(x, peer, tag, wait=wait)
+            except BaseException as exc:
+                self._note_failure(exc)
+                self._finished(work, exc)
+                return
+            if taken:
+                record.state, record.started_at = "done", time.monotonic()
+                record.ended_at, work.source = record.started_at, peer
+                self._finished(work, None)
+                return
+            self._run_queued(self._post_task("recv", x, peer, tag, record), work, True)
+            if not work._finished:   # as `post`: the worker finishes it if nobody waits
+                self._helped_at = time.monotonic()
+                if self._thread is None or self._parked:
+                    self._start_worker()
+        finally:
+            self._drive.release()
+
+    def _post_task(self, kind: str, x: np.ndarray, peer: int | None, tag: int,
+                   record: OpRecord) -> Callable[[Work], None]:
+        """The task that posts message `record` to the backend, which completes its Work."""
         backend = self.backend
         sender: list[int] = []   # a receive from any rank: whose message it took
         if kind == "send":
@@ -510,13 +596,15 @@ class HostEngine(Engine):
                     w.source = sender[0] if sender else peer
                 done(error)
             post(x, peer, tag, record, on_done)
-        return self.post(task, work)
+        return task
 
     def exchange(self, record: OpRecord,
                  messages: tuple[HostMessage, ...]) -> int | None:
         """Send and receive `messages` together as the one blocking operation `record`, on
         this thread when it may drive the host backend (else in turn on the engine); return
         the sender of the receive among them."""
+        if self._deferred is not None and messages[-1][0] == "recv":
+            self.flush()   # receives match in issue order (a sendrecv's receive comes last)
         found: list[int] = []
         if not self._queue and self._drive.acquire(False):
             # `run_now(after_posted=True)`, inline: the common blocking exchange

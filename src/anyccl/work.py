@@ -22,7 +22,7 @@ class Work:
     without a timeout never hangs for ever.
     """
 
-    __slots__ = ("record", "rank", "helper", "source", "_finished", "_event", "_error")
+    __slots__ = ("record", "rank", "helper", "poke", "source", "_finished", "_event", "_error")
 
     def __init__(self, record: OpRecord, rank: int) -> None:
         self.record, self.rank = record, rank
@@ -30,6 +30,8 @@ class Work:
         self.source: int | None = None
         # a step of the engine's work that a waiter may do itself (False: it cannot now)
         self.helper: Callable[[], bool] | None = None
+        # a message its engine holds instead of posting: `poke(wait)` settles it (engine.py)
+        self.poke: Callable[[bool], None] | None = None
         self._finished = False
         self._event: threading.Event | None = None  # made only if someone must block on it
         self._error: BaseException | None = None
@@ -54,6 +56,10 @@ class Work:
     def _wait_finished(self, timeout: float | None) -> bool:
         if self._finished:
             return True
+        if self.poke is not None:   # held by its engine: taken now (spinning a while), or posted
+            self.poke(True)
+            if self._finished:
+                return True
         # drive the engine for a moment rather than sleep at once; not under a timeout: a
         # queued collective run here would block past it (the worker thread runs it instead)
         if self.helper is not None and timeout is None:
@@ -83,11 +89,13 @@ class Work:
 
     def is_completed(self) -> bool:
         """Whether the operation has finished, successfully or not. Never blocks."""
+        if not self._finished and self.poke is not None:
+            self.poke(False)
         return self._finished
 
     def exception(self) -> BaseException | None:
         """The error the operation finished with; None while running or after success."""
-        return self._error if self._finished else None
+        return self._error if self.is_completed() else None
 
     def __repr__(self) -> str:
         state = ("failed" if self._error else "completed") if self._finished else "pending"
