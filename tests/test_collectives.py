@@ -189,7 +189,7 @@ def test_collective_matches_numpy_on_gpu_arrays(check, world_size):
 
 
 def check_path(comm):
-    return comm._backend.direct
+    return comm.host_backend.direct
 
 
 @pytest.mark.shm_only
@@ -215,7 +215,7 @@ def check_default_staging_large(comm):
     comm.all_gather(out, z)
     assert_matches(out, np.concatenate([make_input(r, count, np.dtype(np.float32))
                                         for r in range(comm.size)]), "all_gather 40 MiB")
-    return getattr(comm._backend, "direct", None)
+    return getattr(comm.host_backend, "direct", None)
 
 
 @pytest.mark.parametrize("world_size", (2, 3))

@@ -160,3 +160,24 @@ def test_the_compiled_core_is_built_by_the_install():
     assert {"ring", "arrive", "reached", "stage", "send", "take", "reduce",
             "Staging"} <= set(dir(_shmcore))
     assert {"one_shot", "close", "epoch", "half"} <= set(dir(_shmcore.Staging))
+
+
+def test_the_core_refuses_an_array_larger_than_a_staging_half_and_any_step_after_close():
+    """The core's one-shot step writes the caller's array into this rank's staging half: one
+    that does not fit is refused before any byte is written, and after close (the segments
+    are unmapped) every step raises instead of touching their addresses."""
+    from anyccl.backends import _shmcore
+
+    halves = [[np.zeros(64, np.uint8) for _ in range(2)] for _ in range(2)]   # [half][rank]
+    words = np.zeros(16, np.uint64)
+    at = words.ctypes.data
+    lanes = tuple((tuple(a.ctypes.data for a in halves[h]), 0, at, (at + 64,), at + 16 * p,
+                   (at + 8,), (at + 32 + 16 * p,), 0) for h in (0, 1) for p in (0, 1))
+    staging = _shmcore.Staging(lanes, at + 120, 64)
+    with pytest.raises(ValueError, match="larger than a staging half"):
+        staging.one_shot(np.ones(17, np.float32), 1, None, 0, 0, True, -1)
+    assert not any(a.any() for pair in halves for a in pair) and not words.any()
+    assert (staging.epoch, staging.half) == (0, 1)   # no step was taken
+    staging.close()
+    with pytest.raises(ValueError, match="closed"):
+        staging.one_shot(np.ones(2, np.float32), 1, None, 0, 0, True, -1)

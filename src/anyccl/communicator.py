@@ -117,6 +117,12 @@ class Communicator:
             f"cpu:{self._backend.name},cuda:{gpu_backend.name}"
 
     @property
+    def host_backend(self) -> Backend:
+        """The backend serving this communicator's host arrays (`backends/base.py`); shm's
+        says whether its ranks read each other's arrays directly (`direct`)."""
+        return self._backend
+
+    @property
     def gpu_backend(self) -> GpuBackend | None:
         """The backend serving this communicator's GPU arrays, once created (see
         `connect_gpu`); None before."""
@@ -209,37 +215,29 @@ class Communicator:
         return self._gpu_side.batch()
 
     # ---- point to point ----------------------------------------------------------------------
-    def _p2p_args(self, op: str, tensor: Any, peer: Any, peer_name: str, tag: Any,
-                  writable: bool) -> tuple[Array, int | None, int]:
-        if self._closed:
-            self._check_open(op)
-        return self._check.message(op, tensor, peer, peer_name, tag, writable)
-
     def send(self, tensor: Any, dst: int, tag: int = 0, *, stream: Any = None) -> None:
         """Send `tensor` to rank `dst`. Host arrays: returns once the data is out of `tensor`
         (it may be buffered in shared memory before `dst` receives it). GPU arrays: queued on
         the stream like a collective; messages between two ranks match in issue order."""
-        self._messages.message("send", *self._p2p_args("send", tensor, dst, "dst", tag, False),
-                               False, stream)
+        self._messages.message("send", tensor, dst, tag, False, stream)
 
     def recv(self, tensor: Any, src: int | None, tag: int = 0, *, stream: Any = None) -> int:
         """Receive the next message from `src` with `tag` into `tensor` (same dtype and size as
         sent) and return the sender. src=None (host arrays): the first message with `tag` from
         any rank; messages from each rank still arrive in the order it sent them."""
-        sender = self._messages.message(
-            "recv", *self._p2p_args("recv", tensor, src, "src", tag, True), False, stream)
+        sender = self._messages.message("recv", tensor, src, tag, False, stream)
         return src if src is not None else sender  # type: ignore[return-value]
 
     def isend(self, tensor: Any, dst: int, tag: int = 0, *, stream: Any = None) -> Work:
         """Start sending `tensor` to `dst`; do not modify it until the Work completes."""
-        return self._messages.message(  # type: ignore[return-value]
-            "send", *self._p2p_args("isend", tensor, dst, "dst", tag, False), True, stream)
+        return self._messages.message("send", tensor, dst, tag, True,  # type: ignore[return-value]
+                                      stream)
 
     def irecv(self, tensor: Any, src: int | None, tag: int = 0, *, stream: Any = None) -> Work:
         """Start receiving into `tensor`; read it only after the Work completes. src=None: from
         any rank (host arrays); the Work's `source` then names the sender."""
-        return self._messages.message(  # type: ignore[return-value]
-            "recv", *self._p2p_args("irecv", tensor, src, "src", tag, True), True, stream)
+        return self._messages.message("recv", tensor, src, tag, True,  # type: ignore[return-value]
+                                      stream)
 
     def sendrecv(self, send_tensor: Any, dst: int, recv_tensor: Any, src: int | None,
                  tag: int = 0, *, stream: Any = None) -> int:

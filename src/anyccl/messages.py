@@ -23,6 +23,11 @@ if TYPE_CHECKING:
     from .communicator import Communicator
 
 
+_OPS = {("send", False): "send", ("send", True): "isend", ("recv", False): "recv",
+        ("recv", True): "irecv"}
+_PEER_NAMES = {"send": "dst", "recv": "src"}
+
+
 class MessageCalls:
     """The point-to-point side of one communicator (its arguments checked already)."""
 
@@ -42,11 +47,16 @@ class MessageCalls:
         nbytes = x.nbytes
         return OpRecord(kind, seq, (message_text, kind, peer, tag, nbytes, src), nbytes)
 
-    def message(self, kind: str, x: Array, peer: int | None, tag: int, async_op: bool,
+    def message(self, kind: str, tensor: Any, peer: Any, tag: Any, async_op: bool,
                 stream: Any = None) -> Work | int | None:
-        """Send or receive (peer=None: receive from any rank); a blocking receive returns the
-        sender, an async call its Work."""
-        op = "i" + kind if async_op else kind
+        """`comm.send`, `recv`, `isend`, `irecv` (kind "send" or "recv"): checked, numbered,
+        then routed (peer=None: receive from any rank); a blocking receive returns the sender,
+        an async call its Work."""
+        op = _OPS[kind, async_op]
+        if self._comm._closed:
+            self._comm._check_open(op)
+        x, peer, tag = self._check.message(op, tensor, peer, _PEER_NAMES[kind], tag,
+                                           kind == "recv")
         gpu_side = self._gpu_side
         if (stream is not None or type(x) is not np.ndarray) and gpu_side.on_gpu(
                 op, [("tensor", x)], stream):
@@ -58,7 +68,9 @@ class MessageCalls:
                                     async_op, stream)
         if gpu_side.batched is not None and not async_op:
             raise self._check.fail(kind, f"use i{kind} inside `with comm.batch():`")
-        record = self.record(kind, x, peer, tag)
+        nbytes = x.nbytes   # `record`, inline
+        record = OpRecord(kind, next(self._seq[kind, peer, None]),
+                          (message_text, kind, peer, tag, nbytes, None), nbytes)
         self._log(record)
         return self._engine.message(kind, x, peer, tag, record, async_op)
 
@@ -71,7 +83,9 @@ class MessageCalls:
             raise self._check.fail("sendrecv",
                                    "use isend and irecv inside `with comm.batch():`")
         if stream is None and type(x) is np.ndarray and type(y) is np.ndarray:
-            record = self.record("sendrecv", x, dst, tag, src)
+            nbytes = x.nbytes   # `record`, inline
+            record = OpRecord("sendrecv", next(self._seq["sendrecv", dst, src]),
+                              (message_text, "sendrecv", dst, tag, nbytes, src), nbytes)
             self._log(record)
             return self._engine.exchange(record, (("send", x, dst, tag), ("recv", y, src, tag)))
         comm = self._comm
