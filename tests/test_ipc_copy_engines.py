@@ -8,15 +8,17 @@ kernels themselves are tested on GPUs (tests/test_gpu_ipc.py)."""
 
 from __future__ import annotations
 
+import ctypes
 import random
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from anyccl import ReduceOp, gpu
 from anyccl.backends.ipc import backend as ipc
-from anyccl.backends.ipc import ce
-from anyccl.backends.ipc.memory import KernelArgs, Layout, PeerMemory
+from anyccl.backends.ipc import ce, compiler
+from anyccl.backends.ipc.memory import KernelArgs, Layout, PeerAddresses
 from anyccl.buffers import GpuArray
 
 
@@ -127,30 +129,50 @@ class Simulator:
 FLAGS_KERNEL, WAIT_KERNEL = 2, 3   # simulated function handles (reduce_local's: 1)
 
 
+class SimMemory(PeerAddresses):
+    """The ipc backend's peer memory (memory.py) over the simulator's allocations: every rank's
+    copy-engine slots and flags where memory.py's addresses put them, and a status block."""
+
+    def __init__(self, layout: Layout, rank: int, size: int, datas: list[int],
+                 sigs: list[int]) -> None:
+        super().__init__(layout, rank, size, datas, sigs)
+        self.status_device = 0
+        self.status = (ctypes.c_uint64 * 8)()
+
+    def aborted(self) -> bool:
+        return False
+
+
+class SimNccl:
+    """The NCCL side, as far as the copy engines' all_reduce sees it: rank, size, device and
+    the queue whose watch list the ipc backend joins."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        self.rank, self.size, self.device = rank, size, 0
+        self.queue = SimpleNamespace(watch=lambda **kinds: None)
+
+
 def make_ranks(sim: Simulator, nranks: int, monkeypatch,
                sync: str = "kernels") -> list[ipc.IpcBackend]:
+    """Every rank's ipc backend, made by its constructor over the simulator."""
     monkeypatch.setenv("ANYCCL_IPC_CE_MB", "1")   # small slots: chunks take turns in positions
     layout = Layout(nranks)
     ce_bases = [sim.alloc((nranks - 1) * layout.ce_slot_bytes) for _ in range(nranks)]
     sig_bases = [sim.alloc(8 * layout.ce_flag_words) for _ in range(nranks)]
+    kernels = {f"reduce_local_float32_{op}": 1 for op in ("sum", "min", "max")}
+    kernels["ce_flags"], kernels["ce_wait"] = FLAGS_KERNEL, WAIT_KERNEL
+    monkeypatch.setattr(compiler, "kernels", lambda device: kernels)
     ranks = []
     for r in range(nranks):
-        memory = PeerMemory.__new__(PeerMemory)
-        memory.layout, memory.rank, memory.size = layout, r, nranks
-        memory.datas = [base - layout.ce_offset for base in ce_bases]
-        memory.sigs = [base - layout.ce_sig_offset for base in sig_bases]
-        b = ipc.IpcBackend.__new__(ipc.IpcBackend)
-        b.policy, b.rank, b.size, b.device, b.layout = "ipc", r, nranks, 0, layout
-        b._args, b._params_address, b.max_blocks = KernelArgs(), 0, 128
-        b.ll_bytes, b.one_shot_bytes, b.ce_bytes = 16 << 10, 256 << 10, 1 << 20
+        memory = SimMemory(layout, r, nranks, [base - layout.ce_offset for base in ce_bases],
+                           [base - layout.ce_sig_offset for base in sig_bases])
+        b = ipc.IpcBackend(SimNccl(r, nranks), memory, "ipc")
+        b.max_blocks, b.ll_bytes, b.one_shot_bytes, b.ce_bytes = 128, 16 << 10, 256 << 10, 1 << 20
         b.ce_chunks, b.ce_memop_wait = ce.CHUNKS, sync == "memop-wait"
-        b._kernels = {f"reduce_local_float32_{op}": 1 for op in ("sum", "min", "max")}
-        b._kernels["ce_flags"], b._kernels["ce_wait"] = FLAGS_KERNEL, WAIT_KERNEL
-        b._ce = ce.CopyEngineAllReduce(memory, 0)
         ranks.append(b)
 
     def launch(function, blocks, threads, stream, params):  # the kernel: run by the simulator
-        a = ranks[sim.rank]._args
+        a = KernelArgs.from_address(ctypes.c_void_p.from_address(params).value)
         if function == FLAGS_KERNEL:
             sim.queue(stream, ("flags", [p for p in a.ins[:nranks] if p],
                                [p for p in a.outs[:nranks] if p]))
@@ -209,6 +231,6 @@ def test_every_flag_a_call_raises_is_cleared_when_it_ends(sync, monkeypatch):
                      ReduceOp.SUM)(7)
     sim.run()
     layout = ranks[0].layout
-    for m in (b._ce.memory for b in ranks):
+    for m in (b.memory for b in ranks):
         flags = sim.view(m.sigs[m.rank] + layout.ce_sig_offset, 8 * layout.ce_flag_words)
         assert not flags.any()                 # the next call (or a graph replay) starts clean

@@ -25,11 +25,36 @@ from anyccl.trace import OpRecord
 class FakeNccl:
     """Stands for the NCCL side: each op returns a tag naming itself."""
 
+    def __init__(self, rank, size):
+        self.rank, self.size, self.device = rank, size, 0
+        self.queue = Watched()
+
     def __getattr__(self, op):
         return lambda *args, **kwargs: ("nccl", op)
 
     def group(self, calls):
         return lambda stream: [call(stream) for call in calls]
+
+
+class Watched:
+    """The NCCL side's queue, as far as the ipc backend sees it: what it is told to watch."""
+
+    def watch(self, **kinds):
+        self.kinds = kinds
+
+
+class FakeMemory:
+    """What the ipc backend reads of its peer memory (memory.py): the layout and the addresses
+    the kernels' argument block starts from, none of them dereferenced here."""
+
+    def __init__(self, layout, rank, size):
+        self.layout, self.rank, self.size = layout, rank, size
+        self.datas, self.sigs = [1 << 40] * size, [1 << 41] * size
+        self.status_device = 0
+        self.status = (ctypes.c_uint64 * 8)()
+
+    def aborted(self):
+        return False
 
 
 @pytest.fixture
@@ -61,6 +86,8 @@ backend_under_test: list = []
 
 
 def make_backend(names, size=2, rank=0, policy="ipc", half_mb=2):
+    """The ipc backend, made by its constructor over the fakes above, with the kernels named
+    as `names` maps their handles, and the thresholds these tests were written for."""
     import os
 
     os.environ["ANYCCL_IPC_HALF_MB"] = str(half_mb)
@@ -68,16 +95,17 @@ def make_backend(names, size=2, rank=0, policy="ipc", half_mb=2):
         layout = Layout(size)
     finally:
         del os.environ["ANYCCL_IPC_HALF_MB"]
-    b = ipc.IpcBackend.__new__(ipc.IpcBackend)
-    b.nccl, b.policy, b.rank, b.size, b.device = FakeNccl(), policy, rank, size, 0
-    b.layout, b._args = layout, KernelArgs()
-    b._params = (ctypes.c_void_p * 1)(ctypes.addressof(b._args))
-    b._params_address, b._side, b._fork = ctypes.addressof(b._params), [], 1
+    kernels = {name: i for i, name in enumerate(compiler.kernel_names())}
+    names.update({i: name for name, i in kernels.items()})
+    real = compiler.kernels
+    compiler.kernels = lambda device: kernels
+    try:
+        b = ipc.IpcBackend(FakeNccl(rank, size), FakeMemory(layout, rank, size), policy)
+    finally:
+        compiler.kernels = real
     b.max_blocks, b.ll_bytes, b.one_shot_bytes = 128, min(16 << 10, layout.slot_bytes // 2), \
         256 << 10
     b.ce_bytes = 1 << 62  # the copy-engine path: tests/test_ipc_copy_engines.py
-    b._kernels = {name: i for i, name in enumerate(compiler.kernel_names())}
-    names.update({i: name for name, i in b._kernels.items()})
     backend_under_test.append(b)
     return b
 
@@ -160,9 +188,11 @@ def test_batched_messages_fork_to_a_side_stream_per_channel_and_join_back(launch
     x = arr(4096, 1 << 20)
     calls = [b.send(x, 1, tag=5), b.recv(x, 1, tag=5), b.send(x, 1, tag=6)]
     b.group(calls)(42)
-    sides = [s for s, _ in b._side]
-    assert len(sides) == 2                                           # (send, 1) and (recv, 1)
-    assert events[0] == ("record", b._fork, 42)
+    sides = list(dict.fromkeys(stream for _, _, stream, _ in seen))
+    assert len(sides) == 2 and 42 not in sides                       # (send, 1) and (recv, 1)
+    kind, fork, stream = events[0]                                   # the fork: an event on
+    assert (kind, stream) == ("record", 42)                          # the caller's stream,
+    assert all(("wait", side, fork) in events for side in sides)     # that each side waits for
     assert [stream for _, _, stream, _ in seen] == [sides[0], sides[1], sides[0]]
     assert [a["tag"] for *_, a in seen] == [5, 5, 6]
     joins = [e for e in events if e[0] == "wait" and e[1] == 42]

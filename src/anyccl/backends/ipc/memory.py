@@ -93,7 +93,34 @@ def decode_peer(payload: bytes, rank: int) -> tuple[str, int, bytes, bytes]:
     return host, pid, *handles
 
 
-class PeerMemory:
+class PeerAddresses:
+    """Where things are in every rank's buffers, as this process maps them (`datas[q]`,
+    `sigs[q]`: rank q's data and signal buffers), for rank `rank` of `size`."""
+
+    def __init__(self, layout: Layout, rank: int, size: int, datas: list[int],
+                 sigs: list[int]) -> None:
+        self.layout, self.rank, self.size = layout, rank, size
+        self.datas, self.sigs = datas, sigs
+
+    # ---- the copy-engine area (ce.py) ---------------------------------------------------------
+    def ce_slot(self, owner: int, sender: int) -> int:
+        """Where, in rank `owner`'s data buffer, rank `sender`'s copy engine pushes."""
+        index = sender if sender < owner else sender - 1
+        return self.datas[owner] + self.layout.ce_offset + index * self.layout.ce_slot_bytes
+
+    def pushed_flag(self, owner: int, position: int, sender: int) -> int:
+        """In `owner`'s signal area: `sender` pushed the chunk at `position` (cleared by the
+        owner when it takes it)."""
+        return self.sigs[owner] + self.layout.ce_sig_offset + 8 * (position * MAX_RANKS + sender)
+
+    def reduced_flag(self, owner: int, position: int, reducer: int) -> int:
+        """In `owner`'s signal area: `reducer` reduced the chunk at `position` into the slot
+        `owner` pushed it into (cleared by the owner when it copies the result back)."""
+        return self.sigs[owner] + self.layout.ce_sig_offset + 8 * (
+            (CE_POSITIONS + position) * MAX_RANKS + reducer)
+
+
+class PeerMemory(PeerAddresses):
     """This rank's buffers, exported; every peer's, opened. Collective over the ranks (through
     `store` under `key`); UnsupportedError if they are not all on this host."""
 
@@ -102,8 +129,7 @@ class PeerMemory:
         if size > MAX_RANKS:
             raise UnsupportedError(f"the ipc backend serves up to {MAX_RANKS} GPUs of one node; "
                                    f"this communicator has {size} ranks")
-        self.layout = Layout(size)
-        self.rank, self.size = rank, size
+        super().__init__(Layout(size), rank, size, [], [])
         self._opened: list[int] = []
         self.data = gpu.mem_alloc(self.layout.data_bytes)
         self.sig = gpu.mem_alloc(self.layout.sig_bytes)
@@ -124,8 +150,6 @@ class PeerMemory:
                 raise UnsupportedError(f"the ipc backend maps GPU memory between the processes "
                                        f"of one node, but the ranks run on several: {hosts}; "
                                        f"use backend='nccl'")
-            self.datas: list[int] = []
-            self.sigs: list[int] = []
             for q, (_, _, data_handle, sig_handle) in enumerate(everyone):
                 if q == rank:
                     self.datas.append(self.data)
@@ -147,23 +171,6 @@ class PeerMemory:
         if self.sig and self.layout.ce_slot_bytes:
             gpu.memset32_async(self.sig + self.layout.ce_sig_offset, 1,
                                2 * self.layout.ce_flag_words, self._release_stream)
-
-    # ---- the copy-engine area (ce.py) ---------------------------------------------------------
-    def ce_slot(self, owner: int, sender: int) -> int:
-        """Where, in rank `owner`'s data buffer, rank `sender`'s copy engine pushes."""
-        index = sender if sender < owner else sender - 1
-        return self.datas[owner] + self.layout.ce_offset + index * self.layout.ce_slot_bytes
-
-    def pushed_flag(self, owner: int, position: int, sender: int) -> int:
-        """In `owner`'s signal area: `sender` pushed the chunk at `position` (cleared by the
-        owner when it takes it)."""
-        return self.sigs[owner] + self.layout.ce_sig_offset + 8 * (position * MAX_RANKS + sender)
-
-    def reduced_flag(self, owner: int, position: int, reducer: int) -> int:
-        """In `owner`'s signal area: `reducer` reduced the chunk at `position` into the slot
-        `owner` pushed it into (cleared by the owner when it copies the result back)."""
-        return self.sigs[owner] + self.layout.ce_sig_offset + 8 * (
-            (CE_POSITIONS + position) * MAX_RANKS + reducer)
 
     def error(self) -> tuple[int, int, int, int]:
         """(error code, peer, expected, got) a kernel reported; code 0 when none."""
