@@ -157,9 +157,8 @@ def test_the_compiled_core_is_built_by_the_install():
     """README's `pip install -e .` builds it; every figure in benchmarks/results assumes it."""
     from anyccl.backends import _shmcore
 
-    assert {"ring", "arrive", "reached", "stage", "send", "take", "reduce",
-            "Staging"} <= set(dir(_shmcore))
-    assert {"one_shot", "close", "epoch", "half"} <= set(dir(_shmcore.Staging))
+    assert {"ring", "send", "take", "reduce", "Staging"} <= set(dir(_shmcore))
+    assert {"sync", "one_shot", "close", "epoch", "half"} <= set(dir(_shmcore.Staging))
 
 
 def test_the_core_refuses_an_array_larger_than_a_staging_half_and_any_step_after_close():
@@ -181,3 +180,5 @@ def test_the_core_refuses_an_array_larger_than_a_staging_half_and_any_step_after
     staging.close()
     with pytest.raises(ValueError, match="closed"):
         staging.one_shot(np.ones(2, np.float32), 1, None, 0, 0, True, -1)
+    with pytest.raises(ValueError, match="closed"):
+        staging.sync(None)

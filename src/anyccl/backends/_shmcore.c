@@ -3,17 +3,6 @@
  * missing or does not cover a dtype or reduction).
  *
  *   ring(bell)                       wake a doorbell (sem_post on its address)
- *   arrive(word, value, bells[, sig, agree])
- *                                    publish a counter (a release store), then ring each bell;
- *                                    with `sig`: first store the collective's signature there,
- *                                    which the counter then publishes: agree = (w0, w1, ...),
- *                                    stored as (w0 | (value & 0xFFFF) << 40, w1)
- *   reached(words, value, spin_ns[, sigs, agree])
- *                                    spin, without the GIL, until every counter is >= value;
- *                                    False once spin_ns passed (the caller sleeps and retries);
- *                                    with `sigs`, once reached: -1 if a peer's signature there
- *                                    differs from this rank's (as arrive stores it)
- *   stage(dst, src)                  copy the buffer `src` to the address `dst`
  *   send(lane, pos, tag, code, src) write a whole message (32-byte header, data) into a byte
  *                                    ring if it has room, publish the sent counter, ring the
  *                                    receiver's bell; the new position (0: no room)
@@ -24,11 +13,16 @@
  *                                    out = srcs[0] (op) srcs[1] (op) ... in that order, in out's
  *                                    dtype, then / divisor for AVG; False if the dtype/op pair
  *                                    is not one this module covers (the caller uses NumPy)
- *   Staging(lanes, doing, half_bytes).one_shot(x, doing, agree, ...)
- *                                    a small all_reduce, reduce or broadcast whole: take the
- *                                    next staging half and epoch, stage, arrive with the
- *                                    signature, spin until every peer arrived, compare, reduce
- *                                    or copy; one call where the above take four
+ *   Staging(lanes, doing, half_bytes)
+ *                                    one rank's staging halves and barrier epochs:
+ *     .sync(agree)                   the next barrier: arrive (a release store of the epoch,
+ *                                    with the collective's signature before it), ring the
+ *                                    peers' doorbells, spin without the GIL until every peer
+ *                                    arrived, compare their signatures
+ *     .one_shot(x, doing, agree, ...)
+ *                                    a small all_reduce, reduce or broadcast whole: the next
+ *                                    staging half, stage, the barrier as sync, then reduce or
+ *                                    copy, marking the rank in the operation and then idle
  *
  * Addresses are Python ints (of shared mappings the caller keeps alive); buffers are objects
  * with the buffer protocol (NumPy arrays). Counters are aligned 8-byte words with one writer.
@@ -72,30 +66,6 @@ static int signature(PyObject *agree, unsigned long long epoch, uint64_t w[2]) {
     return 0;
 }
 
-static PyObject *arrive(PyObject *self, PyObject *args) {
-    PyObject *word, *bells, *sig = NULL, *agree = NULL;
-    unsigned long long value;
-    if (!PyArg_ParseTuple(args, "OKO!|OO!", &word, &value, &PyTuple_Type, &bells, &sig,
-                          &PyTuple_Type, &agree))
-        return NULL;
-    void *addr;
-    if (address(word, &addr) < 0) return NULL;
-    if (sig != NULL) {
-        void *at;
-        uint64_t w[2];
-        if (address(sig, &at) < 0 || signature(agree, value, w) < 0) return NULL;
-        ((uint64_t *)at)[0] = w[0];  /* published by the release store of the counter below */
-        ((uint64_t *)at)[1] = w[1];
-    }
-    __atomic_store_n((uint64_t *)addr, (uint64_t)value, __ATOMIC_RELEASE);
-    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(bells); i++) {
-        void *bell;
-        if (address(PyTuple_GET_ITEM(bells, i), &bell) < 0) return NULL;
-        sem_post((sem_t *)bell);
-    }
-    Py_RETURN_NONE;
-}
-
 #define MAX_WORDS 1024
 
 /* Spin (the caller has released the GIL) until every one of the n counters is >= value: 1; 0
@@ -116,49 +86,6 @@ static int spin_until(const uint64_t *const *words, Py_ssize_t n, unsigned long 
         __builtin_ia32_pause();
 #endif
     }
-}
-
-static PyObject *reached(PyObject *self, PyObject *args) {
-    PyObject *words, *sigs = NULL, *agree = NULL;
-    unsigned long long value, spin_ns;
-    if (!PyArg_ParseTuple(args, "O!KK|O!O!", &PyTuple_Type, &words, &value, &spin_ns,
-                          &PyTuple_Type, &sigs, &PyTuple_Type, &agree))
-        return NULL;
-    uint64_t w[2] = {0, 0};
-    if (sigs != NULL && signature(agree, value, w) < 0) return NULL;
-    Py_ssize_t n = PyTuple_GET_SIZE(words);
-    if (n > MAX_WORDS || (sigs != NULL && PyTuple_GET_SIZE(sigs) != n)) {
-        PyErr_SetString(PyExc_ValueError, "reached: too many counters, or signatures not one "
-                                          "per counter");
-        return NULL;
-    }
-    const uint64_t *addr[MAX_WORDS];
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (address(PyTuple_GET_ITEM(words, i), (void **)&addr[i]) < 0) return NULL;
-    }
-    int done;
-    Py_BEGIN_ALLOW_THREADS
-    done = spin_until(addr, n, value, spin_ns);
-    Py_END_ALLOW_THREADS
-    if (done && sigs != NULL) {  /* the counters' acquire loads made the signatures visible */
-        for (Py_ssize_t i = 0; i < n; i++) {
-            const uint64_t *sig;
-            if (address(PyTuple_GET_ITEM(sigs, i), (void **)&sig) < 0) return NULL;
-            if (sig[0] != w[0] || sig[1] != w[1]) return PyLong_FromLong(-1);
-        }
-    }
-    return PyBool_FromLong(done);
-}
-
-static PyObject *stage(PyObject *self, PyObject *args) {
-    PyObject *dst;
-    Py_buffer src;
-    if (!PyArg_ParseTuple(args, "Oy*", &dst, &src)) return NULL;
-    void *addr;
-    if (address(dst, &addr) < 0) { PyBuffer_Release(&src); return NULL; }
-    memcpy(addr, src.buf, (size_t)src.len);
-    PyBuffer_Release(&src);
-    Py_RETURN_NONE;
 }
 
 static void ring_write(uint8_t *ring, Py_ssize_t cap, unsigned long long pos, const uint8_t *src,
@@ -508,23 +435,71 @@ static PyObject *staging_close(Staging *self, PyObject *unused) {
  * 1: done, and `doing` is stored again as finished (its low bit cleared); -1: every rank arrived
  * and a signature differs (x untouched); 0: arrived, but the peers had not within spin_ns (the
  * caller waits, compares, then reduces or copies, from half `half` of barrier `epoch`). */
+/* Arrive at barrier `epoch` (with the signature `w` in the slot of its parity, unless w is
+ * NULL) and ring every peer's doorbell, then spin without the GIL until every peer arrived:
+ * 1; -1 if then a peer's signature differs; 0 if they had not within spin_ns. */
+static long arrive_and_spin(Staging *self, unsigned long long epoch, const uint64_t *w) {
+    int parity = (int)(epoch & 1);
+    Py_ssize_t n = self->size - 1;
+    if (w != NULL) {   /* published by the release store of the counter below */
+        self->sig[parity][0] = w[0];
+        self->sig[parity][1] = w[1];
+    }
+    __atomic_store_n(self->arrive, (uint64_t)epoch, __ATOMIC_RELEASE);
+    for (Py_ssize_t i = 0; i < n; i++) sem_post(self->bells[i]);
+    int done;
+    unsigned long long spin_ns = self->spin_ns;
+    const uint64_t **peer = self->peer;
+    Py_BEGIN_ALLOW_THREADS
+    done = spin_until(peer, n, epoch, spin_ns);
+    Py_END_ALLOW_THREADS
+    if (done && w != NULL)   /* the counters' acquire loads made the signatures visible */
+        for (Py_ssize_t i = 0; i < n; i++) {
+            const uint64_t *s = self->peer_sig[parity][i];
+            if (s[0] != w[0] || s[1] != w[1]) return -1;
+        }
+    return done;
+}
+
+static int staging_open(Staging *self, const char *what) {
+    if (self->closed || self->block == NULL) {
+        PyErr_Format(PyExc_ValueError, "%s: the staging memory is closed", what);
+        return -1;
+    }
+    return 0;
+}
+
+/* sync(agree) -> 1, 0 or -1: the next barrier: arrive (with the signature `agree`, unless it is
+ * None), spin, compare, as one_shot does without data. */
+static PyObject *staging_sync(Staging *self, PyObject *agree) {
+    if (staging_open(self, "sync") < 0) return NULL;
+    uint64_t w[2];
+    unsigned long long epoch = self->epoch + 1;
+    if (agree != Py_None) {
+        if (!PyTuple_Check(agree)) {
+            PyErr_SetString(PyExc_ValueError, "sync: a signature is a tuple or None");
+            return NULL;
+        }
+        if (signature(agree, epoch, w) < 0) return NULL;
+    }
+    self->epoch = epoch;
+    return PyLong_FromLong(arrive_and_spin(self, epoch, agree == Py_None ? NULL : w));
+}
+
 static PyObject *staging_one_shot(Staging *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 7) {
         PyErr_SetString(PyExc_TypeError, "one_shot(x, doing, agree, dtype, op, reduce_here, "
                                          "source)");
         return NULL;
     }
-    if (self->closed || self->block == NULL) {
-        PyErr_SetString(PyExc_ValueError, "one_shot: the staging memory is closed");
-        return NULL;
-    }
+    if (staging_open(self, "one_shot") < 0) return NULL;
     PyObject *agree = args[2] == Py_None ? NULL : args[2];
     unsigned long long doing = PyLong_AsUnsignedLongLong(args[1]);
     int dtype = (int)PyLong_AsLong(args[3]), op = (int)PyLong_AsLong(args[4]);
     int reduce_here = PyObject_IsTrue(args[5]);
     Py_ssize_t source = PyLong_AsSsize_t(args[6]);
     if (PyErr_Occurred()) return NULL;
-    Py_ssize_t rank = self->rank, size = self->size, n = size - 1;
+    Py_ssize_t rank = self->rank, size = self->size;
     if (source >= size || (agree != NULL && !PyTuple_Check(agree))) {
         PyErr_SetString(PyExc_ValueError, "one_shot: bad source or signature");
         return NULL;
@@ -539,31 +514,13 @@ static PyObject *staging_one_shot(Staging *self, PyObject *const *args, Py_ssize
         PyErr_SetString(PyExc_ValueError, "one_shot: the array is larger than a staging half");
         return NULL;
     }
-    int half = self->half ^ 1, parity = (int)(epoch & 1);
+    int half = self->half ^ 1;
     self->half = half;
     self->epoch = epoch;
     void **at = self->at[half];
     __atomic_store_n(self->doing, (uint64_t)doing, __ATOMIC_RELAXED);
     if (source < 0 || source == rank) memcpy(at[rank], x.buf, (size_t)x.len);
-    if (agree != NULL) {   /* published by the release store of the counter below */
-        self->sig[parity][0] = w[0];
-        self->sig[parity][1] = w[1];
-    }
-    __atomic_store_n(self->arrive, (uint64_t)epoch, __ATOMIC_RELEASE);
-    for (Py_ssize_t i = 0; i < n; i++) sem_post(self->bells[i]);
-    int done;
-    unsigned long long spin_ns = self->spin_ns;
-    const uint64_t **peer = self->peer;
-    Py_BEGIN_ALLOW_THREADS
-    done = spin_until(peer, n, epoch, spin_ns);
-    Py_END_ALLOW_THREADS
-    long status = done;
-    if (done && agree != NULL) {   /* the counters' acquire loads made the signatures visible */
-        for (Py_ssize_t i = 0; i < n; i++) {
-            const uint64_t *s = self->peer_sig[parity][i];
-            if (s[0] != w[0] || s[1] != w[1]) status = -1;
-        }
-    }
+    long status = arrive_and_spin(self, epoch, agree == NULL ? NULL : w);
     if (status == 1 && source >= 0) {
         if (source != rank) memcpy(x.buf, at[source], (size_t)x.len);
     } else if (status == 1 && reduce_here
@@ -581,6 +538,8 @@ static PyMethodDef staging_methods[] = {
     {"one_shot", (PyCFunction)(void (*)(void))staging_one_shot, METH_FASTCALL,
      "one_shot(x, doing, agree, dtype, op, reduce_here, source) -> 1 done, 0 peers not there "
      "yet, -1 signatures differ."},
+    {"sync", (PyCFunction)staging_sync, METH_O,
+     "sync(agree) -> 1 every rank arrived, 0 not within the spin, -1 signatures differ."},
     {"close", (PyCFunction)staging_close, METH_NOARGS,
      "close(): forget the addresses (the mappings are going); a later one_shot raises."},
     {NULL, NULL, 0, NULL},
@@ -607,13 +566,6 @@ static PyTypeObject StagingType = {
 
 static PyMethodDef methods[] = {
     {"ring", ring, METH_O, "ring(bell): wake the doorbell at address `bell`."},
-    {"arrive", arrive, METH_VARARGS,
-     "arrive(word, value, bells[, sig, agree]): store the signature `agree` at sig, then value "
-     "at address word (release), ring each bell."},
-    {"reached", reached, METH_VARARGS,
-     "reached(words, value, spin_ns[, sigs, agree]) -> bool: every counter >= value, spinning "
-     "up to spin_ns; -1 if then a signature at sigs differs from `agree`'s."},
-    {"stage", stage, METH_VARARGS, "stage(dst, src): copy buffer src to address dst."},
     {"send", (PyCFunction)(void (*)(void))send, METH_FASTCALL,
      "send(lane, pos, tag, code, src) -> new position, or 0: a whole message."},
     {"take", (PyCFunction)(void (*)(void))take, METH_FASTCALL,

@@ -422,10 +422,13 @@ class SharedMemoryBackend(Backend):
         self._lanes = [(self._half_at[h], rank, self._arrive_at, self._peer_bells_at,
                         self._agree_at[p], self._peer_arrive_at, self._peer_agree_at[p],
                         self._spin_ns) for h in (0, 1) for p in (0, 1)]
-        if self._core is not None and size > 1:
+        # the core's Staging runs barriers and one-shot steps (not on the Python path, nor for
+        # one rank, which has no peer to stage for)
+        self._core_steps = self._core is not None and size > 1
+        if self._core_steps:
             self._steps = self._core.Staging(tuple(self._lanes), self._own.address(_W_DOING * 8),
                                              self.half_bytes)
-        else:   # the Python path, or one rank (no peer to stage for)
+        else:
             self._core_max_bytes = -1
         self._bells_at = [bell.address for bell in self._bells]
         self._sent_at = [self._own.address((_W_SENT + j) * 8) for j in range(size)]
@@ -699,32 +702,23 @@ class SharedMemoryBackend(Backend):
         every rank raises on a difference before any rank touches another's memory. (A rank
         rewrites the slot of this parity only at the barrier after next, which no rank passes
         before every rank has compared this one.)"""
+        agree, self._agree = self._agree, None
         steps = self._steps
-        steps.epoch = epoch = steps.epoch + 1
-        agree, core = self._agree, self._core
-        if agree is None:
-            if core is not None:
-                core.arrive(self._arrive_at, epoch, self._peer_bells_at)
-                if core.reached(self._peer_arrive_at, epoch, self._spin_ns):
-                    return
-            self._arrive_and_wait(epoch)
-            return
-        self._agree = None
-        if core is not None:
-            parity = epoch & 1
-            core.arrive(self._arrive_at, epoch, self._peer_bells_at, self._agree_at[parity],
-                        agree)
-            reached = core.reached(self._peer_arrive_at, epoch, self._spin_ns,
-                                   self._peer_agree_at[parity], agree)
-            if reached is True:
+        if self._core_steps:   # arrive, spin and compare in one call
+            status = steps.sync(agree)
+            if status == 1:
                 return
         else:
-            reached = False
-        self._settle(epoch, agree, reached)
+            steps.epoch += 1
+            status = 0
+        if agree is None:
+            self._arrive_and_wait(steps.epoch)
+        else:
+            self._settle(steps.epoch, agree, status)
 
-    def _settle(self, epoch: int, agree: tuple, reached: bool | int) -> None:
+    def _settle(self, epoch: int, agree: tuple, reached: int) -> None:
         """The rest of a barrier that carries signature `agree`, after the core's arrival and
-        spin (`reached`: -1, every rank arrived and a signature differs; False, not all had
+        spin (`reached`: -1, every rank arrived and a signature differs; 0, not all had
         arrived; without the core, nothing was done yet): arrive and wait as needed, then
         compare every peer's signature with this rank's."""
         word, count = agree[0] | (epoch & 0xFFFF) << 40, agree[1]
@@ -897,7 +891,7 @@ class SharedMemoryBackend(Backend):
         self._enter(record)
         if self._direct_for("broadcast", x.nbytes):
             direct.broadcast(self, x, root)
-        elif self._core_max_bytes >= 0 and x.nbytes <= self.half_bytes:
+        elif self._core_steps and x.nbytes <= self.half_bytes:
             # one chunk: symmetric.broadcast's steps, in C
             self._one_shot(x.view(np.uint8), (0, 0), False, root)
         else:
