@@ -415,3 +415,36 @@ def check_a_held_receive_keeps_its_place_and_completes_when_polled(comm):
 def test_a_small_receive_held_by_its_engine_keeps_its_place_and_completes_when_polled():
     outcomes = run_ranks(check_a_held_receive_keeps_its_place_and_completes_when_polled, 2)
     assert outcomes[1] == (True, True, True), outcomes
+
+
+def check_a_held_receive_keeps_its_place_while_another_thread_drives(comm):
+    """Rank 0 holds a small irecv, then another of its threads blocks in a send larger than
+    the ring (driving the transport while it waits), and a second irecv for the same source
+    comes meanwhile: the held one, which cannot be settled on this thread then, is queued
+    ahead of it, so the two take rank 1's two messages in order."""
+    import threading
+    import time
+
+    big = np.arange(1 << 20, dtype=np.float32)   # 4 MiB: more than the ring
+    if comm.rank == 1:
+        time.sleep(0.5)
+        comm.send(np.full(3, 1.0), 0, tag=1)
+        comm.send(np.full(3, 2.0), 0, tag=1)
+        got = np.zeros_like(big)
+        comm.recv(got, 0, tag=9)
+        return bool((got == big).all())
+    first, second = np.zeros(3), np.zeros(3)
+    held = comm.irecv(first, 1, tag=1)
+    sender = threading.Thread(target=comm.send, args=(big, 1), kwargs={"tag": 9})
+    sender.start()
+    time.sleep(0.2)                          # the sender drives, waiting for rank 1
+    later = comm.irecv(second, 1, tag=1)
+    held.wait(timeout=30)
+    later.wait(timeout=30)
+    sender.join(timeout=30)
+    return (first[0], second[0]) == (1.0, 2.0) and not sender.is_alive()
+
+
+def test_a_held_receive_keeps_its_place_while_another_thread_drives():
+    assert run_ranks(check_a_held_receive_keeps_its_place_while_another_thread_drives, 2) \
+        == [True, True]
