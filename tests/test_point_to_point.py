@@ -448,3 +448,22 @@ def check_a_held_receive_keeps_its_place_while_another_thread_drives(comm):
 def test_a_held_receive_keeps_its_place_while_another_thread_drives():
     assert run_ranks(check_a_held_receive_keeps_its_place_while_another_thread_drives, 2) \
         == [True, True]
+
+
+def check_a_sendrecv_whose_receive_comes_late(comm):
+    """Rank 0's send goes at once; the message it receives comes 0.3 s later, past the spin of
+    the fast path: the exchange waits for it and ends done."""
+    import time
+
+    if comm.rank == 1:
+        time.sleep(0.3)
+    got = np.zeros(3)
+    sender = comm.sendrecv(np.full(3, float(comm.rank + 1)), 1 - comm.rank, got, 1 - comm.rank,
+                           tag=4)
+    record = comm.flight_recorder.records()[-1]
+    return (sender, got[0], record.name, record.state)
+
+
+def test_a_sendrecv_whose_receive_comes_late_waits_for_it():
+    assert run_ranks(check_a_sendrecv_whose_receive_comes_late, 2) == [
+        (1, 2.0, "sendrecv", "done"), (0, 1.0, "sendrecv", "done")]

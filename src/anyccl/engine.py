@@ -621,6 +621,34 @@ class HostEngine(Engine):
                   lambda: Work(record, self.rank))
         return found[0] if found else messages[-1][2]
 
+    def sendrecv(self, record: OpRecord, x: np.ndarray, dst: int, y: np.ndarray,
+                 src: int | None, tag: int) -> int | None:
+        """`exchange` of one send and one receive (comm.sendrecv), its common case first: on
+        this thread, both through the transport's fast paths (started as issued: it runs
+        now); what they do not take goes the general way. Returns the sender."""
+        both = (("send", x, dst, tag), ("recv", y, src, tag))
+        if src is None or self._deferred is not None or self._queue \
+                or not self._drive.acquire(False):
+            return self.exchange(record, both)
+        if self._queue or self.failure is not None or self._closing:
+            self._drive.release()
+            return self.exchange(record, both)
+        try:
+            backend = self.backend
+            record.state, record.started_at = "started", record.issued_at
+            if not backend.send_now(x, dst, tag):
+                self._exchange_now(record, both, [])
+            elif backend.receive_now(y, src, tag):
+                record.state, record.ended_at = "done", time.monotonic()
+            else:   # the send went: the receive alone is left
+                self._exchange_now(record, both[1:], [])
+        except BaseException as exc:
+            self._note_failure(exc)
+            raise
+        finally:
+            self._drive.release()
+        return src
+
     def _exchange_now(self, record: OpRecord, messages: tuple[HostMessage, ...],
                       found: list[int]) -> None:
         """Blocking messages, on the thread that drives the host backend: each through the

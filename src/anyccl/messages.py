@@ -87,7 +87,7 @@ class MessageCalls:
             record = OpRecord("sendrecv", next(self._seq["sendrecv", dst, src]),
                               (message_text, "sendrecv", dst, tag, nbytes, src), nbytes)
             self._log(record)
-            return self._engine.exchange(record, (("send", x, dst, tag), ("recv", y, src, tag)))
+            return self._engine.sendrecv(record, x, dst, y, src, tag)
         comm = self._comm
         with comm.batch():   # GPU arrays: one group; isend and irecv take the caller's arrays
             sent = comm.isend(send_tensor, dst, tag, stream=stream)
