@@ -491,7 +491,7 @@ class HostEngine(Engine):
         would. Its sender never needs it posted: so small a message is written whole into the
         transport's buffers without it."""
         if not async_op:
-            return self.exchange(record, ((kind, x, peer, tag),))
+            return self._blocking(kind, x, peer, tag, record)
         if self._deferred is not None and kind == "recv":   # receives match in issue order
             self.flush()
         if peer is not None and self._may_drive(after_posted=True):
@@ -621,17 +621,36 @@ class HostEngine(Engine):
                   lambda: Work(record, self.rank))
         return found[0] if found else messages[-1][2]
 
+    def _blocking(self, kind: str, x: np.ndarray, peer: int | None, tag: int,
+                  record: OpRecord) -> int | None:
+        """A blocking send or receive: `exchange` of one message, its common case first (as
+        `sendrecv`). Returns the sender of a receive."""
+        one = ((kind, x, peer, tag),)
+        if peer is None or (self._deferred is not None and kind == "recv") \
+                or not self._may_drive(after_posted=True):
+            return self.exchange(record, one)
+        try:
+            backend = self.backend
+            record.state, record.started_at = "started", record.issued_at
+            if backend.send_now(x, peer, tag) if kind == "send" else \
+                    backend.receive_now(x, peer, tag):
+                record.state, record.ended_at = "done", time.monotonic()
+            else:
+                self._exchange_now(record, one, [])
+        except BaseException as exc:
+            self._note_failure(exc)
+            raise
+        finally:
+            self._drive.release()
+        return peer
+
     def sendrecv(self, record: OpRecord, x: np.ndarray, dst: int, y: np.ndarray,
                  src: int | None, tag: int) -> int | None:
         """`exchange` of one send and one receive (comm.sendrecv), its common case first: on
         this thread, both through the transport's fast paths (started as issued: it runs
         now); what they do not take goes the general way. Returns the sender."""
         both = (("send", x, dst, tag), ("recv", y, src, tag))
-        if src is None or self._deferred is not None or self._queue \
-                or not self._drive.acquire(False):
-            return self.exchange(record, both)
-        if self._queue or self.failure is not None or self._closing:
-            self._drive.release()
+        if src is None or self._deferred is not None or not self._may_drive(after_posted=True):
             return self.exchange(record, both)
         try:
             backend = self.backend
