@@ -1,8 +1,11 @@
 """The host engine: runs a backend's operations in issue order, one thread at a time.
 
 A blocking call runs inline on the caller's thread when nothing asynchronous is outstanding (the
-common case, and the fastest). An async message is posted inline too when nothing is queued (a
-small send is then done before isend returns). Other asynchronous operations go to a worker
+common case, and the fastest); a blocking message, or sendrecv's pair, when nothing is queued. An
+async message is posted inline too when nothing is queued (a small send is then done before
+isend returns), and a small receive whose message has not arrived is held, not posted, until
+its Work is waited on or something else needs it posted (`HostEngine._hold`). Other
+asynchronous operations go to a worker
 thread, started on first use, which runs queued collectives in order and, in between,
 progresses posted point-to-point messages (leaving them to a waiter that drives them itself);
 while anything is outstanding, blocking calls queue behind it too. Whoever drives the backend
@@ -487,7 +490,7 @@ class HostEngine(Engine):
         """Send or receive (peer=None: receive from any rank); a blocking receive returns the
         sender, an async call its Work. An async receive of at most `engine.held_recv_max`
         bytes that has not arrived, issued with nothing else outstanding, is held rather than
-        posted (`defer`): its wait takes it on the transport's fast path, as a blocking receive
+        posted (`_hold`): its wait takes it on the transport's fast path, as a blocking receive
         would. Its sender never needs it posted: so small a message is written whole into the
         transport's buffers without it."""
         if not async_op:
@@ -606,19 +609,17 @@ class HostEngine(Engine):
         if self._deferred is not None and messages[-1][0] == "recv":
             self.flush()   # receives match in issue order (a sendrecv's receive comes last)
         found: list[int] = []
-        if not self._queue and self._drive.acquire(False):
-            # `run_now(after_posted=True)`, inline: the common blocking exchange
+        if self._may_drive(after_posted=True):
             try:
-                if not self._queue and self.failure is None and not self._closing:
-                    self._exchange_now(record, messages, found)
-                    return found[0] if found else messages[-1][2]
+                self._exchange_now(record, messages, found)
             except BaseException as exc:
                 self._note_failure(exc)
                 raise
             finally:
                 self._drive.release()
-        self.call(lambda: self._exchange_now(record, messages, found),
-                  lambda: Work(record, self.rank))
+        else:
+            self.call(lambda: self._exchange_now(record, messages, found),
+                      lambda: Work(record, self.rank))
         return found[0] if found else messages[-1][2]
 
     def _blocking(self, kind: str, x: np.ndarray, peer: int | None, tag: int,
