@@ -68,9 +68,7 @@ class MessageCalls:
                                     async_op, stream)
         if gpu_side.batched is not None and not async_op:
             raise self._check.fail(kind, f"use i{kind} inside `with comm.batch():`")
-        nbytes = x.nbytes   # `record`, inline
-        record = OpRecord(kind, next(self._seq[kind, peer, None]),
-                          (message_text, kind, peer, tag, nbytes, None), nbytes)
+        record = self.record(kind, x, peer, tag)
         self._log(record)
         return self._engine.message(kind, x, peer, tag, record, async_op)
 
@@ -83,9 +81,7 @@ class MessageCalls:
             raise self._check.fail("sendrecv",
                                    "use isend and irecv inside `with comm.batch():`")
         if stream is None and type(x) is np.ndarray and type(y) is np.ndarray:
-            nbytes = x.nbytes   # `record`, inline
-            record = OpRecord("sendrecv", next(self._seq["sendrecv", dst, src]),
-                              (message_text, "sendrecv", dst, tag, nbytes, src), nbytes)
+            record = self.record("sendrecv", x, dst, tag, src)
             self._log(record)
             return self._engine.sendrecv(record, x, dst, y, src, tag)
         comm = self._comm
