@@ -27,20 +27,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_script(args: list[str], timeout: float) -> subprocess.CompletedProcess:
-    """Run a training script; once more if a process died of torch's own exit-time abort
-    ("terminate called without an active exception": torch's CPU build, in its destructors
-    after training is over, about 1 exit in 10 on gloo alone). Scripts that start their ranks
-    themselves avoid it with os._exit; Lightning starts its own."""
-    for _ in range(2):
-        proc = subprocess.run([sys.executable, *args], capture_output=True, text=True,
-                              timeout=timeout)
-        if proc.returncode == 0 or "terminate called without an active exception" \
-                not in proc.stderr:
-            break
-    return proc
-
-
 def _train(backend: str, world_size: int, variants: str, out_dir: Path) -> list[dict]:
     out_dir.mkdir()
     proc = subprocess.run([sys.executable, str(SCRIPT), backend, str(world_size),
@@ -77,7 +63,8 @@ def test_lightning_ddp_on_the_anyccl_backend_trains_to_the_weights_gloo_gives(tm
     weights = {}
     for backend in ("gloo", "anyccl"):
         out = tmp_path / f"{backend}.pt"
-        proc = _run_script([str(script), backend, str(out)], timeout=300)
+        proc = subprocess.run([sys.executable, str(script), backend, str(out)],
+                              capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
         weights[backend] = torch.load(out, weights_only=False)
     gloo, ours = weights["gloo"], weights["anyccl"]
