@@ -376,8 +376,8 @@ def test_a_posted_send_progresses_while_its_caller_computes():
 
 
 def check_a_held_receive_keeps_its_place_and_completes_when_polled(comm):
-    """A small irecv whose message has not arrived is held by its engine rather than posted
-    (engine.held_recv_max): it must still take the first message, before a later receive,
+    """A small irecv is held by its engine rather than posted (engine.held_recv_max), here
+    before its message has come: it must still take the first message, before a later receive,
     complete when polled with is_completed() alone, and complete under wait(timeout)."""
     import time
 
@@ -415,6 +415,37 @@ def check_a_held_receive_keeps_its_place_and_completes_when_polled(comm):
 def test_a_small_receive_held_by_its_engine_keeps_its_place_and_completes_when_polled():
     outcomes = run_ranks(check_a_held_receive_keeps_its_place_and_completes_when_polled, 2)
     assert outcomes[1] == (True, True, True), outcomes
+
+
+def check_held_receives_whose_messages_came_first_and_one_across_a_collective(comm):
+    """A small irecv is held whether or not its message has arrived: held receives still take
+    the messages in the order they were issued (a later irecv settles the held one first), and
+    a collective issued while one is held runs, the receive taking its message afterwards."""
+    if comm.rank == 1:
+        comm.send(np.full(3, 1.0), 0, tag=1)
+        comm.send(np.full(3, 2.0), 0, tag=1)
+        comm.barrier()
+        comm.all_reduce(np.ones(2))
+        comm.send(np.full(3, 3.0), 0, tag=1)
+        return True
+    comm.barrier()                          # both messages are there
+    a, b = np.zeros(3), np.zeros(3)
+    first = comm.irecv(a, 1, tag=1)
+    second = comm.irecv(b, 1, tag=1)
+    second.wait()
+    first.wait()
+    later = np.zeros(3)
+    held = comm.irecv(later, 1, tag=1)      # rank 1 sends it after the all_reduce
+    total = np.ones(2)
+    comm.all_reduce(total)
+    held.wait()
+    return (a[0], b[0], total[0], later[0])
+
+
+def test_held_receives_keep_their_order_when_their_messages_came_first_and_across_a_collective():
+    outcomes = run_ranks(check_held_receives_whose_messages_came_first_and_one_across_a_collective,
+                         2)
+    assert outcomes[0] == (1.0, 2.0, 2.0, 3.0), outcomes
 
 
 def check_a_held_receive_keeps_its_place_while_another_thread_drives(comm):

@@ -14,6 +14,7 @@ from .buffers import SUPPORTED, Array, Pieces, as_array, overlaps
 from .errors import AnycclError, InvalidArgumentError
 from .ops import ReduceOp, check_reduce_op
 
+TAG_END = 2 ** 63   # tags are 0 .. 2**63 - 1
 _VALID_OPS: dict[tuple[Any, np.dtype], ReduceOp] = {}  # (op as given, dtype) -> checked op
 
 
@@ -50,11 +51,6 @@ class Arguments:
                 writable: bool) -> tuple[Array, int | None, int]:
         """A send's or receive's array, peer and tag. peer=None is a receive from any rank
         (peer_name "src"); a rank never messages itself."""
-        if type(x) is np.ndarray and type(peer) is int and type(tag) is int \
-                and 0 <= peer < self.size and peer != self.rank and 0 <= tag < 2 ** 63 \
-                and x.dtype in SUPPORTED and x.flags.c_contiguous \
-                and (x.flags.writeable or not writable):
-            return (x if x.ndim == 1 else x.reshape(-1)), peer, tag  # the common case, at once
         if peer is None and peer_name == "src":
             return self.array(op, x, "tensor", writable=True), None, self.tag(op, tag)
         peer = self.peer(op, peer, peer_name)
@@ -69,7 +65,7 @@ class Arguments:
         size, rank = self.size, self.rank
         if type(x) is np.ndarray and type(y) is np.ndarray and type(dst) is int \
                 and type(src) is int and type(tag) is int and 0 <= dst < size and dst != rank \
-                and 0 <= src < size and src != rank and 0 <= tag < 2 ** 63 \
+                and 0 <= src < size and src != rank and 0 <= tag < TAG_END \
                 and x.base is None and y.base is None and x is not y \
                 and x.dtype in SUPPORTED and y.dtype in SUPPORTED:
             fx, fy = x.flags, y.flags
@@ -259,7 +255,7 @@ class Arguments:
 
     def tag(self, op: str, tag: Any) -> int:
         if isinstance(tag, bool) or not isinstance(tag, (int, np.integer)) or not \
-                0 <= tag < 2 ** 63:
+                0 <= tag < TAG_END:
             raise self.fail(op, f"tag={tag!r} must be an int from 0 to 2**63-1")
         return int(tag)
 

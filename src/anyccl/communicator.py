@@ -211,7 +211,8 @@ class Communicator:
             work.wait()
             ```
         """
-        self._check_open("batch")
+        if self._closed:
+            self._check_open("batch")
         return self._gpu_side.batch()
 
     # ---- point to point ----------------------------------------------------------------------

@@ -2,14 +2,14 @@
 
 A blocking call runs inline on the caller's thread when nothing asynchronous is outstanding (the
 common case, and the fastest); a blocking message, or sendrecv's pair, when nothing is queued. An
-async message is posted inline too when nothing is queued (a small send is then done before
-isend returns), and a small receive whose message has not arrived is held, not posted, until
-its Work is waited on or something else needs it posted (`HostEngine._hold`). Other
-asynchronous operations go to a worker
-thread, started on first use, which runs queued collectives in order and, in between,
-progresses posted point-to-point messages (leaving them to a waiter that drives them itself);
-while anything is outstanding, blocking calls queue behind it too. Whoever drives the backend
-holds `_drive`; `_state` guards the queue and the counters.
+async send is posted inline too when nothing is queued (a small one is then done before isend
+returns), and a small receive issued with nothing outstanding is held, not posted, until its
+Work is waited on or polled or something else needs it posted (`HostEngine.message`). Other
+asynchronous operations go to a worker thread, started on first use, which runs queued
+collectives in order and, in between, progresses posted point-to-point messages (leaving them
+to a waiter that drives them itself); while anything is outstanding, blocking calls queue
+behind it too. Whoever drives the backend holds `_drive`; `_state` (its lock `_lock`) guards
+the queue, the counters and the held receive.
 """
 
 from __future__ import annotations
@@ -47,17 +47,20 @@ class Engine:
         self.backend = backend
         self._label = label
         self._drive = threading.Lock()
-        self._state = threading.Condition()
+        # guards the queue and the counts; `_lock` is the condition's own lock, taken directly
+        # where nothing waits on or notifies the condition (a C call, not two Python ones)
+        self._lock = threading.RLock()
+        self._state = threading.Condition(self._lock)
         self._queue: deque[tuple[Callable[[Work], None], Work, bool]] = deque()
-        self._outstanding = 0     # async works not finished
+        self._outstanding = 0     # async works posted or queued and not finished
         self._inline = False      # a blocking call runs on its caller's thread
         self._thread: threading.Thread | None = None
         self._closing = False
         self._helped_at = 0.0     # when a waiter last drove the backend itself
         self._parked = False      # the worker waits to be woken (idle for _PARK_S)
         self._draining = False    # close() waits for outstanding work to finish
-        # a small receive held instead of posted (`HostEngine._hold`): (its Work, array, peer,
-        # tag); counted as outstanding. Settled by `flush` (HostEngine's)
+        # a small receive held instead of posted (`HostEngine.message`): (its Work, array, peer,
+        # tag); not outstanding until `flush` (HostEngine's) posts it
         self._deferred: tuple[Work, np.ndarray, int, int] | None = None
         self.failure: BaseException | None = None
 
@@ -69,7 +72,7 @@ class Engine:
             self.flush()
         if self.run_now(task):
             return
-        with self._state:
+        with self._lock:
             self._raise_if_unusable()
             inline = self._outstanding == 0 and not self._inline
             self._inline |= inline
@@ -86,7 +89,7 @@ class Engine:
             self._note_failure(exc)
             raise
         finally:
-            with self._state:
+            with self._lock:
                 self._inline = False
                 self._state.notify_all()
 
@@ -142,7 +145,7 @@ class Engine:
         if not self._queue and self._drive.acquire(False):
             try:
                 if not self._queue and self.failure is None and not self._closing:
-                    with self._state:
+                    with self._lock:
                         self._outstanding += 1
                     self._run_queued(task, work, True)
                     if not work._finished:
@@ -160,7 +163,7 @@ class Engine:
         return work
 
     def _start_worker(self) -> None:
-        with self._state:
+        with self._lock:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._worker, daemon=True,
                                                 name=f"anyccl-{self._label}")
@@ -197,13 +200,13 @@ class Engine:
     def _take(self) -> tuple[Callable[[Work], None], Work, bool] | None:
         """The next queued operation, taken by the thread holding `_drive`, so that operations
         run in issue order whichever thread runs them."""
-        with self._state:
+        with self._lock:
             return self._queue.popleft() if self._queue else None
 
     def _enqueue(self, task: Callable[[Work], None], work: Work, finishes_itself: bool) -> None:
         if self._deferred is not None:
             self.flush()
-        with self._state:
+        with self._lock:
             self._raise_if_unusable()
             self._outstanding += 1
             self._queue.append((task, work, finishes_itself))
@@ -220,7 +223,7 @@ class Engine:
 
     def _finished(self, work: Work, error: BaseException | None) -> None:
         work.complete(error)
-        with self._state:
+        with self._lock:
             self._outstanding -= 1
             if self._draining:  # only close() waits for the count (the idle worker does not)
                 self._state.notify_all()
@@ -228,11 +231,10 @@ class Engine:
     # ---- the worker --------------------------------------------------------------------------
     def _worker(self) -> None:
         while True:
-            with self._state:
+            with self._lock:
                 idle_since = None
                 # (a held message is the waiter's to settle: no work of this thread's)
-                while not self._queue and not self._closing \
-                        and self._outstanding == (self._deferred is not None):
+                while not self._queue and not self._closing and self._outstanding == 0:
                     now = time.monotonic()
                     idle_since = idle_since or now
                     if now - idle_since < _PARK_S:   # posts do not wake it: it looks again
@@ -330,7 +332,7 @@ class Engine:
     def close(self, timeout_s: float = 5.0) -> None:
         """Let queued work finish (up to `timeout_s`), stop the worker, close the backend."""
         self.flush()
-        with self._state:
+        with self._lock:
             if self._closing:
                 return
             deadline = time.monotonic() + timeout_s
@@ -372,6 +374,7 @@ class HostEngine(Engine):
         self.rank, self.size, self.timeout_s = rank, size, timeout_s
         self._recorder, self._job_id = recorder, job_id
         self._held_max = tuning.value("engine.held_recv_max")
+        self._help, self._flush = self.help, self.flush   # a held receive's Work calls them
 
     # ---- collectives -----------------------------------------------------------------------
     def collective(self, record: OpRecord, operands: tuple, async_op: bool,
@@ -388,7 +391,8 @@ class HostEngine(Engine):
                             | (0 if op is None else op.agree_bits), like.size)
         else:
             record.agree = (_NAME_BITS[name], 0)
-        if not (async_op or debug or self._outstanding) and self._drive.acquire(False):
+        if not (async_op or debug or self._outstanding or self._deferred is not None) \
+                and self._drive.acquire(False):
             # the common blocking case (`_may_drive`, inline): right here, on the caller's
             # thread; `_run` notes its failure, as `run_now` would
             try:
@@ -485,63 +489,62 @@ class HostEngine(Engine):
                         *exc.args[1:])
 
     # ---- messages --------------------------------------------------------------------------
-    def message(self, kind: str, x: np.ndarray, peer: int | None, tag: int, record: OpRecord,
-                async_op: bool) -> Work | int | None:
-        """Send or receive (peer=None: receive from any rank); a blocking receive returns the
-        sender, an async call its Work. An async receive of at most `engine.held_recv_max`
-        bytes that has not arrived, issued with nothing else outstanding, is held rather than
-        posted (`_hold`): its wait takes it on the transport's fast path, as a blocking receive
-        would. Its sender never needs it posted: so small a message is written whole into the
-        transport's buffers without it."""
-        if not async_op:
-            return self._blocking(kind, x, peer, tag, record)
-        if self._deferred is not None and kind == "recv":   # receives match in issue order
-            self.flush()
-        if peer is not None and self._may_drive(after_posted=True):
-            held = None
-            try:
-                backend = self.backend
-                if kind == "send":
-                    done = backend.send_now(x, peer, tag)
-                else:
-                    done = backend.receive_now(x, peer, tag, wait=False)
-                    if not done and not self._outstanding and x.nbytes <= self._held_max:
-                        held = self._hold(Work(record, self.rank), x, peer, tag)
+    def message(self, kind: str, x: np.ndarray, peer: int | None, tag: int,
+                record: OpRecord) -> Work:
+        """Start a send or receive (isend, irecv; peer=None: receive from any rank); its Work.
+        A receive of at most `engine.held_recv_max` bytes, issued with nothing else
+        outstanding, is held rather than posted (`flush` settles it): its wait takes it on the
+        transport's fast path, as a blocking receive would. Its sender never needs it posted:
+        so small a message is written whole into the transport's buffers without it."""
+        if kind == "recv":
+            if self._deferred is not None:   # receives match in issue order
+                self.flush()
+            if peer is not None and record.nbytes <= self._held_max:
+                work = Work(record, self.rank)
+                # held if nothing else is outstanding or queued (`flush`). The hot paths take
+                # `_lock` by hand: a `with` block costs twice an acquire and a release
+                self._lock.acquire()
+                try:
+                    held = not (self._outstanding or self._queue or self._deferred is not None
+                                or self.failure is not None or self._closing)
+                    if held:
+                        self._deferred = (work, x, peer, tag)
+                        work.helper, work.poke = self._help, self._flush
+                finally:
+                    self._lock.release()
+                if held:
+                    return work
+                return self.post(self._post_task(kind, x, peer, tag, record), work)
+        elif peer is not None and not self._queue and self._drive.acquire(False):
+            try:   # `_may_drive`, inline
+                done = not self._queue and self.failure is None and not self._closing \
+                    and self.backend.send_now(x, peer, tag)
             except BaseException as exc:
                 self._note_failure(exc)
                 raise
             finally:
                 self._drive.release()
-            if held is not None:
-                return held
             if done:   # the transport's fast path finished it here and now
                 record.state, record.started_at = "done", time.monotonic()
                 record.ended_at = record.started_at
-                return Work.finished(record, self.rank, peer if kind == "recv" else None)
+                return Work.finished(record, self.rank)
         return self.post(self._post_task(kind, x, peer, tag, record), Work(record, self.rank))
 
-    def _hold(self, work: Work, x: np.ndarray, peer: int, tag: int) -> Work:
-        """Hold receive `work` instead of posting it (`message`; the caller holds `_drive` and
-        found nothing outstanding). `flush` settles it: when its Work is waited on or polled,
-        or before any later receive or collective, so that messages keep their issue order."""
-        work.helper, work.poke = self.help, self.flush
-        with self._state:
-            self._outstanding += 1
-            self._deferred = (work, x, peer, tag)
-        return work
-
     def flush(self, wait: bool = False) -> None:
-        """Settle the held receive, if any (`_hold`): taken now through the transport's fast
-        path (`wait`: spinning a while for it), else posted. Where another thread drives the
-        backend, it is queued instead, ahead of anything issued after it."""
+        """Settle the held receive, if any (`message`): taken now through the transport's fast
+        path (`wait`: spinning a while for it), else posted. It is settled when its Work is
+        waited on or polled, or before any later receive or collective, so that messages keep
+        their issue order. Where another thread drives the backend, it is queued instead,
+        ahead of anything issued after it."""
         if self._deferred is None:
             return
         if not self._drive.acquire(False):
-            with self._state:
+            with self._lock:
                 held, self._deferred = self._deferred, None
                 if held is not None:
                     work, x, peer, tag = held
                     work.poke = None
+                    self._outstanding += 1
                     self._queue.append((self._post_task("recv", x, peer, tag, work.record),
                                         work, True))
             if held is not None:
@@ -549,8 +552,11 @@ class HostEngine(Engine):
                 self.backend.doorbell.ring()
             return
         try:
-            with self._state:
+            self._lock.acquire()
+            try:
                 held, self._deferred = self._deferred, None
+            finally:
+                self._lock.release()
             if held is None:
                 return
             work, x, peer, tag = held
@@ -561,13 +567,15 @@ class HostEngine(Engine):
                     and self.backend.receive_now(x, peer, tag, wait=wait)
             except BaseException as exc:
                 self._note_failure(exc)
-                self._finished(work, exc)
+                work.complete(exc)
                 return
             if taken:
                 record.state, record.started_at = "done", time.monotonic()
                 record.ended_at, work.source = record.started_at, peer
-                self._finished(work, None)
+                work.complete()
                 return
+            with self._lock:
+                self._outstanding += 1
             self._run_queued(self._post_task("recv", x, peer, tag, record), work, True)
             if not work._finished:   # as `post`: the worker finishes it if nobody waits
                 self._helped_at = time.monotonic()
@@ -622,28 +630,29 @@ class HostEngine(Engine):
                       lambda: Work(record, self.rank))
         return found[0] if found else messages[-1][2]
 
-    def _blocking(self, kind: str, x: np.ndarray, peer: int | None, tag: int,
-                  record: OpRecord) -> int | None:
-        """A blocking send or receive: `exchange` of one message, its common case first (as
-        `sendrecv`). Returns the sender of a receive."""
-        one = ((kind, x, peer, tag),)
-        if peer is None or (self._deferred is not None and kind == "recv") \
-                or not self._may_drive(after_posted=True):
-            return self.exchange(record, one)
-        try:
-            backend = self.backend
-            record.state, record.started_at = "started", record.issued_at
-            if backend.send_now(x, peer, tag) if kind == "send" else \
-                    backend.receive_now(x, peer, tag):
-                record.state, record.ended_at = "done", time.monotonic()
-            else:
-                self._exchange_now(record, one, [])
-        except BaseException as exc:
-            self._note_failure(exc)
-            raise
-        finally:
-            self._drive.release()
-        return peer
+    def blocking(self, kind: str, x: np.ndarray, peer: int | None, tag: int,
+                 record: OpRecord) -> int | None:
+        """A blocking send or receive (peer=None: receive from any rank): `exchange` of one
+        message, its common case first (as `sendrecv`; `_may_drive`, inline). Returns the
+        sender of a receive."""
+        if peer is not None and not self._queue and (kind == "send" or self._deferred is None) \
+                and self._drive.acquire(False):
+            try:
+                if not self._queue and self.failure is None and not self._closing:
+                    record.state, record.started_at = "started", record.issued_at
+                    backend = self.backend
+                    if backend.send_now(x, peer, tag) if kind == "send" else \
+                            backend.receive_now(x, peer, tag):
+                        record.state, record.ended_at = "done", time.monotonic()
+                    else:
+                        self._exchange_now(record, ((kind, x, peer, tag),), [])
+                    return peer
+            except BaseException as exc:
+                self._note_failure(exc)
+                raise
+            finally:
+                self._drive.release()
+        return self.exchange(record, ((kind, x, peer, tag),))
 
     def sendrecv(self, record: OpRecord, x: np.ndarray, dst: int, y: np.ndarray,
                  src: int | None, tag: int) -> int | None:

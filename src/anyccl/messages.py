@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .arguments import Arguments
-from .buffers import Array
+from .arguments import TAG_END, Arguments
+from .buffers import SUPPORTED, Array
 from .engine import HostEngine
 from .gpu_dispatch import GpuDispatch
 from .trace import OpRecord, message_text
@@ -34,6 +34,7 @@ class MessageCalls:
     def __init__(self, comm: Communicator, check: Arguments, engine: HostEngine,
                  gpu_side: GpuDispatch) -> None:
         self._comm, self._check, self._engine, self._gpu_side = comm, check, engine, gpu_side
+        self._rank, self._size = check.rank, check.size
         self._log = comm.flight_recorder.add
         self._seq: defaultdict[tuple[str, int | None, int | None], Iterator[int]] = \
             defaultdict(lambda: itertools.count(1))
@@ -51,7 +52,23 @@ class MessageCalls:
                 stream: Any = None) -> Work | int | None:
         """`comm.send`, `recv`, `isend`, `irecv` (kind "send" or "recv"): checked, numbered,
         then routed (peer=None: receive from any rank); a blocking receive returns the sender,
-        an async call its Work."""
+        an async call its Work. The common case goes straight to the host engine: a
+        C-contiguous NumPy array of a supported dtype (writable, to receive into), another rank
+        of this communicator as an int and an int tag in range need no other check."""
+        if type(tensor) is np.ndarray and type(peer) is int and type(tag) is int \
+                and stream is None and 0 <= peer < self._size and peer != self._rank \
+                and 0 <= tag < TAG_END and tensor.dtype in SUPPORTED and not self._comm._closed:
+            flags = tensor.flags
+            if flags.c_contiguous and (flags.writeable or kind == "send") \
+                    and (async_op or self._gpu_side.batched is None):
+                x = tensor if tensor.ndim == 1 else tensor.reshape(-1)
+                nbytes = x.nbytes   # `record`, inline
+                record = OpRecord(kind, next(self._seq[kind, peer, None]),
+                                  (message_text, kind, peer, tag, nbytes, None), nbytes)
+                self._log(record)
+                if async_op:
+                    return self._engine.message(kind, x, peer, tag, record)
+                return self._engine.blocking(kind, x, peer, tag, record)
         op = _OPS[kind, async_op]
         if self._comm._closed:
             self._comm._check_open(op)
@@ -70,7 +87,8 @@ class MessageCalls:
             raise self._check.fail(kind, f"use i{kind} inside `with comm.batch():`")
         record = self.record(kind, x, peer, tag)
         self._log(record)
-        return self._engine.message(kind, x, peer, tag, record, async_op)
+        engine = self._engine
+        return (engine.message if async_op else engine.blocking)(kind, x, peer, tag, record)
 
     def sendrecv(self, send_tensor: Any, dst: int, recv_tensor: Any, src: int | None,
                  tag: int, stream: Any) -> int | None:

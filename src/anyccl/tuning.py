@@ -35,10 +35,10 @@ _K, _M = 1 << 10, 1 << 20
 TABLE: dict[str, Threshold] = {t.key: t for t in (
     # every host backend (engine.py)
     Threshold("engine.held_recv_max", "size", 4 * _K,
-              "an irecv up to this size whose message has not arrived, issued with nothing "
-              "else outstanding, is held instead of posted until its Work is waited on or "
-              "polled, or the next call (its sender's transport writes so small a message "
-              "whole without it); larger ones are posted at once"),
+              "an irecv up to this size, issued with nothing else outstanding, is held "
+              "instead of posted until its Work is waited on or polled, or the next call "
+              "(its sender's transport writes so small a message whole without it); larger "
+              "ones are posted at once"),
     # shm: algorithms/symmetric.py and algorithms/direct.py over shared memory
     Threshold("shm.one_shot_max", "size", 128 * _K,
               "all_reduce and reduce up to this size: one shot (every rank reduces every "
