@@ -34,10 +34,14 @@ if compgen -G ".whl/*.whl" > /dev/null; then
       --target /tmp/site .whl/*.whl || exit 1
 fi
 export PYTHONPATH=$PWD/src:/tmp/site
-# the shm transport's compiled core, as `pip install -e .` would build it (skipped without gcc)
+# the compiled cores (shm transport, op records, CUDA calls), as `pip install -e .` would build
+# them (skipped without gcc)
 core_so=src/anyccl/backends/_shmcore$(python3 -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
 [ -e "$core_so" ] || gcc -O3 -shared -fPIC -I"$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["include"])')" \
     src/anyccl/backends/_shmcore.c -o "$core_so" 2>/dev/null || echo "shm core not built: Python path"
+record_so=src/anyccl/_recordcore${core_so##*_shmcore}
+[ -e "$record_so" ] || gcc -O2 -shared -fPIC -I"$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["include"])')" \
+    src/anyccl/_recordcore.c -o "$record_so" 2>/dev/null || echo "record core not built: trace.py's class"
 cuda_so=src/anyccl/_cudacore${core_so##*_shmcore}
 [ -e "$cuda_so" ] || gcc -O2 -shared -fPIC -I"$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["include"])')" \
     src/anyccl/_cudacore.c -o "$cuda_so" -ldl 2>/dev/null || echo "CUDA core not built: cuda-bindings path"

@@ -89,6 +89,7 @@ class Communicator:
                                      number=self._number, recorder=self.flight_recorder,
                                      device=device, backend=gpu_backend, kind=gpu_kind)
         self._messages = MessageCalls(self, self._check, self._engine, self._gpu_side)
+        self._message = self._messages.message   # send, recv, isend, irecv: one call each
         self._uneven = UnevenCalls(self, self._check, self._gpu_side, self._refused,
                                    self._collective, lambda: self._seq)
         self._owner_pid = os.getpid()
@@ -220,25 +221,23 @@ class Communicator:
         """Send `tensor` to rank `dst`. Host arrays: returns once the data is out of `tensor`
         (it may be buffered in shared memory before `dst` receives it). GPU arrays: queued on
         the stream like a collective; messages between two ranks match in issue order."""
-        self._messages.message("send", tensor, dst, tag, False, stream)
+        self._message("send", tensor, dst, tag, False, stream)
 
     def recv(self, tensor: Any, src: int | None, tag: int = 0, *, stream: Any = None) -> int:
         """Receive the next message from `src` with `tag` into `tensor` (same dtype and size as
         sent) and return the sender. src=None (host arrays): the first message with `tag` from
         any rank; messages from each rank still arrive in the order it sent them."""
-        sender = self._messages.message("recv", tensor, src, tag, False, stream)
+        sender = self._message("recv", tensor, src, tag, False, stream)
         return src if src is not None else sender  # type: ignore[return-value]
 
     def isend(self, tensor: Any, dst: int, tag: int = 0, *, stream: Any = None) -> Work:
         """Start sending `tensor` to `dst`; do not modify it until the Work completes."""
-        return self._messages.message("send", tensor, dst, tag, True,  # type: ignore[return-value]
-                                      stream)
+        return self._message("send", tensor, dst, tag, True, stream)  # type: ignore[return-value]
 
     def irecv(self, tensor: Any, src: int | None, tag: int = 0, *, stream: Any = None) -> Work:
         """Start receiving into `tensor`; read it only after the Work completes. src=None: from
         any rank (host arrays); the Work's `source` then names the sender."""
-        return self._messages.message("recv", tensor, src, tag, True,  # type: ignore[return-value]
-                                      stream)
+        return self._message("recv", tensor, src, tag, True, stream)  # type: ignore[return-value]
 
     def sendrecv(self, send_tensor: Any, dst: int, recv_tensor: Any, src: int | None,
                  tag: int = 0, *, stream: Any = None) -> int:

@@ -9,7 +9,7 @@ asynchronous operations go to a worker thread, started on first use, which runs 
 collectives in order and, in between, progresses posted point-to-point messages (leaving them
 to a waiter that drives them itself); while anything is outstanding, blocking calls queue
 behind it too. Whoever drives the backend holds `_drive`; `_state` (its lock `_lock`) guards
-the queue, the counters and the held receive.
+the queue and the counters; held receives sit in a deque of their own.
 """
 
 from __future__ import annotations
@@ -59,16 +59,17 @@ class Engine:
         self._helped_at = 0.0     # when a waiter last drove the backend itself
         self._parked = False      # the worker waits to be woken (idle for _PARK_S)
         self._draining = False    # close() waits for outstanding work to finish
-        # a small receive held instead of posted (`HostEngine.message`): (its Work, array, peer,
-        # tag); not outstanding until `flush` (HostEngine's) posts it
-        self._deferred: tuple[Work, np.ndarray, int, int] | None = None
+        # small receives held instead of posted (`HostEngine.message`), in issue order (one,
+        # unless threads hold theirs at once): (Work, array, peer, tag); not outstanding until
+        # `flush` (HostEngine's) posts them. Added and taken by the deque's atomic calls
+        self._held: deque[tuple[Work, np.ndarray, int, int]] = deque()
         self.failure: BaseException | None = None
 
     # ---- issuing -----------------------------------------------------------------------------
     def call(self, task: Callable[[], None], work: Callable[[], Work]) -> None:
         """Run `task` to completion after everything issued before it; raise its error.
         `work()` makes the Work that tracks it, needed only if it must queue."""
-        if self._deferred is not None:
+        if self._held:
             self.flush()
         if self.run_now(task):
             return
@@ -175,7 +176,7 @@ class Engine:
         next queued operation, else progress posted messages. False when another thread drives
         or nothing is outstanding. A waiter that drives itself saves two thread hand-offs per
         message, which cost more than a small message itself."""
-        if self._deferred is not None:
+        if self._held:
             self.flush()
         if not self._drive.acquire(False):
             return False
@@ -204,7 +205,7 @@ class Engine:
             return self._queue.popleft() if self._queue else None
 
     def _enqueue(self, task: Callable[[Work], None], work: Work, finishes_itself: bool) -> None:
-        if self._deferred is not None:
+        if self._held:
             self.flush()
         with self._lock:
             self._raise_if_unusable()
@@ -391,7 +392,7 @@ class HostEngine(Engine):
                             | (0 if op is None else op.agree_bits), like.size)
         else:
             record.agree = (_NAME_BITS[name], 0)
-        if not (async_op or debug or self._outstanding or self._deferred is not None) \
+        if not (async_op or debug or self._outstanding or self._held) \
                 and self._drive.acquire(False):
             # the common blocking case (`_may_drive`, inline): right here, on the caller's
             # thread; `_run` notes its failure, as `run_now` would
@@ -497,24 +498,18 @@ class HostEngine(Engine):
         transport's fast path, as a blocking receive would. Its sender never needs it posted:
         so small a message is written whole into the transport's buffers without it."""
         if kind == "recv":
-            if self._deferred is not None:   # receives match in issue order
+            if self._held:   # receives match in issue order
                 self.flush()
             if peer is not None and record.nbytes <= self._held_max:
                 work = Work(record, self.rank)
-                # held if nothing else is outstanding or queued (`flush`). The hot paths take
-                # `_lock` by hand: a `with` block costs twice an acquire and a release
-                self._lock.acquire()
-                try:
-                    held = not (self._outstanding or self._queue or self._deferred is not None
-                                or self.failure is not None or self._closing)
-                    if held:
-                        self._deferred = (work, x, peer, tag)
-                        work.helper, work.poke = self._help, self._flush
-                finally:
-                    self._lock.release()
-                if held:
-                    return work
-                return self.post(self._post_task(kind, x, peer, tag, record), work)
+                if self._outstanding or self._queue or self._held \
+                        or self.failure is not None or self._closing:
+                    return self.post(self._post_task(kind, x, peer, tag, record), work)
+                # held, as nothing is outstanding or queued (what another thread issues at the
+                # same time has no order against it; `flush` settles each in turn)
+                work.helper, work.poke = self._help, self._flush
+                self._held.append((work, x, peer, tag))
+                return work
         elif peer is not None and not self._queue and self._drive.acquire(False):
             try:   # `_may_drive`, inline
                 done = not self._queue and self.failure is None and not self._closing \
@@ -527,60 +522,62 @@ class HostEngine(Engine):
             if done:   # the transport's fast path finished it here and now
                 record.state, record.started_at = "done", time.monotonic()
                 record.ended_at = record.started_at
-                return Work.finished(record, self.rank)
+                return Work(record, self.rank, True)
         return self.post(self._post_task(kind, x, peer, tag, record), Work(record, self.rank))
 
     def flush(self, wait: bool = False) -> None:
-        """Settle the held receive, if any (`message`): taken now through the transport's fast
-        path (`wait`: spinning a while for it), else posted. It is settled when its Work is
-        waited on or polled, or before any later receive or collective, so that messages keep
-        their issue order. Where another thread drives the backend, it is queued instead,
-        ahead of anything issued after it."""
-        if self._deferred is None:
+        """Settle the held receives, if any (`message`), in issue order: each taken now
+        through the transport's fast path (`wait`: spinning a while for it), else posted. They
+        are settled when a Work of theirs is waited on or polled, or before any later receive
+        or collective, so that messages keep their issue order. Where another thread drives
+        the backend, they are queued instead, ahead of anything issued after them."""
+        held = self._held
+        if not held:
             return
         if not self._drive.acquire(False):
+            queued = False
             with self._lock:
-                held, self._deferred = self._deferred, None
-                if held is not None:
-                    work, x, peer, tag = held
+                while held:
+                    try:
+                        work, x, peer, tag = held.popleft()
+                    except IndexError:   # the driving thread took the last one
+                        break
                     work.poke = None
                     self._outstanding += 1
                     self._queue.append((self._post_task("recv", x, peer, tag, work.record),
                                         work, True))
-            if held is not None:
+                    queued = True
+            if queued:
                 self._start_worker()
                 self.backend.doorbell.ring()
             return
         try:
-            self._lock.acquire()
-            try:
-                held, self._deferred = self._deferred, None
-            finally:
-                self._lock.release()
-            if held is None:
-                return
-            work, x, peer, tag = held
-            work.poke = None
-            record = work.record
-            try:
-                taken = self.failure is None and not self._closing \
-                    and self.backend.receive_now(x, peer, tag, wait=wait)
-            except BaseException as exc:
-                self._note_failure(exc)
-                work.complete(exc)
-                return
-            if taken:
-                record.state, record.started_at = "done", time.monotonic()
-                record.ended_at, work.source = record.started_at, peer
-                work.complete()
-                return
-            with self._lock:
-                self._outstanding += 1
-            self._run_queued(self._post_task("recv", x, peer, tag, record), work, True)
-            if not work._finished:   # as `post`: the worker finishes it if nobody waits
-                self._helped_at = time.monotonic()
-                if self._thread is None or self._parked:
-                    self._start_worker()
+            while held:
+                try:
+                    work, x, peer, tag = held.popleft()
+                except IndexError:   # another thread's flush took the last one
+                    return
+                work.poke = None
+                record = work.record
+                try:
+                    taken = self.failure is None and not self._closing \
+                        and self.backend.receive_now(x, peer, tag, wait)
+                except BaseException as exc:
+                    self._note_failure(exc)
+                    work.complete(exc)
+                    continue
+                if taken:
+                    record.state, record.started_at = "done", time.monotonic()
+                    record.ended_at, work.source = record.started_at, peer
+                    work.complete()
+                    continue
+                with self._lock:   # else posted, as `post` does
+                    self._outstanding += 1
+                self._run_queued(self._post_task("recv", x, peer, tag, record), work, True)
+                if not work._finished:   # the worker finishes it if nobody waits
+                    self._helped_at = time.monotonic()
+                    if self._thread is None or self._parked:
+                        self._start_worker()
         finally:
             self._drive.release()
 
@@ -614,7 +611,7 @@ class HostEngine(Engine):
         """Send and receive `messages` together as the one blocking operation `record`, on
         this thread when it may drive the host backend (else in turn on the engine); return
         the sender of the receive among them."""
-        if self._deferred is not None and messages[-1][0] == "recv":
+        if self._held and messages[-1][0] == "recv":
             self.flush()   # receives match in issue order (a sendrecv's receive comes last)
         found: list[int] = []
         if self._may_drive(after_posted=True):
@@ -635,7 +632,7 @@ class HostEngine(Engine):
         """A blocking send or receive (peer=None: receive from any rank): `exchange` of one
         message, its common case first (as `sendrecv`; `_may_drive`, inline). Returns the
         sender of a receive."""
-        if peer is not None and not self._queue and (kind == "send" or self._deferred is None) \
+        if peer is not None and not self._queue and (kind == "send" or not self._held) \
                 and self._drive.acquire(False):
             try:
                 if not self._queue and self.failure is None and not self._closing:
@@ -660,7 +657,7 @@ class HostEngine(Engine):
         this thread, both through the transport's fast paths (started as issued: it runs
         now); what they do not take goes the general way. Returns the sender."""
         both = (("send", x, dst, tag), ("recv", y, src, tag))
-        if src is None or self._deferred is not None or not self._may_drive(after_posted=True):
+        if src is None or self._held or not self._may_drive(after_posted=True):
             return self.exchange(record, both)
         try:
             backend = self.backend

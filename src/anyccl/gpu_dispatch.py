@@ -47,6 +47,7 @@ class GpuDispatch:
         self.kind = kind        # its registered name; None: the host backend's default
         self.plans: Plans | None = None     # blocking calls' plans, once a GPU call ran
         self.batched: list[tuple] | None = None   # GPU messages of an open comm.batch()
+        self._batch = _Batch(self)
         self._side_streams: SideStreams | None = None
 
     def device_if_any(self) -> int | None:
@@ -239,7 +240,7 @@ class GpuDispatch:
         group (one NCCL group)."""
         if self.batched is not None:
             raise self._check.fail("batch", "comm.batch() blocks do not nest")
-        return _Batch(self)
+        return self._batch   # blocks do not nest: one object serves them all
 
     def _issue_batch(self, pending: list[tuple]) -> None:
         streams = {s for *_, s, _ in pending if s is not None}

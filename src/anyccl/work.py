@@ -10,7 +10,7 @@ from .errors import TimeoutError
 from .trace import OpRecord
 
 _HELP_S = 0.002  # how long a waiter drives the engine itself before it sleeps
-_EVENTS = threading.Lock()  # orders a Work's completion against a waiter making its event
+_EVENTS = threading.Lock()  # makes one event per Work when several threads wait on it
 
 
 class Work:
@@ -24,7 +24,9 @@ class Work:
 
     __slots__ = ("record", "rank", "helper", "poke", "source", "_finished", "_event", "_error")
 
-    def __init__(self, record: OpRecord, rank: int) -> None:
+    def __init__(self, record: OpRecord, rank: int, finished: bool = False) -> None:
+        """`finished`: an operation that already finished, without error (nobody can be
+        waiting on it yet, so it needs no lock)."""
         self.record, self.rank = record, rank
         # irecv(src=None): the rank whose message it received, once it has completed
         self.source: int | None = None
@@ -32,27 +34,20 @@ class Work:
         self.helper: Callable[[], bool] | None = None
         # a message its engine holds instead of posting: `poke(wait)` settles it (engine.py)
         self.poke: Callable[[bool], None] | None = None
-        self._finished = False
+        self._finished = finished
         self._event: threading.Event | None = None  # made only if someone must block on it
         self._error: BaseException | None = None
 
-    @classmethod
-    def finished(cls, record: OpRecord, rank: int, source: int | None = None) -> Work:
-        """A Work for an operation that already finished, without error (nobody can be waiting
-        on it yet, so it needs no lock)."""
-        work = cls(record, rank)
-        work.source, work._finished = source, True
-        return work
-
     def complete(self, error: BaseException | None = None) -> None:
-        """Mark the operation finished, with `error` if it failed (called by the engine)."""
+        """Mark the operation finished, with `error` if it failed (called by the engine).
+
+        No lock: it sets `_finished`, then looks for a waiter's event; a waiter publishes its
+        event, then looks at `_finished` again (`_wait_finished`). Each does its write before
+        its read, in the one order the interpreter lock gives all threads, so one of them
+        sees the other's write: the waiter returns, or its event is set (or both)."""
         self._error = error
-        _EVENTS.acquire()   # by hand: a `with` block costs twice as much
-        try:
-            self._finished = True
-            event = self._event
-        finally:
-            _EVENTS.release()
+        self._finished = True
+        event = self._event
         if event is not None:
             event.set()
 
@@ -65,12 +60,12 @@ class Work:
                 pass
             if self._finished:
                 return True
-        with _EVENTS:
-            if self._finished:
-                return True
+        with _EVENTS:   # waiters on one Work share one event
             if self._event is None:
                 self._event = threading.Event()
             event = self._event
+        if self._finished:   # after publishing the event: see `complete`
+            return True
         return event.wait(timeout)
 
     def wait(self, timeout: float | None = None) -> bool:

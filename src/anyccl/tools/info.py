@@ -156,9 +156,19 @@ def main(argv: list[str] | None = None) -> int:
     print("  ranks on several hosts: host arrays -> shm+mpi under mpiexec, else shm+gloo (shm "
           "inside each host, MPI or torch's gloo between); GPU arrays -> nccl")
     print(f"  address other hosts reach this one at: {_try(_address, 'none found')}")
+    print(f"operation records: {records()}")
     print(f"\ntorch.distributed backend: {torch_backend()}")
     print("\n" + tuning_table())
     return 0
+
+
+def records() -> str:
+    """Which OpRecord every operation makes: the compiled one, or trace.py's own class."""
+    from .. import trace
+
+    if trace.OpRecord is trace._OpRecord:
+        return "trace.py's class (the compiled one, _recordcore, was not built)"
+    return "compiled (_recordcore)"
 
 
 def tuning_table() -> str:
