@@ -392,10 +392,10 @@ class HostEngine(Engine):
                             | (0 if op is None else op.agree_bits), like.size)
         else:
             record.agree = (_NAME_BITS[name], 0)
-        if not (async_op or debug or self._outstanding or self._held) \
-                and self._drive.acquire(False):
+        if not (async_op or debug or self._outstanding) and self._drive.acquire(False):
             # the common blocking case (`_may_drive`, inline): right here, on the caller's
-            # thread; `_run` notes its failure, as `run_now` would
+            # thread; `_run` notes its failure, as `run_now` would. A held receive stays held:
+            # receives keep their order among themselves, and its sender does not need it
             try:
                 if not self._outstanding and self.failure is None and not self._closing:
                     self._run(record, name, operands, None, record.issued_at)
@@ -528,9 +528,10 @@ class HostEngine(Engine):
     def flush(self, wait: bool = False) -> None:
         """Settle the held receives, if any (`message`), in issue order: each taken now
         through the transport's fast path (`wait`: spinning a while for it), else posted. They
-        are settled when a Work of theirs is waited on or polled, or before any later receive
-        or collective, so that messages keep their issue order. Where another thread drives
-        the backend, they are queued instead, ahead of anything issued after them."""
+        are settled when a Work of theirs is waited on or polled, before any later receive (so
+        that receives keep their issue order) and before anything queued. Where another
+        thread drives the backend, they are queued instead, ahead of anything issued after
+        them."""
         held = self._held
         if not held:
             return
