@@ -23,13 +23,13 @@ static inline PyObject *Py_NewRef(PyObject *o) { Py_INCREF(o); return o; }
 typedef struct {
     PyObject_HEAD
     PyObject *name, *seq, *nbytes, *args, *agree, *state, *started_at, *ended_at, *error;
-    double issued_at, deadline;
+    PyObject *issued_at, *deadline;   /* floats, kept as objects: read far more than written */
     char replayed;
 } Record;
 
 static PyTypeObject RecordType;
 
-static PyObject *queued_str, *empty_str, *zero, *monotonic;
+static PyObject *queued_str, *empty_str, *zero, *never, *monotonic;
 
 /* time.monotonic(): on Linux its clock read directly; elsewhere the function itself (-1: error) */
 static double mono(void) {
@@ -51,17 +51,22 @@ static PyObject *record_make(PyTypeObject *type, PyObject *const *a, Py_ssize_t 
         PyErr_SetString(PyExc_TypeError, "OpRecord(name, seq, args='', nbytes=0)");
         return NULL;
     }
-    double issued_at = mono();
-    if (issued_at < 0 && PyErr_Occurred()) return NULL;
+    double now = mono();
+    if (now < 0 && PyErr_Occurred()) return NULL;
+    PyObject *issued_at = PyFloat_FromDouble(now);
+    if (issued_at == NULL) return NULL;
     Record *r = (Record *)type->tp_alloc(type, 0);
-    if (r == NULL) return NULL;
+    if (r == NULL) {
+        Py_DECREF(issued_at);
+        return NULL;
+    }
     r->name = Py_NewRef(a[0]);
     r->seq = Py_NewRef(a[1]);
     r->args = Py_NewRef(n > 2 ? a[2] : empty_str);
     r->nbytes = Py_NewRef(n > 3 ? a[3] : zero);
-    r->issued_at = issued_at;
+    r->issued_at = issued_at;   /* the reference made above */
     r->agree = Py_NewRef(Py_None);
-    r->deadline = Py_HUGE_VAL;
+    r->deadline = Py_NewRef(never);
     r->state = Py_NewRef(queued_str);
     r->started_at = Py_NewRef(Py_None);
     r->ended_at = Py_NewRef(Py_None);
@@ -90,14 +95,14 @@ static PyObject *record_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
 static int record_traverse(Record *r, visitproc visit, void *arg) {
     Py_VISIT(r->name); Py_VISIT(r->seq); Py_VISIT(r->nbytes); Py_VISIT(r->args);
     Py_VISIT(r->agree); Py_VISIT(r->state); Py_VISIT(r->started_at); Py_VISIT(r->ended_at);
-    Py_VISIT(r->error);
+    Py_VISIT(r->error); Py_VISIT(r->issued_at); Py_VISIT(r->deadline);
     return 0;
 }
 
 static int record_clear(Record *r) {
     Py_CLEAR(r->name); Py_CLEAR(r->seq); Py_CLEAR(r->nbytes); Py_CLEAR(r->args);
     Py_CLEAR(r->agree); Py_CLEAR(r->state); Py_CLEAR(r->started_at); Py_CLEAR(r->ended_at);
-    Py_CLEAR(r->error);
+    Py_CLEAR(r->error); Py_CLEAR(r->issued_at); Py_CLEAR(r->deadline);
     return 0;
 }
 
@@ -144,8 +149,7 @@ static PyMemberDef record_members[] = {
     OBJ(nbytes, "its bytes"), {"_args", T_OBJECT, offsetof(Record, args), 0, "args as given"},
     OBJ(agree, "a host collective's signature"), OBJ(state, "queued/started/done/failed"),
     OBJ(started_at, "monotonic"), OBJ(ended_at, "monotonic"), OBJ(error, "the error text"),
-    {"issued_at", T_DOUBLE, offsetof(Record, issued_at), 0, "monotonic"},
-    {"deadline", T_DOUBLE, offsetof(Record, deadline), 0, "monotonic"},
+    OBJ(issued_at, "monotonic"), OBJ(deadline, "monotonic (inf: none)"),
     {"replayed", T_BOOL, offsetof(Record, replayed), 0, "replayed a plan"},
     {NULL, 0, 0, 0, NULL},
 };
@@ -178,11 +182,13 @@ PyMODINIT_FUNC PyInit__recordcore(void) {
     queued_str = PyUnicode_InternFromString("queued");
     empty_str = PyUnicode_InternFromString("");
     zero = PyLong_FromLong(0);
+    never = PyFloat_FromDouble(Py_HUGE_VAL);
     PyObject *time = PyImport_ImportModule("time");
     if (time == NULL) return NULL;
     monotonic = PyObject_GetAttrString(time, "monotonic");
     Py_DECREF(time);
-    if (queued_str == NULL || empty_str == NULL || zero == NULL || monotonic == NULL)
+    if (queued_str == NULL || empty_str == NULL || zero == NULL || never == NULL
+        || monotonic == NULL)
         return NULL;
     if (PyType_Ready(&RecordType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
