@@ -92,23 +92,13 @@ static PyObject *record_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     return record_make(type, &PyTuple_GET_ITEM(args, 0), PyTuple_GET_SIZE(args));
 }
 
-static int record_traverse(Record *r, visitproc visit, void *arg) {
-    Py_VISIT(r->name); Py_VISIT(r->seq); Py_VISIT(r->nbytes); Py_VISIT(r->args);
-    Py_VISIT(r->agree); Py_VISIT(r->state); Py_VISIT(r->started_at); Py_VISIT(r->ended_at);
-    Py_VISIT(r->error); Py_VISIT(r->issued_at); Py_VISIT(r->deadline);
-    return 0;
-}
-
-static int record_clear(Record *r) {
-    Py_CLEAR(r->name); Py_CLEAR(r->seq); Py_CLEAR(r->nbytes); Py_CLEAR(r->args);
-    Py_CLEAR(r->agree); Py_CLEAR(r->state); Py_CLEAR(r->started_at); Py_CLEAR(r->ended_at);
-    Py_CLEAR(r->error); Py_CLEAR(r->issued_at); Py_CLEAR(r->deadline);
-    return 0;
-}
-
+/* Not tracked by the cyclic GC: a record holds plain values only (names, numbers, argument
+ * text or the function and values that make it, never an array), so it is never in a cycle */
 static void record_dealloc(Record *r) {
-    PyObject_GC_UnTrack(r);
-    record_clear(r);
+    Py_XDECREF(r->name); Py_XDECREF(r->seq); Py_XDECREF(r->nbytes); Py_XDECREF(r->args);
+    Py_XDECREF(r->agree); Py_XDECREF(r->state); Py_XDECREF(r->started_at);
+    Py_XDECREF(r->ended_at); Py_XDECREF(r->error); Py_XDECREF(r->issued_at);
+    Py_XDECREF(r->deadline);
     Py_TYPE(r)->tp_free((PyObject *)r);
 }
 
@@ -164,11 +154,9 @@ static PyTypeObject RecordType = {
     .tp_name = "anyccl._recordcore.OpRecord",
     .tp_basicsize = sizeof(Record),
     .tp_doc = "OpRecord(name, seq, args='', nbytes=0): one operation issued, and its states",
-    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL,
     .tp_new = record_new,
     .tp_vectorcall = record_vectorcall,
-    .tp_traverse = (traverseproc)record_traverse,
-    .tp_clear = (inquiry)record_clear,
     .tp_dealloc = (destructor)record_dealloc,
     .tp_str = (reprfunc)record_str,
     .tp_repr = (reprfunc)record_repr,
