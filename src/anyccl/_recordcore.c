@@ -10,6 +10,9 @@
  *   .args     the argument text: `_args` itself, or, where `_args` is a tuple (function,
  *             *arguments), the function's result, made once, when first read
  *   str()     "name(args) #seq"; repr(): "OpRecord(name(args) #seq)"
+ *
+ * Records hold plain values only (a record keeps no array alive: trace.about), so they are
+ * never part of a reference cycle, and this type is not tracked by the cyclic GC.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
