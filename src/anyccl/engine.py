@@ -90,7 +90,7 @@ class Engine:
             self._note_failure(exc)
             raise
         finally:
-            with self._lock:
+            with self._state:
                 self._inline = False
                 self._state.notify_all()
 
@@ -164,7 +164,7 @@ class Engine:
         return work
 
     def _start_worker(self) -> None:
-        with self._lock:
+        with self._state:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._worker, daemon=True,
                                                 name=f"anyccl-{self._label}")
@@ -224,7 +224,7 @@ class Engine:
 
     def _finished(self, work: Work, error: BaseException | None) -> None:
         work.complete(error)
-        with self._lock:
+        with self._state:
             self._outstanding -= 1
             if self._draining:  # only close() waits for the count (the idle worker does not)
                 self._state.notify_all()
@@ -232,7 +232,7 @@ class Engine:
     # ---- the worker --------------------------------------------------------------------------
     def _worker(self) -> None:
         while True:
-            with self._lock:
+            with self._state:
                 idle_since = None
                 # (a held message is the waiter's to settle: no work of this thread's)
                 while not self._queue and not self._closing and self._outstanding == 0:
@@ -333,7 +333,7 @@ class Engine:
     def close(self, timeout_s: float = 5.0) -> None:
         """Let queued work finish (up to `timeout_s`), stop the worker, close the backend."""
         self.flush()
-        with self._lock:
+        with self._state:
             if self._closing:
                 return
             deadline = time.monotonic() + timeout_s

@@ -25,8 +25,7 @@ class Work:
     __slots__ = ("record", "rank", "helper", "poke", "source", "_finished", "_event", "_error")
 
     def __init__(self, record: OpRecord, rank: int, finished: bool = False) -> None:
-        """`finished`: an operation that already finished, without error (nobody can be
-        waiting on it yet, so it needs no lock)."""
+        """`finished`: the Work of an operation that already finished, without error."""
         self.record, self.rank = record, rank
         # irecv(src=None): the rank whose message it received, once it has completed
         self.source: int | None = None
