@@ -19,7 +19,8 @@
 # host time: lab/replay_cost.py), torchtests (the torch backend's GPU tests), torchsmoke (the
 # torch backend's collectives and DDP/FSDP2/averager on a small model, on however many GPUs), torchddp (torch DDP,
 # FSDP2 and the GradientAverager on anyccl groups vs DDP on NCCL: float32 and bfloat16, 201M
-# parameters; PROFILE=1 adds rank 0's torch.profiler tables), pack (everything in $RESULTS_DIR into one gpu-out.tgz: last).
+# parameters; PROFILE=1 adds rank 0's torch.profiler tables), tune (anyccl tune: the auto
+# policy's routes for this machine shape), autovs (auto beside torch's NCCL, six ops, $DTYPE), pack (everything in $RESULTS_DIR into one gpu-out.tgz: last).
 # MIN/MAX change small's, large's and scale's sizes, ROUNDS the bench rounds (3); CE_ARGS are
 # ce_allreduce.py's arguments (e.g. "--sync events memops").
 # N=k runs the multi-rank steps on k ranks (default: one per visible GPU); K=expr selects ipc tests.
@@ -57,7 +58,7 @@ bench() {
   local name=$1 limit=$2 backend=$3 compare=$4 ops=$5 min=$6 max=$7
   timeout "$limit" python3 -m anyccl bench -n "$n" --device cuda --backend "$backend" \
       --compare "$compare" --op "$ops" --min "$min" --max "$max" --factor "${FACTOR:-4}" \
-      ${ROUNDS:+--rounds "$ROUNDS"} ${GRAPH:+--graph} --json "$RESULTS_DIR/$name.json" 2>&1 | tee "$RESULTS_DIR/$name.txt" \
+      ${ROUNDS:+--rounds "$ROUNDS"} ${GRAPH:+--graph} ${DTYPE:+--dtype "$DTYPE"} --json "$RESULTS_DIR/$name.json" 2>&1 | tee "$RESULTS_DIR/$name.txt" \
       | awk '/busbw \(GB\/s/,/latency at the smallest/' | tail -100
 }
 FOUR=all_reduce,all_gather,reduce_scatter,broadcast
@@ -152,6 +153,12 @@ for what in "$@"; do
         2>&1 | tee "$RESULTS_DIR/ce-modes.txt" | tail -40 ;;
   links) step links
     timeout 120 python3 benchmarks/roofline/link_ceiling.py 2>&1 | tee "$RESULTS_DIR/link-ceiling.txt" | tail -8 ;;
+  tune) step tune  # anyccl tune on N ranks: the routes into ANYCCL_ROUTES_FILE (or the cache)
+    timeout "${TUNE_TIMEOUT:-300}" python3 -m anyccl tune -n "$n" 2>&1 | grep -v Warning \
+        | tee "$RESULTS_DIR/tune-$n.txt" ;;
+  autovs) step autovs  # auto (the routes in force) beside torch's NCCL: six ops, MIN..MAX, $DTYPE
+    bench "auto-vs-nccl-$n-${DTYPE:-float32}" "${BENCH_TIMEOUT:-400}" auto torch \
+        "${OPS:-$FOUR,reduce,all_to_all}" "${MIN:-16}" "${MAX:-1G}" ;;
   scale) step scale
     bench "scale-$n-${MIN:-16}-${MAX:-1G}${GRAPH:+-graph}" "${BENCH_TIMEOUT:-500}" auto \
         ipc,nccl,torch "${OPS:-$FOUR,all_to_all}" "${MIN:-16}" "${MAX:-1G}" ;;

@@ -1,6 +1,6 @@
 """The ipc backend's host-side contracts, checked without a GPU: the kernels' argument block
 has the same fields in the same order on both sides, the buffer layout gives every collective
-and message ring room, and routing is a pure function of what every rank agrees on."""
+and message ring room (routing: tests/test_ipc_routes.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import re
 import pytest
 
 from anyccl.backends.ipc import compiler
-from anyccl.backends.ipc.backend import AUTO_IPC_RANGES, auto_ranges, routes_to_ipc
 from anyccl.backends.ipc.memory import MAX_RANKS, TILE_BYTES, KernelArgs, Layout
 
 _C_TYPES = {"u64": ctypes.c_uint64, "float": ctypes.c_float, "int": ctypes.c_int}
@@ -78,25 +77,6 @@ def test_buffer_sizes_follow_the_environment(monkeypatch):
     assert (lay.slot_bytes, lay.slots, lay.tile_bytes) == (512 << 10, 4, 128 << 10)
 
 
-def test_routing_depends_only_on_policy_op_size_and_rank_count(monkeypatch):
-    for op in AUTO_IPC_RANGES[2]:
-        assert routes_to_ipc("ipc", op, 0) and routes_to_ipc("ipc", op, 1 << 40)
-    assert routes_to_ipc("auto", "all_reduce", 8) and routes_to_ipc("auto", "all_reduce", 1 << 30)
-    assert routes_to_ipc("auto", "broadcast", 8 << 20) and \
-        not routes_to_ipc("auto", "broadcast", 16 << 20)
-    assert not routes_to_ipc("auto", "reduce_scatter", 8 << 20) and \
-        routes_to_ipc("auto", "reduce_scatter", 32 << 20)
-    assert not routes_to_ipc("auto", "send", 1 << 20) and routes_to_ipc("auto", "recv", 1 << 30)
-    assert not routes_to_ipc("auto", "gather", 1 << 20)       # the kernels have no gather
-    # a rank count not measured takes the table of the most ranks measured below it
-    monkeypatch.setitem(AUTO_IPC_RANGES, 4, {"all_reduce": [(0, 1 << 20)]})
-    assert auto_ranges(3) is AUTO_IPC_RANGES[2] and auto_ranges(8) is AUTO_IPC_RANGES[4]
-    assert auto_ranges(1) is AUTO_IPC_RANGES[2]
-    assert routes_to_ipc("auto", "all_reduce", 1 << 20, 8)
-    assert not routes_to_ipc("auto", "all_reduce", 2 << 20, 8)
-    assert not routes_to_ipc("auto", "broadcast", 8, 4)
-
-
 def test_compiled_kernels_are_cached_under_anyccl_cache_dir(monkeypatch, tmp_path):
     monkeypatch.setenv("ANYCCL_CACHE_DIR", str(tmp_path))
     assert compiler.cache_dir() == tmp_path / "kernels"
@@ -154,35 +134,3 @@ def test_every_kernel_the_backend_launches_is_an_entry_point_of_the_source(tmp_p
     entries = set(re.findall(r"\.entry\s+([A-Za-z_0-9]+)", ptx.read_text()))
     missing = [n for n in names if n not in entries]
     assert not missing, missing
-
-
-def test_the_auto_routes_are_data_that_auto_table_writes(tmp_path):
-    import json
-    import sys
-    from pathlib import Path
-
-    from anyccl.backends.ipc.backend import ROUTES, load_routes
-
-    assert load_routes() == AUTO_IPC_RANGES and 2 in AUTO_IPC_RANGES
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-    try:
-        import auto_table
-    finally:
-        sys.path.pop(0)
-    rows = []
-    measured = ((1 << 20, 5.0, 10.0), (4 << 20, 9.0, 10.0), (16 << 20, 12.0, 10.0))
-    for size, ipc_us, nccl_us in measured:
-        for library, us in (("anyccl-ipc", ipc_us), ("anyccl-nccl", nccl_us)):
-            rows.append({"op": "broadcast", "library": library, "size": size, "time_us": us,
-                         "variant": "in-place"})
-    run = tmp_path / "run.json"
-    run.write_text(json.dumps({"meta": {"ranks": 4, "backend": "cpu:shm,cuda:auto"},
-                               "rows": rows}))
-    copy = tmp_path / "routes.json"
-    copy.write_text(ROUTES.read_text())
-    ranks, table = auto_table.load([str(run)])
-    auto_table.write(copy, ranks, auto_table.derived(table, 0.03), [str(run)], "test machine")
-    routes = load_routes(copy)
-    # ipc wins at 1 and 4 MiB (by more than 3%), loses at 16 MiB
-    assert routes[4] == {"broadcast": [(0, 4 << 20)]}
-    assert routes[2] == AUTO_IPC_RANGES[2]  # other rank counts untouched

@@ -17,6 +17,7 @@ from anyccl.backends.gpu_queue import GpuQueue
 from anyccl.backends.ipc import backend as ipc
 from anyccl.backends.ipc import compiler
 from anyccl.backends.ipc.memory import TILE_BYTES, KernelArgs, Layout
+from anyccl.backends.ipc.routes import Routes
 from anyccl.buffers import BFLOAT16, GpuArray
 from anyccl.errors import AnycclError, CommunicatorClosedError
 from anyccl.trace import OpRecord
@@ -85,9 +86,10 @@ def launches(monkeypatch):
 backend_under_test: list = []
 
 
-def make_backend(names, size=2, rank=0, policy="ipc", half_mb=2):
+def make_backend(names, size=2, rank=0, policy="ipc", half_mb=2, routes=None):
     """The ipc backend, made by its constructor over the fakes above, with the kernels named
-    as `names` maps their handles, and the thresholds these tests were written for."""
+    as `names` maps their handles, and the thresholds these tests were written for (the ipc
+    policy's routes from them, unless `routes` are given)."""
     import os
 
     os.environ["ANYCCL_IPC_HALF_MB"] = str(half_mb)
@@ -100,12 +102,15 @@ def make_backend(names, size=2, rank=0, policy="ipc", half_mb=2):
     real = compiler.kernels
     compiler.kernels = lambda device: kernels
     try:
-        b = ipc.IpcBackend(FakeNccl(rank, size), FakeMemory(layout, rank, size), policy)
+        b = ipc.IpcBackend(FakeNccl(rank, size), FakeMemory(layout, rank, size), policy,
+                           routes)
     finally:
         compiler.kernels = real
     b.max_blocks, b.ll_bytes, b.one_shot_bytes = 128, min(16 << 10, layout.slot_bytes // 2), \
         256 << 10
     b.ce_bytes = 1 << 62  # the copy-engine path: tests/test_ipc_copy_engines.py
+    if routes is None:
+        b.routes = Routes.kernels(b.ll_bytes, b.one_shot_bytes, b.ce_bytes, "test")
     backend_under_test.append(b)
     return b
 
@@ -145,6 +150,34 @@ def test_all_reduce_rounds_cover_every_element_once_within_the_buffers(launches,
     assert covered == count
 
 
+@pytest.mark.parametrize("size", [2, 3, 4, 8])
+@pytest.mark.parametrize("algorithm", ["low_latency", "one_shot", "two_shot"])
+@pytest.mark.parametrize("count", [1, 7, 1023, 65536 + 3, 700_001])
+def test_each_all_reduce_algorithm_a_route_names_covers_every_element_once_on_any_rank_count(
+        launches, size, algorithm, count):
+    seen, names, _ = launches
+    b = make_backend(names, size=size, routes=Routes.everywhere("all_reduce", algorithm))
+    x = arr(1 << 20, count)
+    b.all_reduce(x, ReduceOp.SUM)(3)
+    slot = b.layout.slot_bytes
+    covered = 0
+    fits_ll = 4 * count <= slot // 2
+    for kernel, blocks, on, a in seen:
+        assert on == 3 and a["inp"] == a["out"] == x.ptr + covered * 4 and a["scale"] == 1.0
+        nbytes = a["count"] * 4
+        if algorithm == "low_latency" and fits_ll:      # one kernel of data+flag words
+            assert kernel == "all_reduce_low_latency_float32_sum" and len(seen) == 1
+        elif kernel.startswith("all_reduce_one_shot"):   # the chosen one, or the last piece
+            assert algorithm != "two_shot" or nbytes <= min(slot, b.one_shot_bytes)
+            assert nbytes <= slot and a["ins"][:size] == [a["inp"]] * size
+        else:
+            assert kernel == "all_reduce_two_shot_float32_sum" and algorithm == "two_shot"
+            assert -(-a["count"] // size) * 4 <= slot    # each rank's segment fits a slot
+        assert 1 <= blocks <= b.max_blocks
+        covered += a["count"]
+    assert covered == count
+
+
 def test_reduce_scatter_and_all_gather_address_every_piece_in_each_round(launches):
     seen, names, _ = launches
     b = make_backend(names)
@@ -176,10 +209,12 @@ def test_what_the_kernels_do_not_serve_goes_to_nccl(launches):
     assert b.all_reduce(arr(4096, 10), ReduceOp.PROD) == ("nccl", "all_reduce")
     assert b.reduce(arr(4096, 10), 0, ReduceOp.SUM) == ("nccl", "reduce")
     assert b.all_to_all([arr(0, 1)] * 2, [arr(8, 1)] * 2) == ("nccl", "all_to_all")
-    auto = make_backend(names, policy="auto")
+    table = Routes({"broadcast": [(0, 8 << 20, "kernels")]}, "test table")
+    auto = make_backend(names, policy="auto", routes=table)
     assert (b.name, auto.name) == ("ipc", "auto")  # what comm.backend reports: cuda:ipc / :auto
     assert auto.broadcast(arr(4096, 16 << 18), 0) == ("nccl", "broadcast")   # 16 MiB
     assert callable(auto.broadcast(arr(4096, 1 << 10), 0))                  # 4 KiB: kernels
+    assert auto.all_reduce(arr(4096, 10), ReduceOp.SUM) == ("nccl", "all_reduce")  # no route
 
 
 def test_batched_messages_fork_to_a_side_stream_per_channel_and_join_back(launches):

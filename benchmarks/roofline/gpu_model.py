@@ -1,6 +1,7 @@
 """The link model of the GPU backends: for each row of an `anyccl bench --device cuda --json` run,
-the bytes the busiest GPU sends over its links for the algorithm that library runs at that size
-(as the code at hand routes it: runs made before a routing change are labelled by today's), the
+the bytes the busiest GPU sends over its links for the algorithm that library ran at that size
+(the routes each anyccl library recorded in the run's meta; runs made before the routes were
+recorded are labelled by today's `ipc` policy), the
 bus bandwidth that allows at the links' measured rate, and how much of it the row reaches. It
 is the roofline the ipc results are held against, and the prediction a scaling run (2, 4, 8
 GPUs) is compared with.
@@ -26,37 +27,41 @@ import json
 
 from anyccl import tuning
 from anyccl._units import parse_size
-from anyccl.backends.ipc.backend import routes_to_ipc
+from anyccl.backends.ipc.routes import NCCL, Routes
 from anyccl.tools.bench import bus_factor
 
-# all_reduce's paths by the bytes of the array (the tuning table): one shot up to
-# ONE_SHOT_BYTES, two shots above, copy engines from CE_BYTES up
-ONE_SHOT_BYTES = tuning.value("ipc.one_shot_max")
-CE_BYTES = tuning.value("ipc.ce_min")
-
-# what each library name of a run means: anyccl runs the run's own backend (meta "backend")
-KERNELS = {"anyccl-ipc": "ipc", "anyccl-auto": "auto"}
+# the `ipc` policy's routes (the tuning table's thresholds), for runs that recorded none
+IPC_POLICY = Routes.kernels(tuning.value("ipc.ll_max"), tuning.value("ipc.one_shot_max"),
+                            tuning.value("ipc.ce_min"), "policy ipc")
+EGRESS = {"low_latency": "one shot", "one_shot": "one shot", "two_shot": "two shots",
+          "copy_engines": "copy engines"}
 
 
-def algorithm(library: str, backend: str, op: str, size: int, n: int) -> tuple[str, float]:
-    """(algorithm, egress per GPU in units of N) for `op` of nccl-tests size `size`."""
+def recorded_routes(meta: dict) -> dict[str, Routes]:
+    """library name -> the routes it ran with, as the run recorded them (meta "routes")."""
+    return {name: Routes.from_json(spans, name) for name, spans in meta.get("routes", {}).items()}
+
+
+def algorithm(library: str, routes: dict[str, Routes], op: str, size: int,
+              n: int) -> tuple[str, float]:
+    """(algorithm, egress per GPU in units of N) for `op` of nccl-tests size `size`, run by
+    `library` with its recorded `routes` (an anyccl library without any: the ipc policy's;
+    any other library: NCCL)."""
     f = (n - 1) / n
-    policy = KERNELS.get(library) or (backend if library == "anyccl" else "nccl")
+    table = routes.get(library) or (IPC_POLICY if library.startswith("anyccl") else None)
     per_rank = {"all_gather": size // n, "reduce_scatter": size // n}.get(op, size)
-    kernels = policy in ("ipc", "auto") and op in ("all_reduce", "broadcast", "all_gather",
-                                                   "reduce_scatter", "sendrecv") \
-        and routes_to_ipc(policy, "send" if op == "sendrecv" else op, per_rank, n)
+    impl = table.pick("send" if op == "sendrecv" else op, per_rank) if table else NCCL
     if op == "all_reduce":
-        if kernels and size <= ONE_SHOT_BYTES:
+        if impl in ("low_latency", "one_shot"):
             return "ipc one shot", n - 1.0
-        if kernels:
-            return ("ipc copy engines" if size >= CE_BYTES else "ipc two shots"), 2 * f
+        if impl != NCCL:
+            return f"ipc {EGRESS[impl]}", 2 * f
         return "nccl", 2 * f
     if op == "broadcast":
-        return ("ipc root push", n - 1.0) if kernels else ("nccl", 1.0)
+        return ("ipc root push", n - 1.0) if impl != NCCL else ("nccl", 1.0)
     if op == "sendrecv":
-        return ("ipc" if kernels else "nccl"), 1.0
-    return ("ipc" if kernels else "nccl"), f
+        return ("ipc" if impl != NCCL else "nccl"), 1.0
+    return ("ipc" if impl != NCCL else "nccl"), f
 
 
 def main() -> None:
@@ -69,7 +74,7 @@ def main() -> None:
     parser.add_argument("--min-size", default="1M")
     args = parser.parse_args()
     data = json.load(open(args.json))
-    n, backend = data["meta"]["ranks"], data["meta"]["backend"].split("cuda:")[-1]
+    n, routes = data["meta"]["ranks"], recorded_routes(data["meta"])
     print(f"{n} GPUs; B = {args.sm:g} GB/s by SM stores, {args.ce:g} by copy engines "
           f"(per direction, per GPU)\n")
     print("| op | size | library | algorithm | egress per GPU (x N) | model busbw (GB/s) | "
@@ -81,7 +86,7 @@ def main() -> None:
         if r["variant"] != ("in-place" if r["op"] in ("all_reduce", "broadcast") else
                             "out-of-place") and r["op"] != "sendrecv":
             continue
-        name, egress = algorithm(r["library"], backend, r["op"], r["size"], n)
+        name, egress = algorithm(r["library"], routes, r["op"], r["size"], n)
         link = args.ce if name == "ipc copy engines" else args.sm
         model = link * bus_factor(r["op"], n) / egress
         size = r["size"]

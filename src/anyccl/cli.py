@@ -60,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.set_defaults(handler=_run)
     sub.add_parser("bench", add_help=False,
                    help="nccl-tests style measurements (anyccl bench --help)")
+    sub.add_parser("tune", add_help=False,
+                   help="measure this machine's GPU routes for the auto policy (anyccl tune "
+                        "--help)")
     sub.add_parser("viz", add_help=False,
                    help="pictures of what a collective does (anyccl viz --help)")
     info = sub.add_parser("info", help="versions, backends, GPUs and their links")
@@ -79,6 +82,10 @@ def main(argv: list[str] | None = None) -> int:
         from .tools.bench import main as bench
 
         return bench(argv[1:])
+    if argv[:1] == ["tune"]:
+        from .tools.tune import main as tune
+
+        return tune(argv[1:])
     if argv[:1] == ["viz"]:
         from .tools.viz import main as viz
 

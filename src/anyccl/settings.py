@@ -190,6 +190,10 @@ MPI_STAGING_CHUNK = _declare("MPI_STAGING_CHUNK", "size", 4 << 20,
 CACHE_DIR = _declare("CACHE_DIR", "path", None,
                      "Where the ipc kernels compiled by NVRTC are kept. Default: "
                      "~/.cache/anyccl.")
+ROUTES_FILE = _declare("ROUTES_FILE", "path", None,
+                       "Where `anyccl tune` writes the measured routes of the ipc `auto` policy "
+                       "and where `auto` looks for them first. Default: "
+                       "~/.cache/anyccl/routes.json.")
 IPC_BLOCKS = _declare("IPC_BLOCKS", "int", 128, "Thread blocks per ipc kernel, at most.",
                       minimum=1)
 IPC_HALF_MB = _declare("IPC_HALF_MB", "size", 256 << 20,

@@ -734,7 +734,7 @@ def _bench(ns: argparse.Namespace, s: Settings, compare: list[str]) -> int:
         if lead and ns.json:  # after every op: a run cut short keeps what it measured
             meta = {"ranks": comm.size, "backend": comm.backend, "memory_copy_gbs": membw,
                     "libraries": _versions(compare, where.device), "device": where.device,
-                    "host": socket.gethostname()}
+                    "host": socket.gethostname(), "routes": _routes(libraries)}
             with open(ns.json, "w") as f:
                 json.dump({"meta": meta, "rows": [asdict(r) for r in rows]}, f, indent=1)
     wrong = sum(r.wrong or 0 for r in rows)
@@ -745,6 +745,18 @@ def _bench(ns: argparse.Namespace, s: Settings, compare: list[str]) -> int:
         peer.close()
     comm.close()
     return 1 if wrong else 0
+
+
+def _routes(libraries: list[Any]) -> dict[str, Any]:
+    """library name -> the routes its GPU backend ran with (the ipc backend's policies), for
+    the roofline model (benchmarks/roofline/gpu_model.py) to say which algorithm ran."""
+    found = {}
+    for peer in libraries:
+        comm = getattr(peer, "comm", None)
+        routes = getattr(comm.gpu_backend, "routes", None) if comm is not None else None
+        if routes is not None:
+            found[peer.name] = routes.as_json()
+    return found
 
 
 def _versions(compare: list[str], device: str = "cpu") -> list[str]:

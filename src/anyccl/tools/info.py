@@ -118,6 +118,33 @@ def _nvidia_smi_topology() -> dict[tuple[int, int], int]:
     return counts
 
 
+def _nvidia_smi_pci_topology() -> dict[tuple[str, str], int]:
+    """NVLink counts between GPUs named by PCI address ("0000:18:00"), from nvidia-smi: its
+    topology matrix, with its own GPU order mapped to PCI addresses (nvidia-smi sees every GPU,
+    whatever CUDA_VISIBLE_DEVICES says)."""
+    import subprocess
+
+    listed = subprocess.run(["nvidia-smi", "--query-gpu=index,pci.bus_id",
+                             "--format=csv,noheader"], capture_output=True, text=True,
+                            timeout=20).stdout
+    pci = {}
+    for line in listed.splitlines():
+        index, _, bus = (part.strip() for part in line.partition(","))
+        if index.isdigit():
+            pci[int(index)] = pci_key(bus)
+    return {(pci[i], pci[j]): k for (i, j), k in _nvidia_smi_topology().items()
+            if i in pci and j in pci}
+
+
+def pci_key(address: str) -> str:
+    """A PCI address as bus:device, whatever its domain's width and function ("00000000:18:00.0"
+    and "0000:18:00" are both "18:00")."""
+    text = address.strip().lower()
+    if text.count(":") == 2:
+        text = text.split(":", 1)[1]
+    return text.split(".", 1)[0]
+
+
 def _bus(bus_id: Any) -> str:
     text = bus_id.decode() if isinstance(bus_id, bytes) else str(bus_id)
     return text.lower().split(":", 1)[-1]  # drop the domain's width differences
@@ -174,7 +201,6 @@ def records() -> str:
 def tuning_table() -> str:
     """The tuning table in force (tuning.py), and the ipc auto policy's measured routes."""
     from .. import tuning
-    from ..backends.ipc.backend import AUTO_IPC_RANGES
     from ..errors import InvalidArgumentError
 
     lines = ["tuning (override any with ANYCCL_TUNING=key=value,...; the same on every rank):"]
@@ -186,22 +212,40 @@ def tuning_table() -> str:
     for key, amount, overridden, what in rows:
         shown = tuning.format_value(key, amount) + (" (ANYCCL_TUNING)" if overridden else "")
         lines.append(f"  {key:<28} {shown:<18} {what}")
-    lines.append("  ipc auto policy: sizes per rank that run on the ipc kernels, else NCCL "
-                 "(backends/ipc/routes.json, measured):")
-    for ranks, routes in sorted(AUTO_IPC_RANGES.items()):
-        for op, spans in routes.items():
-            where = ", ".join(f"({_size(lo)}, {_size(hi)}]" for lo, hi in spans)
-            lines.append(f"    {ranks} ranks  {op:<15} {where}")
+    lines += auto_routes()
     return "\n".join(lines)
 
 
-def _size(n: int) -> str:
-    if n >= 1 << 61:
-        return "any"
-    for unit, factor in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= factor and n % factor == 0:
-            return f"{n // factor} {unit}"
-    return f"{n} B"
+def auto_routes() -> list[str]:
+    """What the ipc `auto` policy follows here: the table in force for a job over every visible
+    GPU and where it came from, then every measured table known (the cache's, the shipped)."""
+    from ..backends.ipc import routes
+
+    lines = ["\nipc auto policy (per-rank sizes that run on each kernel; every other size on "
+             "NCCL; `anyccl tune` measures this machine):"]
+    from .. import gpu
+
+    count = _try(gpu.device_count, 0)
+    if count >= 2:
+        shape = _try(lambda: routes.shape_of([routes.gpu_identity(d) for d in range(count)]))
+        if shape is not None:
+            found = _try(lambda: routes.lookup(shape))
+            lines.append(f"  in force for {count} ranks here: "
+                         + (found.source if found else "unknown (the lookup failed)"))
+            lines += [f"    {line}" for line in (found.describe() if found else [])]
+    for path, kind in ((routes.cache_file(), "measured here"), (routes.SHIPPED, "shipped")):
+        try:
+            tables = routes.read_tables(path)
+        except Exception as exc:  # noqa: BLE001 - info reports what it can
+            lines.append(f"  {path} ({kind}): {exc}")
+            continue
+        lines.append(f"  {path} ({kind}): {len(tables)} table{'s' if len(tables) != 1 else ''}")
+        for table in tables:
+            shape = routes.Shape(**table["shape"])
+            lines.append(f"    {shape} ({table.get('measured', 'date unknown')})")
+            described = routes.Routes.from_json(table["routes"], str(path)).describe()
+            lines += [f"      {line}" for line in described or ["every op on NCCL"]]
+    return lines
 
 
 def _address() -> str:

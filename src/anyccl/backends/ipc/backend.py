@@ -13,16 +13,16 @@ backend keeps beside its kernels; both queue through the same ordered stream mac
 
 Routing is decided from what every rank agrees on (op, byte size, dtype, reduce op), never from
 pointers, so all ranks of a collective always pick the same side: `policy="ipc"` sends every op
-the kernels can do to them; `policy="auto"` only the sizes where they were measured faster than
-NCCL on this kind of machine (`AUTO_IPC_RANGES`).
+the kernels can do to them (all_reduce's algorithm by the tuning table's thresholds);
+`policy="auto"` follows the routes measured on this machine's shape (`routes.py`: which
+implementation is fastest at each size, NCCL where nothing was measured), the same table on
+every rank.
 """
 
 from __future__ import annotations
 
 import ctypes
-import json
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -38,49 +38,21 @@ from ..nccl import NcclBackend
 from ..registry import GpuContext
 from . import ce, compiler
 from .memory import STATUS_ERROR, THREADS, KernelArgs, PeerMemory, describe_args
+from .routes import NCCL, Routes, agreed
 
 _TYPES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16", BFLOAT16: "bfloat16"}
 _OPS = {ReduceOp.SUM: "sum", ReduceOp.AVG: "sum", ReduceOp.MIN: "min", ReduceOp.MAX: "max"}
 _TAG_BITS = 24  # the part of a tag a message carries (kernels.cu: meta_of)
 
-ROUTES = Path(__file__).with_name("routes.json")
-
-
-def load_routes(path: Path = ROUTES) -> dict[int, dict[str, list[tuple[int, int]]]]:
-    """policy="auto"'s table, by the number of ranks it was measured on: for each op, the sizes
-    (bytes of each rank's array: the input of all_reduce, broadcast, all_gather and messages,
-    the output of reduce_scatter) that run on the ipc kernels, as (above, at most] ranges; every
-    other size runs on NCCL. Data written by benchmarks/auto_table.py from measured runs."""
-    ranks = json.loads(path.read_text())["ranks"]
-    return {int(n): {op: [(int(lo), int(hi)) for lo, hi in spans]
-                     for op, spans in entry["routes"].items()}
-            for n, entry in ranks.items()}
-
-
-AUTO_IPC_RANGES = load_routes()
 POLICIES = ("ipc", "auto")
-
-
-def auto_ranges(nranks: int) -> dict[str, list[tuple[int, int]]]:
-    """The table measured on the most ranks not above `nranks` (else on the fewest)."""
-    measured = sorted(AUTO_IPC_RANGES)
-    below = [m for m in measured if m <= nranks]
-    return AUTO_IPC_RANGES[below[-1] if below else measured[0]]
-
-
-def routes_to_ipc(policy: str, op: str, nbytes: int, nranks: int = 2) -> bool:
-    """Whether `op` on arrays of `nbytes` runs on the kernels (else NCCL) under `policy` among
-    `nranks` ranks; the same answer on every rank, since every rank passes the same op, size
-    and rank count."""
-    return policy == "ipc" or any(lo < nbytes <= hi
-                                  for lo, hi in auto_ranges(nranks).get(op, ()))
 
 
 class IpcBackend(QueuedGpuBackend):
     """anyccl's peer-memory kernels on one GPU per rank, with an NCCL communicator for the rest;
     both queue through the NCCL backend's `GpuQueue`, so operations stay in issue order."""
 
-    def __init__(self, nccl: NcclBackend, memory: PeerMemory, policy: str) -> None:
+    def __init__(self, nccl: NcclBackend, memory: PeerMemory, policy: str,
+                 routes: Routes | None = None) -> None:
         if policy not in POLICIES:
             raise UnsupportedError(f"ipc policy {policy!r} is unknown; expected one of "
                                    f"{', '.join(POLICIES)}")
@@ -109,6 +81,11 @@ class IpcBackend(QueuedGpuBackend):
         self.ce_memop_wait = False
         if not self.layout.ce_slot_bytes or self.size == 1:
             self.ce_bytes = 1 << 62
+        # which implementation runs each op at each size: the measured table (auto), else the
+        # kernels wherever they serve, all_reduce's algorithm by the thresholds above
+        self.routes = routes or Routes.kernels(
+            self.ll_bytes, self.one_shot_bytes, self.ce_bytes,
+            "policy ipc: the kernels for every op they serve; all_reduce by the tuning table")
         self._ce = ce.CopyEngineAllReduce(memory, self.device)
         self._side: list[tuple[int, int]] = []   # (stream, event) for batched messages
         self._fork = gpu.new_event(self.device)
@@ -135,7 +112,9 @@ class IpcBackend(QueuedGpuBackend):
             nccl.close()
             raise
         try:
-            return cls(nccl, memory, policy)
+            routes = agreed(store, f"{key}/auto", rank, size, device, timeout_s)[1] \
+                if policy == "auto" else None
+            return cls(nccl, memory, policy, routes)
         except BaseException:
             memory.close()
             nccl.close()
@@ -160,7 +139,7 @@ class IpcBackend(QueuedGpuBackend):
 
     # ---- routing ---------------------------------------------------------------------------------
     def _ipc(self, op: str, nbytes: int) -> bool:
-        return routes_to_ipc(self.policy, op, nbytes, self.size)
+        return self.routes.pick(op, nbytes) != NCCL
 
     def _tiling(self, nbytes: int) -> tuple[int, int]:
         """(blocks, tile) for a kernel whose blocks share `nbytes`: the tile (bytes between
@@ -196,28 +175,35 @@ class IpcBackend(QueuedGpuBackend):
     # ---- operations: each returns the function that queues it on a stream ------------------------
     def all_reduce(self, x: GpuArray, op: ReduceOp) -> Callable[[int], None]:
         dtype, kind = _TYPES.get(x.dtype), _OPS.get(op)
-        if dtype is None or kind is None or not self._ipc("all_reduce", x.nbytes):
+        algorithm = self.routes.pick("all_reduce", x.nbytes)
+        if dtype is None or kind is None or algorithm == NCCL:
             return self.nccl.all_reduce(x, op)
         n, size, ptr, a = self.size, x.dtype.itemsize, x.ptr, self._args
         scale = 1.0 / n if op is ReduceOp.AVG else 1.0
         slot = self.layout.slot_bytes // size      # elements one rank may push per kernel
-        one_shot = min(slot, self.one_shot_bytes // size)
         # one shot: reduce_scatter's kernel with every rank's piece the whole array
         one, two = f"all_reduce_one_shot_{dtype}_{kind}", f"all_reduce_two_shot_{dtype}_{kind}"
         total = x.size
-        if x.nbytes >= self.ce_bytes:   # largest: copy engines move, a kernel reduces
-            return self._all_reduce_ce(x, f"reduce_local_{dtype}_{kind}", scale)
-        if x.nbytes <= self.ll_bytes:   # small: one kernel of data+flag words
+        if algorithm == "copy_engines":
+            if self.layout.ce_slot_bytes and n > 1:
+                return self._all_reduce_ce(x, f"reduce_local_{dtype}_{kind}", scale)
+            algorithm = "two_shot"   # no copy-engine area (ANYCCL_IPC_CE_MB=0): the SMs
+        if algorithm == "low_latency" and x.nbytes <= self.layout.slot_bytes // 2:
             words, ll = -(-x.nbytes // 4), f"all_reduce_low_latency_{dtype}_{kind}"
             blocks = max(1, min(self.max_blocks, -(-words // THREADS)))
             return self._kernel(ll, blocks, ptr, ptr, total, scale=scale)
+        # one shot where chosen (or where the other two do not fit), else two shots; arrays
+        # beyond one kernel's slots take several kernels, the last piece one shot when it fits
+        # the chosen one-shot size
+        one_shot = slot if algorithm != "two_shot" else min(slot, self.one_shot_bytes // size)
         if total <= one_shot:   # one kernel: every rank's piece is the whole array
             blocks, tile = self._tiling(x.nbytes)
             return self._kernel(one, blocks, ptr, ptr, total, tile=tile, scale=scale,
                                 ins=[ptr] * n)
-        if total <= slot * n:   # one kernel of two shots
+        if total <= slot * n and algorithm == "two_shot":   # one kernel of two shots
             blocks, tile = self._tiling(-(-total // n) * size)
             return self._kernel(two, blocks, ptr, ptr, total, tile=tile, scale=scale)
+        step = slot if algorithm != "two_shot" else slot * n
 
         def enqueue(stream: int) -> None:
             a.scale = scale
@@ -227,8 +213,9 @@ class IpcBackend(QueuedGpuBackend):
                 if left <= one_shot:
                     count, kernel, per_block = left, one, left * size
                 else:
-                    count = min(left, slot * n)
-                    kernel, per_block = two, -(-count // n) * size
+                    count = min(left, step)
+                    kernel, per_block = (two, -(-count // n) * size) if step > slot else \
+                        (one, count * size)
                 a.inp = a.out = ptr + start * size
                 a.count = count
                 if kernel is one:
@@ -382,7 +369,14 @@ class IpcBackend(QueuedGpuBackend):
             return child
         memory = PeerMemory(store, f"{group}/ipc", child.rank, child.size, child.device,
                             self.nccl.timeout_s)
-        return IpcBackend(child, memory, self.policy)
+        try:
+            routes = agreed(store, f"{group}/auto", child.rank, child.size, child.device,
+                            self.nccl.timeout_s)[1] if self.policy == "auto" else None
+            return IpcBackend(child, memory, self.policy, routes)
+        except BaseException:
+            memory.close()
+            child.close()
+            raise
 
     def close(self) -> None:
         try:
