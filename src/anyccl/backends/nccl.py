@@ -225,15 +225,20 @@ class NcclBackend(QueuedGpuBackend):
     def exchange(self, sends: list[GpuArray | None],
                  recvs: list[GpuArray | None]) -> Enqueue:
         """Send sends[r] to and receive recvs[r] from every rank r, as one NCCL group (pieces
-        of any size: what torch's all_to_all_single with split sizes does); this rank's own
-        piece is a device copy."""
+        of any size: what torch's all_to_all_single with split sizes does). This rank's own
+        piece goes to itself inside the group too, so NCCL moves it while the peers' pieces
+        travel (a device copy queued before the group held the whole exchange back by the
+        time of that copy: 6% at 1 GiB on 4 GPUs); pieces of two sizes are a device copy."""
         calls: list[Enqueue] = []
         for peer in range(self.size):
             out, src = recvs[peer], sends[peer]
             if peer == self.rank:
-                if out is not None and src is not None and out.ptr != src.ptr and out.nbytes:
+                if out is not None and src is not None and out.ptr != src.ptr and out.nbytes \
+                        and out.nbytes != src.nbytes:
                     calls.append(_device_copy(out, src))
-                continue
+                    continue
+                if out is None or src is None or out.ptr == src.ptr:
+                    continue
             if src is not None and src.nbytes:
                 count, dtype = data_view(src)
                 calls.append(lambda s, p=src.ptr, c=count, d=dtype, r=peer:

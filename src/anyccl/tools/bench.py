@@ -88,22 +88,43 @@ def _values(rank: int, count: int, dtype: np.dtype, salt: int = 0) -> np.ndarray
 def _reduce(arrays: list[np.ndarray], op: ReduceOp) -> np.ndarray:
     """What `op` over the ranks' `arrays` must give, computed by NumPy alone (never by
     anyccl's own kernels, which the check is to judge): in float64 (complex128) for floating
-    types, in the arrays' own type otherwise (integers wrap as NumPy's)."""
-    stack = np.stack(arrays)
-    dtype = stack.dtype
+    types, in the arrays' own type otherwise (integers wrap as NumPy's). One array is widened
+    at a time, so a 1 GiB check holds the sum and one operand, not every rank's copy."""
+    dtype = arrays[0].dtype
     if dtype == np.bool_:
-        logical = {ReduceOp.SUM: np.any, ReduceOp.MAX: np.any, ReduceOp.BOR: np.any,
-                   ReduceOp.PROD: np.all, ReduceOp.MIN: np.all, ReduceOp.BAND: np.all}
-        if op in logical:
-            return logical[op](stack, axis=0)
-        return np.bitwise_xor.reduce(stack, axis=0)
-    if dtype == BFLOAT16 or dtype.kind in "fc":
-        stack = stack.astype(np.complex128 if dtype.kind == "c" else np.float64)
-    ufunc = {ReduceOp.SUM: np.add, ReduceOp.AVG: np.add, ReduceOp.PROD: np.multiply,
-             ReduceOp.MIN: np.minimum, ReduceOp.MAX: np.maximum, ReduceOp.BAND: np.bitwise_and,
-             ReduceOp.BOR: np.bitwise_or, ReduceOp.BXOR: np.bitwise_xor}[op]
-    result = ufunc.reduce(stack, axis=0, dtype=stack.dtype)
+        logical = {ReduceOp.SUM: np.logical_or, ReduceOp.MAX: np.logical_or,
+                   ReduceOp.BOR: np.logical_or, ReduceOp.PROD: np.logical_and,
+                   ReduceOp.MIN: np.logical_and, ReduceOp.BAND: np.logical_and}
+        ufunc = logical.get(op, np.logical_xor)
+        wide = np.dtype(np.bool_)
+    else:
+        ufunc = {ReduceOp.SUM: np.add, ReduceOp.AVG: np.add, ReduceOp.PROD: np.multiply,
+                 ReduceOp.MIN: np.minimum, ReduceOp.MAX: np.maximum,
+                 ReduceOp.BAND: np.bitwise_and, ReduceOp.BOR: np.bitwise_or,
+                 ReduceOp.BXOR: np.bitwise_xor}[op]
+        wide = np.dtype(np.complex128 if dtype.kind == "c" else np.float64) \
+            if dtype == BFLOAT16 or dtype.kind in "fc" else dtype
+    result = arrays[0].astype(wide)        # a copy: the inputs stay as they are
+    for a in arrays[1:]:
+        ufunc(result, a.astype(wide, copy=False), out=result)
     return result / len(arrays) if op is ReduceOp.AVG else result
+
+
+@functools.lru_cache(maxsize=1)
+def _expected(op: str, count: int, dtype: np.dtype, rank: int, n: int, root: int,
+              redop: ReduceOp) -> np.ndarray:
+    """What rank `rank`'s output of `op` must hold (computed once per size: the checks of
+    every library at that size share it)."""
+    fixed = lambda r, salt=0: _cached_values(r, count, dtype, salt)  # noqa: E731 (read-only)
+    if op in ("all_reduce", "reduce"):
+        return _reduce([fixed(r) for r in range(n)], redop)
+    if op in ("all_gather", "gather"):
+        return np.concatenate([fixed(r) for r in range(n)])
+    if op == "reduce_scatter":
+        return _reduce([fixed(r, rank) for r in range(n)], redop)
+    if op == "all_to_all":
+        return np.concatenate([fixed(j, rank) for j in range(n)])
+    raise ValueError(op)
 
 
 def sizes_of(op: str, nbytes: int, itemsize: int, n: int) -> tuple[int, int]:
@@ -130,14 +151,14 @@ def build(op: str, count: int, dtype: np.dtype, rank: int, n: int, root: int, in
             bad = actual != expected
         return int(np.count_nonzero(bad))
 
+    expected = lambda: _expected(op, count, dtype, rank, n, root, redop)  # noqa: E731
     if op in ("all_reduce", "reduce", "broadcast"):
         b["buf"] = values(rank)
         if op == "broadcast":
             return b, lambda b: wrong(b["buf"], fixed(root))
-        expected = _reduce([fixed(r) for r in range(n)], redop)
         if op == "reduce" and rank != root:
             return b, lambda b: 0  # non-root contents are unspecified (nccl-tests checks root)
-        return b, lambda b: wrong(b["buf"], expected)
+        return b, lambda b: wrong(b["buf"], expected())
     if op in ("all_gather", "gather"):
         whole = np.zeros(n * count, dtype)
         b["inp"] = whole[rank * count:(rank + 1) * count] if in_place else np.zeros(count, dtype)
@@ -150,8 +171,7 @@ def build(op: str, count: int, dtype: np.dtype, rank: int, n: int, root: int, in
             b["outs"] = [whole[j * count:(j + 1) * count] for j in range(n)]
         else:
             b["outs"] = None
-        expected = np.concatenate([fixed(r) for r in range(n)])
-        return b, (lambda b: wrong(whole, expected)) if receives else (lambda b: 0)
+        return b, (lambda b: wrong(whole, expected())) if receives else (lambda b: 0)
     if op == "scatter":
         b["out"] = np.zeros(count, dtype)
         if rank == root:
@@ -165,11 +185,9 @@ def build(op: str, count: int, dtype: np.dtype, rank: int, n: int, root: int, in
         if op == "reduce_scatter":
             b["out"] = b["inp"][rank * count:(rank + 1) * count] if in_place \
                 else np.zeros(count, dtype)
-            expected = _reduce([fixed(r, rank) for r in range(n)], redop)
         else:
             b["out"] = b["inp"] if in_place else np.zeros(n * count, dtype)
-            expected = np.concatenate([fixed(j, rank) for j in range(n)])
-        return b, lambda b: wrong(b["out"], expected)
+        return b, lambda b: wrong(b["out"], expected())
     if op == "sendrecv":
         b["inp"], b["out"] = values(rank), np.zeros(count, dtype)
         return b, lambda b: wrong(b["out"], fixed((rank - 1) % n))
