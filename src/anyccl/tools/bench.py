@@ -104,10 +104,18 @@ def _reduce(arrays: list[np.ndarray], op: ReduceOp) -> np.ndarray:
                  ReduceOp.BXOR: np.bitwise_xor}[op]
         wide = np.dtype(np.complex128 if dtype.kind == "c" else np.float64) \
             if dtype == BFLOAT16 or dtype.kind in "fc" else dtype
-    result = arrays[0].astype(wide)        # a copy: the inputs stay as they are
+    result = _widened(arrays[0], wide, copy=True)     # the inputs stay as they are
     for a in arrays[1:]:
-        ufunc(result, a.astype(wide, copy=False), out=result)
+        ufunc(result, _widened(a, wide), out=result)
     return result / len(arrays) if op is ReduceOp.AVG else result
+
+
+def _widened(a: np.ndarray, wide: np.dtype, copy: bool = False) -> np.ndarray:
+    """`a` as `wide`; bfloat16 through its bits (a float32 is a bfloat16 with 16 more bits),
+    many times faster than ml_dtypes' element-wise conversion."""
+    if a.dtype == BFLOAT16:
+        a = (a.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    return a.astype(wide, copy=copy)
 
 
 @functools.lru_cache(maxsize=1)
@@ -145,8 +153,9 @@ def build(op: str, count: int, dtype: np.dtype, rank: int, n: int, root: int, in
 
     def wrong(actual: np.ndarray, expected: np.ndarray) -> int:
         if dtype.kind in "fc" or dtype == BFLOAT16:
-            wide = np.complex128 if dtype.kind == "c" else np.float64
-            bad = ~np.isclose(actual.astype(wide), expected.astype(wide), rtol=1e-2, atol=1e-2)
+            wide = np.dtype(np.complex128 if dtype.kind == "c" else np.float64)
+            bad = ~np.isclose(_widened(actual, wide), _widened(expected, wide), rtol=1e-2,
+                              atol=1e-2)
         else:
             bad = actual != expected
         return int(np.count_nonzero(bad))

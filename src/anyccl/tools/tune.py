@@ -36,8 +36,8 @@ from ..ops import ReduceOp
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
 REDUCTIONS = ("all_reduce", "reduce_scatter")
-_SLEEP_CYCLES = 20_000_000     # ~10 ms: the host queues a round's calls meanwhile
-_ROUND_S = 2e-3                # GPU time one round aims at
+_SLEEP_CYCLES = 40_000_000     # ~20 ms: the host queues a round's calls meanwhile
+_ROUND_S = 10e-3               # GPU time one round aims at (8 calls at the least)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -105,8 +105,9 @@ def candidates(op: str, nbytes: int, backend: Any) -> list[str]:
     if nbytes <= min(slot, 32 << 20):
         found.append("one_shot")
     found.append("two_shot")
-    if nbytes >= 8 << 20 and backend.layout.ce_slot_bytes and backend.size > 1:
-        found.append("copy_engines")
+    # not the copy engines: timed here they beat NCCL by 7% at 512 MiB - 1 GiB on 2 H100s,
+    # yet fell to 0.75-0.78x NCCL's busbw in anyccl bench's long eager loops on the same
+    # machine (2026-11-27-h100x4-tune-and-auto-vs-nccl.md); the ipc policy keeps them
     return found
 
 
@@ -235,7 +236,7 @@ def measure(bench: _Bench, op: str, nbytes: int, dtype: str, impls: list[str],
             continue
         inp.zero_()   # SUM's fixed point: repeated calls neither grow nor overflow
         probe = bench.seconds(op, inp, out, stream, 1)
-        calls[impl] = int(min(24, max(3, _ROUND_S / max(probe, 1e-6))))
+        calls[impl] = int(min(48, max(8, _ROUND_S / max(probe, 1e-6))))
         good.append(impl)
     times: dict[str, list[float]] = {impl: [] for impl in good}
     for k in range(rounds):
