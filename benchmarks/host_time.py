@@ -184,13 +184,15 @@ def gpu_backend(kind: str) -> Any:
         return nccl
     from anyccl.backends.ipc import backend as ipc_module
     from anyccl.backends.ipc.memory import KernelArgs, Layout
+    from anyccl.backends.ipc.routes import Routes
 
     ipc = ipc_module.IpcBackend.__new__(ipc_module.IpcBackend)
     ipc.__dict__.update(dict(
         nccl=nccl, queue=queue, policy="ipc", rank=0, size=2, device=0, layout=Layout(2),
         memory=SimpleNamespace(error=lambda: (0, 0, 0, 0)),
         _kernels=collections.defaultdict(int), _args=KernelArgs(), max_blocks=128,
-        ll_bytes=1 << 20, one_shot_bytes=2 << 20, ce_bytes=1 << 62, _side=[], _fork=0))
+        ll_bytes=1 << 20, one_shot_bytes=2 << 20, ce_bytes=1 << 62, _side=[], _fork=0,
+        routes=Routes.kernels(1 << 20, 2 << 20, 1 << 62, "policy ipc")))
     ipc._params_address = 0
     queue.watch(alarm=((ctypes.c_uint64 * 8)(), 1))   # the kernels' status words, all clear
     return ipc

@@ -19,6 +19,7 @@ from anyccl import ReduceOp, gpu
 from anyccl.backends.ipc import backend as ipc
 from anyccl.backends.ipc import ce, compiler
 from anyccl.backends.ipc.memory import KernelArgs, Layout, PeerAddresses
+from anyccl.backends.ipc.routes import Routes
 from anyccl.buffers import GpuArray
 
 
@@ -168,6 +169,7 @@ def make_ranks(sim: Simulator, nranks: int, monkeypatch,
                            [base - layout.ce_sig_offset for base in sig_bases])
         b = ipc.IpcBackend(SimNccl(r, nranks), memory, "ipc")
         b.max_blocks, b.ll_bytes, b.one_shot_bytes, b.ce_bytes = 128, 16 << 10, 256 << 10, 1 << 20
+        b.routes = Routes.kernels(b.ll_bytes, b.one_shot_bytes, b.ce_bytes, "test thresholds")
         b.ce_chunks, b.ce_memop_wait = ce.CHUNKS, sync == "memop-wait"
         ranks.append(b)
 

@@ -50,8 +50,10 @@ Every size threshold that picks an algorithm, for every backend, declared once i
 `anyccl.tuning`; `anyccl info` prints the values in force. `ANYCCL_TUNING` overrides any of
 them, as `key=value` pairs separated by commas (`ANYCCL_TUNING="shm.one_shot_max=64K"`); set it
 the same on every rank, since the ranks of a job pick the same schedule only from the same table.
-The ipc backend's `auto` policy routes sizes to its kernels or to NCCL by a measured table of its
-own (`backends/ipc/routes.json`), which `anyccl info` prints too.
+The ipc backend's `auto` policy routes sizes to its kernels or to NCCL by tables of its own,
+each measured on one machine shape by `anyccl tune` (the cache `ANYCCL_ROUTES_FILE`, then the
+shipped `backends/ipc/routes.json`; a shape never measured runs on NCCL), which `anyccl info`
+prints too.
 
 """
 
