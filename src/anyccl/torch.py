@@ -144,6 +144,8 @@ class ProcessGroup(dist.ProcessGroup):
         self._group_name = ""
         self._group_desc = ""
         self._gpu = comm._gpu_side   # the GPU engine: where this group's CUDA work is queued
+        _declare_devices(self)
+
 
     def _run(self, call: Callable[[], object], result: Any, tensors: list[torch.Tensor]) -> Any:
         """Run `call` (anyccl's blocking calls on `tensors`) and return its torch Work. With a
@@ -400,6 +402,29 @@ class ProcessGroup(dist.ProcessGroup):
         self.comm.close()   # (the GPU engine lets its streams go)
 
 
+_DEVICES = ("cpu", "cuda")
+
+
+def _declare_devices(group: dist.ProcessGroup) -> None:
+    """Make `group` declare the devices it serves, as a gloo or NCCL group does: torch reads
+    them from the backends registered per device (``group._device_types``, the default device,
+    DCP's async_save, FSDP2's broadcast_from_rank0 loading), and a Python group has none. Each
+    device gets a placeholder that refuses every collective: every operation torch issues on
+    this group reaches this group's own methods, and a path that reached the placeholder
+    instead would fail loudly rather than skip the operation."""
+    c10d = torch._C._distributed_c10d
+    try:
+        options = c10d.FakeProcessGroup.Options()
+        options.error_on_collective = True
+        c10d.FakeProcessGroup._create_internal
+    except AttributeError:   # a torch whose placeholder cannot refuse: declare nothing
+        return
+    for device in _DEVICES:
+        placeholder = c10d.FakeProcessGroup._create_internal(group.rank(), group.size(), options)
+        group._register_backend(torch.device(device), dist.ProcessGroup.BackendType.CUSTOM,
+                                placeholder)
+
+
 def create(store: Any, rank: int, size: int, timeout: timedelta) -> ProcessGroup:
     """torch.distributed's creator of an "anyccl" process group: an anyccl communicator of the
     group's ranks, meeting through the store torch passes (`new_group` calls it again)."""
@@ -412,7 +437,7 @@ def register() -> None:
     """Register the "anyccl" backend with torch.distributed (once; idempotent)."""
     if NAME.upper() in dist.Backend._plugins:  # type: ignore[attr-defined]
         return
-    dist.Backend.register_backend(NAME, create, devices=["cpu", "cuda"])
+    dist.Backend.register_backend(NAME, create, devices=list(_DEVICES))
 
 
 register()
