@@ -89,9 +89,9 @@ def test_bad_options_are_refused_clearly():
     assert proc.returncode != 0 and "--op all_sum: expected one of" in proc.stderr
     proc = _bench("--max", "lots")
     assert proc.returncode != 0 and "--max='lots' is not a size" in proc.stderr
-    proc = _bench("--compare", "gloo")
-    assert proc.returncode != 0 and "--compare gloo: expected some of torch, symm, mpi, shm, " \
-        "shm+gloo, shm+mpi, nccl, ipc, auto" in proc.stderr
+    proc = _bench("--compare", "glue")
+    assert proc.returncode != 0 and "--compare glue: expected some of torch, gloo, symm, mpi, " \
+        "shm, shm+gloo, shm+mpi, nccl, ipc, auto" in proc.stderr
     proc = _bench("--compare", "symm")
     assert proc.returncode != 0 and "--compare symm measures GPU arrays: add --device cuda" \
         in proc.stderr
@@ -111,6 +111,32 @@ def test_arguments_are_checked_once_before_any_rank_starts(args, said):
     assert proc.returncode == 2 and said in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr and proc.stderr.count(said) == 1
     assert proc.stdout == ""
+
+
+def test_a_peer_whose_library_is_missing_is_refused_before_any_rank_starts(monkeypatch, capsys):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name.split(".")[0] == "torch" else real(name, *a))
+    for peer in ("torch", "gloo"):
+        assert bench.main(["-n", "2", "--compare", peer]) == 2
+        err = capsys.readouterr().err
+        assert f"--compare {peer} needs torch, which is not installed" in err, err
+        assert "Traceback" not in err and err.count("needs torch") == 1
+
+
+def test_compare_gloo_names_torchs_gloo_on_host_arrays():
+    pytest.importorskip("torch")
+    proc = _bench("-n", "2", "--op", "all_reduce", "--min", "1K", "--max", "1K", "--iters", "2",
+                  "--rounds", "1", "--compare", "gloo", timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [ln.split() for ln in proc.stdout.splitlines() if ln.split()[:1] == ["1024"]]
+    assert [r[-1] for r in rows if len(r) == 15] == ["anyccl", "gloo"]
+    assert "# Out of bounds values : 0 OK (gloo)" in proc.stdout
+    proc = _bench("-n", "2", "--device", "cuda", "--compare", "gloo", timeout=60)
+    assert proc.returncode == 2 and ("--compare gloo measures host arrays" in proc.stderr
+                                     or "no CUDA GPU is visible" in proc.stderr)
 
 
 def test_without_a_gpu_gpu_measurements_are_refused_before_starting():

@@ -250,6 +250,25 @@ def test_a_failing_rank_stops_the_others_and_sets_the_exit_code(no_leftovers):
                     "were stopped"], err   # once, not a second time in other words
 
 
+def test_the_rank_that_refused_its_arguments_is_named_first_though_the_others_fail_before_it(
+        no_leftovers):
+    proc = _launch(3, "refuse", str(no_leftovers), "2")
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1, err
+    said = [line for line in err.splitlines() if "failed first" in line]
+    assert said == ["anyccl run: rank 2 failed first: it exited with code 1"], err
+    assert "rank 2 refused its arguments" in err, err
+
+
+def test_a_backend_named_by_the_environment_is_blamed_on_the_variable(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "anyccl", "run", "-n", "2", SCRIPT, "ok"],
+                          capture_output=True, text=True, timeout=60, cwd=tmp_path,
+                          env={**os.environ, "ANYCCL_BACKEND": "shmm"})
+    assert proc.returncode == 2, proc.stderr
+    assert "anyccl run: ANYCCL_BACKEND=shmm: backend='shmm' is unknown" in proc.stderr
+    assert "--backend" not in proc.stderr
+
+
 def test_the_rank_the_others_lost_is_named_first_even_when_they_fail_before_it(no_leftovers):
     proc = _launch(3, "slow-exit", str(no_leftovers), "1", "3")
     out, err = proc.communicate(timeout=60)

@@ -12,7 +12,7 @@ import traceback
 from types import TracebackType
 
 from . import settings
-from .errors import AnycclError, PeerLostError
+from .errors import AnycclError, CollectiveMismatchError, PeerLostError
 
 _PR_SET_PDEATHSIG = 1
 
@@ -28,8 +28,9 @@ def _die_with_launcher() -> None:
 
 
 def lost_marker(job_id: str, rank: int) -> str:
-    """Where a rank that ends on an uncaught PeerLostError says which rank it lost, so the
-    launcher blames that rank, not the ones that only reacted to its loss."""
+    """Where a rank that ends on an error another rank caused (an uncaught PeerLostError: the
+    rank it lost; a CollectiveMismatchError because a rank refused its arguments: that rank)
+    says which rank that was, so the launcher blames it, not the ones that only reacted."""
     from .trace import flight_directory
 
     return os.path.join(flight_directory(job_id), f"lost-by-rank{rank}")
@@ -64,19 +65,21 @@ def main() -> None:
         os.kill(os.getpid(), signal.SIGINT)   # end as an interrupted process does
     except BaseException as exc:
         if isinstance(exc, PeerLostError):
-            _note_lost(exc)
+            _note_cause(exc.lost_rank)
+        elif isinstance(exc, CollectiveMismatchError) and exc.refused_by:
+            _note_cause(exc.refused_by[0])
         traceback.print_exception(type(exc), exc, _user_frames(exc.__traceback__))
         sys.stderr.flush()
         sys.exit(1)   # what Python exits with on an uncaught exception
 
 
-def _note_lost(exc: PeerLostError) -> None:
-    """Tell the launcher which rank this one lost (see `lost_marker`)."""
+def _note_cause(rank: int) -> None:
+    """Tell the launcher which rank caused this one's failure (see `lost_marker`)."""
     try:
         from . import private
 
         path = lost_marker(settings.JOB_ID.get() or "local", int(os.environ["RANK"]))
-        private.write(path, str(exc.lost_rank).encode())
+        private.write(path, str(rank).encode())
     except (OSError, KeyError, ValueError, AnycclError):
         pass
 

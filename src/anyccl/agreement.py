@@ -78,8 +78,10 @@ def mismatch(rank: int, record: object, words: list[tuple[int, int]],
     if refusing:
         said = "; ".join(f"rank {r} refused its arguments to {describe(*words[r]).split()[0]}()"
                          + (f": {why}" if why else "") for r, why in refusing.items())
-        return CollectiveMismatchError(
+        error = CollectiveMismatchError(
             f"rank {rank}: {record}: {said}; no data moved ({backend} backend)")
+        error.refused_by = tuple(refusing)
+        return error
     lines = [f"rank {rank}: collectives disagree at {record}; no data moved ({backend} "
              f"backend):", f"  {'rank':>4}  called"]
     lines += [f"  {r:>4}  {describe(*w)}" for r, w in enumerate(words)]

@@ -77,6 +77,18 @@ def _info() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The `anyccl` command. Output cut short by its reader (`anyccl info | head`) ends it
+    quietly, as any command-line tool ends."""
+    try:
+        return _main(argv)
+    except BrokenPipeError:
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error
+        return 0
+
+
+def _main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:  # its own parser: its options must not meet `anyccl`'s
         from .tools.bench import main as bench

@@ -37,8 +37,10 @@ class PeerLostError(AnycclError, ConnectionError):
 
 class CollectiveMismatchError(AnycclError, ValueError):
     """Ranks called different collectives, or the same one with arguments that disagree, or
-    one rank refused its arguments. Raised on every rank before any byte moves; the
-    communicator stays usable."""
+    one rank refused its arguments (`refused_by`: those ranks). Raised on every rank before any
+    byte moves; the communicator stays usable."""
+
+    refused_by: tuple[int, ...] = ()
 
 
 class CommunicatorClosedError(AnycclError, RuntimeError):

@@ -208,31 +208,35 @@ def check_before_start(target: str, module: bool, backend: str | None,
         raise AnycclError(f"{command}: {target}: no such file" + (
             "" if os.path.isabs(target) else f" (looked in {os.getcwd()})"))
     try:
-        check_backend(backend or settings.BACKEND.get())
+        check_backend(backend or settings.BACKEND.get(),
+                      named_by=None if backend else settings.BACKEND.name)
     except AnycclError as exc:
         raise AnycclError(f"{command}: {exc}") from None
 
 
-def check_backend(backend: str | None, mpiexec_starts: bool = False) -> None:
+def check_backend(backend: str | None, mpiexec_starts: bool = False,
+                  named_by: str | None = None) -> None:
     """See `check_before_start`: the backend's part (`mpiexec_starts`: the command starts the
-    ranks with mpiexec itself, so mpi is fine)."""
+    ranks with mpiexec itself, so mpi is fine). Errors name where the backend came from: the
+    --backend option, or the environment variable `named_by`."""
     if not backend:
         return
     from .bootstrap import parse_backend
 
+    where = f"{named_by}={backend}" if named_by else f"--backend {backend}"
     try:
         host, gpu_backend = parse_backend(backend)
     except AnycclError as exc:
-        raise AnycclError(f"--backend {backend}: {exc}") from None
+        raise AnycclError(f"{where}: {exc}") from None
     if host == "mpi" and not mpiexec_starts:
-        raise AnycclError(f"--backend {backend}: the mpi backend's ranks are "
+        raise AnycclError(f"{where}: the mpi backend's ranks are "
                           f"started by mpiexec: mpiexec -n N python SCRIPT (pip install mpich "
                           f"mpi4py)")
     if gpu_backend is not None:
         from . import gpu
 
         if gpu.device_count() == 0:
-            raise AnycclError(f"--backend {backend}: {gpu_backend} runs on CUDA "
+            raise AnycclError(f"{where}: {gpu_backend} runs on CUDA "
                               f"GPUs, and none is visible here")
 
 
@@ -381,12 +385,12 @@ def print_flight_summary(job_id: str) -> None:
         last = pending[0] if pending else (ops[-1] if ops else None)
         what = f"{last['op']}({last['args']}) #{last['seq']} {last['state']}" if last else "-"
         done = sum(o["state"] == "done" for o in ops)
-        print(f"  {rec['communicator']} rank {rec['rank']}: {what}; {done} recent ops done",
-              file=sys.stderr)
+        print(f"  {rec['communicator']} rank {rec['rank']}: {what}; {done} of its last "
+              f"{len(ops)} operation{'s' if len(ops) != 1 else ''} done", file=sys.stderr)
 
 
 def _lost_by(job_id: str, rank: int) -> int | None:
-    """The rank that `rank` lost, if it ended on an uncaught PeerLostError."""
+    """The rank that caused `rank`'s failure, where it said so (`_child.lost_marker`)."""
     from . import private
     from ._child import lost_marker
 

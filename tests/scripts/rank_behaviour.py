@@ -6,6 +6,8 @@
   chatty                 every rank prints 300 lines in pieces and ends on a line without newline
   slow-exit RANK CODE    rank RANK closes its communicator, and exits with CODE half a second
                          later: the others lose it first and fail before it does
+  refuse RANK            rank RANK passes a strided array to all_reduce and raises the refusal
+                         a second later: every rank raises, the others first
 """
 
 import os
@@ -41,6 +43,12 @@ for step in range(10**9):
         sys.exit(int(sys.argv[4]))
     if mode == "kill" and comm.rank == int(sys.argv[3]) and step == 5:
         os.kill(os.getpid(), signal.SIGKILL)
+    if mode == "refuse" and comm.rank == int(sys.argv[3]) and step == 5:
+        try:
+            comm.all_reduce(np.ones((4, 4), np.float32)[:, 1])   # strided: refused
+        except anyccl.InvalidArgumentError:
+            time.sleep(1.0)     # the others raise first, told of the refusal
+            raise
     comm.all_reduce(x)
     if mode == "forever":
         time.sleep(0.01)

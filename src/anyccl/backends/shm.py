@@ -555,10 +555,12 @@ class SharedMemoryBackend(Backend):
         own[_W_STATUS_FOR] = self._doing
 
     def peer_status(self, j: int) -> str:
+        """What rank `j` is doing, as the rest of "rank j ...": "is in all_reduce(...) #7",
+        "is idle after barrier() #3", "has started no operation yet"."""
         ctl = self._ctl[j]
         doing = int(ctl[_W_DOING])
         if not doing:
-            return "nothing yet"
+            return "has started no operation yet"
         if int(ctl[_W_STATUS_FOR]) == doing | 1:  # it waited in this operation: the full text
             n = min(int(ctl[_W_STATUS_LEN]), _STATUS_BYTES)
             op = bytes(self._segments[j].u8[_STATUS_OFFSET:_STATUS_OFFSET + n]).decode(
@@ -566,7 +568,7 @@ class SharedMemoryBackend(Backend):
         else:
             code = (doing >> 1) & 0x7FFFFF
             op = f"{_NAMES[code] if code < len(_NAMES) else _NAMES[0]}() #{doing >> 24}"
-        return op if doing & 1 else f"nothing (idle after {op})"
+        return f"is in {op}" if doing & 1 else f"is idle after {op}"
 
     def _wait_until(self, ready: Callable[[], bool], record: OpRecord | None, deadline: float,
                     waiting_for: Callable[[], str], spin: bool = True) -> None:
@@ -605,7 +607,7 @@ class SharedMemoryBackend(Backend):
 
     def _timeout_error(self, record: OpRecord | None, waiting_for: str) -> TimeoutError:
         waited = time.monotonic() - record.issued_at if record else self._timeout_s
-        peers = "; ".join(f"rank {j} is in {self.peer_status(j)}"
+        peers = "; ".join(f"rank {j} {self.peer_status(j)}"
                           for j in range(self.size) if j != self.rank)
         return TimeoutError(f"rank {self.rank}: {record} timed out after {waited:.3g} s waiting "
                             f"for {waiting_for}" + (f"; {peers}" if peers else ""))

@@ -31,7 +31,7 @@ from ..buffers import BFLOAT16
 from ..communicator import Communicator
 from ..errors import AnycclError
 from ..ops import COLLECTIVES, ReduceOp
-from .peers import AnycclPeer, peers
+from .peers import NEEDS, AnycclPeer, peers
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "gather", "scatter",
        "all_to_all", "sendrecv")
@@ -643,6 +643,13 @@ def _compared(ns: argparse.Namespace) -> list[str]:
     for c in compare:
         if c not in peers():
             raise AnycclError(f"--compare {c}: expected some of {', '.join(peers())}")
+        module, extra = NEEDS.get(c, (None, ""))
+        problem = module and missing(module, extra=extra, feature=f"--compare {c}")
+        if problem:
+            raise AnycclError(problem)
+    if "gloo" in compare and ns.device == "cuda":
+        raise AnycclError("--compare gloo measures host arrays (torch's gloo); on GPUs torch "
+                          "runs NCCL: --compare torch")
     if ns.nprocs is not None and ns.nprocs < 1:
         raise AnycclError(f"-n {ns.nprocs}: need at least one rank")
     on_gpus = [c for c in compare if c == "symm" or c in registry.selectable_gpu_backends()]

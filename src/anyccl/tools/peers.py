@@ -137,6 +137,12 @@ def _torch_group(comm: Communicator, device: str) -> Any:
     return dist
 
 
+class GlooPeer(TorchPeer):
+    """torch.distributed's gloo by name: the torch peer on host arrays."""
+
+    name = "gloo"
+
+
 class SymmPeer(TorchPeer):
     """torch's symmetric-memory all_reduce, the fastest small all_reduce inside torch:
     `torch.ops.symm_mem.two_shot_all_reduce_` in place, on buffers that `anyccl bench`
@@ -254,11 +260,17 @@ def _on(backend: str) -> type[BackendPeer]:
                 {"backend": backend, "name": f"anyccl-{backend}"})
 
 
+# the module each peer needs, and the extra of anyccl's that brings it
+NEEDS = {"torch": ("torch", "torch"), "gloo": ("torch", "torch"), "symm": ("torch", "torch"),
+         "mpi": ("mpi4py", "mpi")}
+
+
 def peers() -> dict[str, type]:
-    """Every library `--compare` takes: torch, mpi (mpi4py), and anyccl on each registered
-    backend but mpi (whose name is mpi4py's here)."""
+    """Every library `--compare` takes: torch (gloo on host arrays, NCCL on GPUs; `gloo` names
+    the former), torch's symmetric memory, mpi (mpi4py), and anyccl on each registered backend
+    but mpi (whose name is mpi4py's here)."""
     from ..backends import registry
 
     names = [*registry.host_backends(), *registry.selectable_gpu_backends()]
-    return {"torch": TorchPeer, "symm": SymmPeer, "mpi": MPIPeer,
+    return {"torch": TorchPeer, "gloo": GlooPeer, "symm": SymmPeer, "mpi": MPIPeer,
             **{b: _on(b) for b in names if b != "mpi"}}
