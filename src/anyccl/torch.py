@@ -416,11 +416,11 @@ def _declare_devices(group: dist.ProcessGroup) -> None:
     try:
         options = c10d.FakeProcessGroup.Options()
         options.error_on_collective = True
-        c10d.FakeProcessGroup._create_internal
+        make = c10d.FakeProcessGroup._create_internal
     except AttributeError:   # a torch whose placeholder cannot refuse: declare nothing
         return
     for device in _DEVICES:
-        placeholder = c10d.FakeProcessGroup._create_internal(group.rank(), group.size(), options)
+        placeholder = make(group.rank(), group.size(), options)
         group._register_backend(torch.device(device), dist.ProcessGroup.BackendType.CUSTOM,
                                 placeholder)
 

@@ -18,9 +18,11 @@ def run(rank: int, backend: str, world_size: int, port: int, out_dir: str) -> No
         import anyccl.torch  # noqa: F401
     import torch.distributed._functional_collectives as fc
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions,
-                                                         get_model_state_dict,
-                                                         set_model_state_dict)
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        set_model_state_dict,
+    )
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
