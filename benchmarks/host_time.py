@@ -27,6 +27,7 @@ What is stubbed, per column, so that only anyccl's code is timed:
 from __future__ import annotations
 
 import argparse
+import atexit
 import collections
 import cProfile
 import ctypes
@@ -34,6 +35,7 @@ import itertools
 import json
 import platform
 import pstats
+import shutil
 import sys
 import tempfile
 import threading
@@ -60,7 +62,9 @@ def two_ranks() -> tuple[Any, Any]:
     from anyccl.communicator import Communicator
     from anyccl.store import FileStore
 
-    store = FileStore(tempfile.mkdtemp(prefix="anyccl-host-time-"))
+    where = tempfile.mkdtemp(prefix="anyccl-host-time-")
+    atexit.register(shutil.rmtree, where, True)   # the store's files go with the process
+    store = FileStore(where)
     backends: list[Any] = [None, None]
 
     def join(rank: int) -> None:
