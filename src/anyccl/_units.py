@@ -23,6 +23,14 @@ def size_of(text: str, unit: int = 1) -> int | None:
     return int(number * (_SUFFIXES[suffix] if suffix else unit))
 
 
+def size_text(n: int) -> str:
+    """`n` bytes as people read them: "128 KiB", "2 MiB", "1 GiB", "12 B"."""
+    for unit, factor in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= factor and n % factor == 0:
+            return f"{n // factor} {unit}"
+    return f"{n} B"
+
+
 def parse_size(text: str | int, what: str = "size") -> int:
     """A size in bytes from `text` (or an int as it is); InvalidArgumentError naming `what`."""
     if isinstance(text, int):

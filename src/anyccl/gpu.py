@@ -109,6 +109,12 @@ def device_name(device: int) -> str:
     return (name.decode(errors="replace") if isinstance(name, bytes) else str(name)).rstrip("\0")
 
 
+def pci_address(device: int, props: Any = None) -> str:
+    """`device`'s PCI address as "0000:18:00" (domain:bus:device), from its properties."""
+    p = props or device_properties(device)
+    return f"{p.pciDomainID:04x}:{p.pciBusID:02x}:{p.pciDeviceID:02x}"
+
+
 def device_of_pointer(ptr: int) -> int | None:
     """The device that owns `ptr`, or None for host memory."""
     rt = _rt()

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from . import settings
-from ._units import size_of
+from ._units import size_of, size_text
 from .errors import InvalidArgumentError
 
 
@@ -134,12 +134,7 @@ def rows() -> list[tuple[str, int, bool, str]]:
 
 def format_value(key: str, amount: int) -> str:
     """A threshold's value as people read it: 128 KiB, 2 MiB, 16."""
-    if TABLE[key].kind != "size":
-        return str(amount)
-    for unit, factor in (("GiB", 1 << 30), ("MiB", _M), ("KiB", _K)):
-        if amount >= factor and amount % factor == 0:
-            return f"{amount // factor} {unit}"
-    return f"{amount} B"
+    return size_text(amount) if TABLE[key].kind == "size" else str(amount)
 
 
 def markdown() -> str:

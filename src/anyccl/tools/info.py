@@ -47,8 +47,7 @@ def gpus() -> list[dict[str, Any]]:
             "index": d,
             "name": gpu.device_name(d),
             "memory_gib": round(props.totalGlobalMem / 2**30, 1) if props else None,
-            "pci": (f"{props.pciDomainID:04x}:{props.pciBusID:02x}:{props.pciDeviceID:02x}"
-                    if props else "?"),
+            "pci": gpu.pci_address(d, props) if props else "?",
             "capability": f"{props.major}.{props.minor}" if props else "?",
         })
     return found
@@ -82,7 +81,7 @@ def _nvlink_counts(devices: list[dict[str, Any]]) -> dict[tuple[int, int], int]:
         for d in devices:
             h = pynvml.nvmlDeviceGetHandleByPciBusId(f"{d['pci']}.0")
             handles[d["index"]] = h
-            by_bus[_bus(pynvml.nvmlDeviceGetPciInfo(h).busId)] = d["index"]
+            by_bus[pci_key(pynvml.nvmlDeviceGetPciInfo(h).busId)] = d["index"]
         counts: dict[tuple[int, int], int] = {}
         for i, h in handles.items():
             for link in range(pynvml.NVML_NVLINK_MAX_LINKS):
@@ -90,7 +89,7 @@ def _nvlink_counts(devices: list[dict[str, Any]]) -> dict[tuple[int, int], int]:
                     continue
                 remote = _try(lambda h=h, link=link:
                               pynvml.nvmlDeviceGetNvLinkRemotePciInfo_v2(h, link).busId)
-                j = by_bus.get(_bus(remote)) if remote is not None else None
+                j = by_bus.get(pci_key(remote)) if remote is not None else None
                 if j is not None:
                     counts[(i, j)] = counts.get((i, j), 0) + 1
         return counts
@@ -136,18 +135,13 @@ def _nvidia_smi_pci_topology() -> dict[tuple[str, str], int]:
             if i in pci and j in pci}
 
 
-def pci_key(address: str) -> str:
-    """A PCI address as bus:device, whatever its domain's width and function ("00000000:18:00.0"
-    and "0000:18:00" are both "18:00")."""
-    text = address.strip().lower()
+def pci_key(address: Any) -> str:
+    """A PCI address (text, or NVML's bytes) as bus:device, whatever its domain's width and
+    function ("00000000:18:00.0" and "0000:18:00" are both "18:00")."""
+    text = (address.decode() if isinstance(address, bytes) else str(address)).strip().lower()
     if text.count(":") == 2:
         text = text.split(":", 1)[1]
     return text.split(".", 1)[0]
-
-
-def _bus(bus_id: Any) -> str:
-    text = bus_id.decode() if isinstance(bus_id, bytes) else str(bus_id)
-    return text.lower().split(":", 1)[-1]  # drop the domain's width differences
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -112,9 +112,8 @@ class IpcBackend(QueuedGpuBackend):
             nccl.close()
             raise
         try:
-            routes = agreed(store, f"{key}/auto", rank, size, device, timeout_s)[1] \
-                if policy == "auto" else None
-            return cls(nccl, memory, policy, routes)
+            return cls(nccl, memory, policy,
+                       _measured(policy, store, key, rank, size, device, timeout_s))
         except BaseException:
             memory.close()
             nccl.close()
@@ -370,9 +369,9 @@ class IpcBackend(QueuedGpuBackend):
         memory = PeerMemory(store, f"{group}/ipc", child.rank, child.size, child.device,
                             self.nccl.timeout_s)
         try:
-            routes = agreed(store, f"{group}/auto", child.rank, child.size, child.device,
-                            self.nccl.timeout_s)[1] if self.policy == "auto" else None
-            return IpcBackend(child, memory, self.policy, routes)
+            return IpcBackend(child, memory, self.policy, _measured(
+                self.policy, store, group, child.rank, child.size, child.device,
+                self.nccl.timeout_s))
         except BaseException:
             memory.close()
             child.close()
@@ -388,6 +387,14 @@ class IpcBackend(QueuedGpuBackend):
             gpu.destroy_event(self._fork)
             self._ce.close()
             self.memory.close()
+
+
+def _measured(policy: str, store: Store, key: str, rank: int, size: int, device: int,
+              timeout_s: float) -> Routes | None:
+    """Collective: for policy "auto", the routes every rank agreed on for this job's machine
+    shape (routes.py); None for "ipc" (the backend's thresholds route)."""
+    return agreed(store, f"{key}/auto", rank, size, device, timeout_s)[1] \
+        if policy == "auto" else None
 
 
 class _CeKernels:

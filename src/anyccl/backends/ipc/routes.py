@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ... import settings
+from ..._units import size_text
 from ...errors import InvalidArgumentError, RendezvousError
 
 NCCL = "nccl"
@@ -127,18 +128,13 @@ class Routes:
 
     def describe(self) -> list[str]:
         """One line per op: its spans as people read them."""
-        return [f"{op:<15} " + ", ".join(f"({size_text(lo)}, {size_text(hi)}] {impl}"
+        return [f"{op:<15} " + ", ".join(f"({_bound(lo)}, {_bound(hi)}] {impl}"
                                          for lo, hi, impl in spans)
                 for op, spans in self.spans.items() if spans]
 
 
-def size_text(n: int) -> str:
-    if n >= NO_END:
-        return "any"
-    for unit, factor in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= factor and n % factor == 0:
-            return f"{n // factor} {unit}"
-    return f"{n} B"
+def _bound(n: int) -> str:
+    return "any" if n >= NO_END else size_text(n)
 
 
 # ---- the measured tables: which apply to a shape ------------------------------------------------
@@ -254,9 +250,7 @@ def gpu_identity(device: int) -> tuple[str, str]:
     """(model name, PCI address) of `device`: what a rank tells the others of its GPU."""
     from ... import gpu
 
-    p = gpu.device_properties(device)
-    return gpu.device_name(device), \
-        f"{p.pciDomainID:04x}:{p.pciBusID:02x}:{p.pciDeviceID:02x}"
+    return gpu.device_name(device), gpu.pci_address(device)
 
 
 def shape_of(identities: list[tuple[str, str]]) -> Shape:
