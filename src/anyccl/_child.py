@@ -12,6 +12,7 @@ import traceback
 from types import TracebackType
 
 from . import settings
+from ._console import say
 from .errors import AnycclError, CollectiveMismatchError, PeerLostError
 
 _PR_SET_PDEATHSIG = 1
@@ -60,7 +61,7 @@ def main() -> None:
         # one line, not a traceback per rank: where the interrupt found this rank
         where = traceback.extract_tb(_user_frames(exc.__traceback__))
         at = f" at {where[-1].filename}:{where[-1].lineno}" if where else ""
-        print(f"KeyboardInterrupt{at}", file=sys.stderr, flush=True)
+        say(f"KeyboardInterrupt{at}")
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)   # end as an interrupted process does
     except BaseException as exc:

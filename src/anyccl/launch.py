@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import IO, TextIO
 
 from . import settings
+from ._console import say
 from .errors import AnycclError
 from .store import StoreServer
 
@@ -323,7 +324,7 @@ def run(nprocs: int, target: str, args: list[str], *, module: bool = False,
         if server is not None:
             server.close()
         for path in remove_job_segments(job_id):
-            print(f"anyccl run: removed leftover shared memory {path}", file=sys.stderr)
+            say(f"anyccl run: removed leftover shared memory {path}")
         if code != 0:
             print_flight_summary(job_id)
         else:  # nothing to look at: the job's private directory goes
@@ -368,7 +369,7 @@ def print_flight_summary(job_id: str) -> None:
     try:
         directory = flight_directory(job_id)
     except AnycclError as exc:
-        print(f"anyccl run: {exc}", file=sys.stderr)
+        say(f"anyccl run: {exc}")
         return
     records = []
     for path in sorted(glob.glob(os.path.join(directory, "flight-*.json"))):
@@ -378,15 +379,15 @@ def print_flight_summary(job_id: str) -> None:
             continue
     if not records:
         return
-    print(f"anyccl run: flight records in {directory}:", file=sys.stderr)
+    say(f"anyccl run: flight records in {directory}:")
     for rec in sorted(records, key=lambda r: (r["communicator"], r["rank"])):
         ops = rec["ops"]
         pending = [o for o in ops if o["state"] in ("started", "queued", "failed")]
         last = pending[0] if pending else (ops[-1] if ops else None)
         what = f"{last['op']}({last['args']}) #{last['seq']} {last['state']}" if last else "-"
         done = sum(o["state"] == "done" for o in ops)
-        print(f"  {rec['communicator']} rank {rec['rank']}: {what}; {done} of its last "
-              f"{len(ops)} operation{'s' if len(ops) != 1 else ''} done", file=sys.stderr)
+        say(f"  {rec['communicator']} rank {rec['rank']}: {what}; {done} of its last "
+            f"{len(ops)} operation{'s' if len(ops) != 1 else ''} done")
 
 
 def _lost_by(job_id: str, rank: int) -> int | None:
@@ -408,8 +409,7 @@ def _watch(ranks: list[RankProcess], stop_requested: list[int], job_id: str) -> 
     while True:
         if stop_requested:
             signum = stop_requested[0]
-            print(f"anyccl run: got {signal.Signals(signum).name}; stopping all ranks",
-                  file=sys.stderr)
+            say(f"anyccl run: got {signal.Signals(signum).name}; stopping all ranks")
             _stop(ranks)
             return 128 + signum
         running = [rp for rp in ranks if rp.proc.poll() is None]
@@ -438,12 +438,11 @@ def _watch(ranks: list[RankProcess], stop_requested: list[int], job_id: str) -> 
         return 0
     then = "; the other ranks were stopped" if stopped else ""
     if cause is not None:
-        print(f"anyccl run: rank {cause[0]} failed first: it {cause[1]}; rank "
-              f"{first_failure.rank} then {_describe(first_failure.proc.returncode)}{then}",
-              file=sys.stderr)
+        say(f"anyccl run: rank {cause[0]} failed first: it {cause[1]}; rank "
+            f"{first_failure.rank} then {_describe(first_failure.proc.returncode)}{then}")
     else:
-        print(f"anyccl run: rank {first_failure.rank} failed first: it "
-              f"{_describe(first_failure.proc.returncode)}{then}", file=sys.stderr)
+        say(f"anyccl run: rank {first_failure.rank} failed first: it "
+            f"{_describe(first_failure.proc.returncode)}{then}")
     return _exit_code(first_failure.proc.returncode)
 
 

@@ -33,6 +33,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .. import agreement
+from .._console import say
 from ..buffers import BFLOAT16, SUPPORTED_DTYPES
 from ..errors import AnycclError, InvalidArgumentError, PeerLostError, TimeoutError
 from ..heartbeat import Heartbeat
@@ -583,8 +584,8 @@ class GlooBackend(PolledMessages, Backend):
             sends = [p for p in self._pending if p.on_done == self._late]
             time.sleep(1e-3)
         if sends:
-            print(f"anyccl: rank {self.rank} closed with sends not delivered: "
-                  f"{'; '.join(str(p.record) for p in sends)}", file=sys.stderr)
+            say(f"anyccl: rank {self.rank} closed with sends not delivered: "
+                f"{'; '.join(str(p.record) for p in sends)}")
         # End Gloo's threads now, while the interpreter is whole: left to exit-time
         # destructors, torch's CPU build was seen to abort the process ("terminate called
         # without an active exception") after the job was done

@@ -36,6 +36,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .. import agreement, settings, tuning
+from .._console import say
 from ..buffers import SUPPORTED_DTYPES
 from ..errors import (
     InvalidArgumentError,
@@ -191,8 +192,8 @@ def _exit_without_finalize() -> None:
     without it (the MPI launcher then ends the job)."""
     if not _lost_a_peer:
         return
-    print(f"anyccl: {_lost_a_peer[0]}: leaving without MPI_Finalize, which would wait for the "
-          f"lost rank", file=sys.stderr, flush=True)
+    say(f"anyccl: {_lost_a_peer[0]}: leaving without MPI_Finalize, which would wait for the "
+        f"lost rank")
     sys.stdout.flush()
     time.sleep(0.5)  # the MPI launcher ends the job when we go: let peers finish their reports
     os._exit(1)
@@ -212,8 +213,8 @@ def abort_job_on_uncaught_exceptions() -> None:
                 _mpi().Is_finalized():
             return
         rank = _mpi().COMM_WORLD.Get_rank()
-        print(f"anyccl: rank {rank} raised {kind.__name__} and did not catch it; aborting the "
-              f"MPI job so that the other ranks do not wait for it", file=sys.stderr, flush=True)
+        say(f"anyccl: rank {rank} raised {kind.__name__} and did not catch it; aborting the "
+            f"MPI job so that the other ranks do not wait for it")
         sys.stdout.flush()
         time.sleep(0.5)  # MPI_Abort tears the job down at once: let the launcher forward this
         _mpi().COMM_WORLD.Abort(1)
@@ -742,8 +743,8 @@ class MpiBackend(PolledMessages, Backend):
         left = [p.record for p in self._pending if p.on_done == self._late]
         if failure is not None or left:
             what = "; ".join(map(str, left)) or str(failure)
-            print(f"anyccl: rank {self.rank} closed with sends not delivered: {what}"
-                  + (f" ({failure})" if failure is not None and left else ""), file=sys.stderr)
+            say(f"anyccl: rank {self.rank} closed with sends not delivered: {what}"
+                + (f" ({failure})" if failure is not None and left else ""))
 
     def close(self) -> None:
         if self._closed:
