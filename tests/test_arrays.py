@@ -53,11 +53,16 @@ def test_torch_tensors_of_every_dtype_reduce_in_place():
     assert all(run_ranks(check_torch_dtypes_in_place, 2))
 
 
-def test_a_non_contiguous_torch_tensor_is_refused_with_advice():
+def test_an_expanded_torch_tensor_cannot_receive_a_result():
+    """Its elements share memory (stride 0); a transposed tensor is fine (test_layouts.py)."""
     torch = pytest.importorskip("torch")
     comm = anyccl.init()
-    with pytest.raises(anyccl.InvalidArgumentError, match=r"tensor.contiguous\(\)"):
-        comm.all_reduce(torch.ones(4, 4).t())
+    with pytest.raises(anyccl.InvalidArgumentError, match=r"tensor has elements that share "
+                                                          r"memory \(shape \(4, 4\), strides "
+                                                          r"\(0, 4\)\)"):
+        comm.all_reduce(torch.ones(4).expand(4, 4))
+    t = torch.ones(4, 4).t()
+    assert comm.all_reduce(t) is t and (t == 1).all()
     comm.close()
 
 

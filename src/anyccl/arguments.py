@@ -1,6 +1,7 @@
 """Argument checks: every argument of a public operation is checked here, once, before any
 byte moves, and a refusal names the rank, the operation, the argument and what was expected.
-What passes is handed on as flat arrays (`Array`) that backends trust."""
+What passes is handed on as flat arrays (`Array`) that backends trust: a host array that is not
+contiguous as a contiguous copy (layouts.py), which the caller settles once the call is done."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import numpy as np
 
 from .buffers import SUPPORTED, Array, Pieces, as_array, overlaps
 from .errors import AnycclError, InvalidArgumentError
+from .layouts import Staged, contiguous_copy
 from .ops import ReduceOp, check_reduce_op
 
 TAG_END = 2 ** 63   # tags are 0 .. 2**63 - 1
@@ -33,6 +35,14 @@ class Arguments:
 
     def __init__(self, rank: int, size: int) -> None:
         self.rank, self.size = rank, size
+        # the arrays the call being checked writes through contiguous copies (layouts.py)
+        self.staged: Staged = []
+
+    def take_staged(self) -> Staged:
+        """The staged arrays of the call just checked, for `layouts.settle` (or to drop, when
+        the call was refused); the next call starts with none."""
+        staged, self.staged = self.staged, []
+        return staged
 
     def fail(self, op: str, message: str, kind: type = InvalidArgumentError) -> AnycclError:
         return kind(f"rank {self.rank}: {op}: {message}")
@@ -43,9 +53,12 @@ class Arguments:
             if flags.c_contiguous and (flags.writeable or not writable):
                 return x if x.ndim == 1 else x.reshape(-1)  # the common case, at once
         try:
-            return as_array(x, name, writable=writable).reshape(-1)
+            arr = as_array(x, name, writable=writable)
+            if type(arr) is np.ndarray and not arr.flags.c_contiguous:
+                arr = contiguous_copy(arr, name, writable, self.staged)
         except AnycclError as exc:
             raise type(exc)(f"rank {self.rank}: {op}: {exc}") from None
+        return arr.reshape(-1)
 
     def message(self, op: str, x: Any, peer: Any, peer_name: str, tag: Any,
                 writable: bool) -> tuple[Array, int | None, int]:

@@ -40,10 +40,6 @@ def _check_torch_layout(t: Any, name: str) -> None:
     if t.is_conj() or t.is_neg():
         raise InvalidArgumentError(
             f"{name} is a lazy conjugate/negative view; call .resolve_conj()/.resolve_neg() first")
-    if not t.is_contiguous():
-        raise InvalidArgumentError(
-            f"{name} is not contiguous (shape {tuple(t.shape)}, strides {t.stride()}); "
-            f"pass tensor.contiguous() and copy the result back if you need it in place")
 
 
 class _TorchMemory:
@@ -57,6 +53,9 @@ class _TorchMemory:
         self.tensor = t
         self.__array_interface__ = {"data": (t.data_ptr(), False), "shape": tuple(t.shape),
                                     "typestr": typestr, "version": 3}
+        if not t.is_contiguous():   # strides in bytes (a tensor's are in elements)
+            size = t.element_size()
+            self.__array_interface__["strides"] = tuple(s * size for s in t.stride())
 
 
 def _torch_to_numpy(t: Any, name: str) -> np.ndarray:
@@ -90,11 +89,12 @@ def _from_host_dlpack(x: Any, name: str) -> np.ndarray:
 
 
 def as_numpy(x: Any, name: str, *, writable: bool) -> np.ndarray:
-    """Return a contiguous NumPy array sharing memory with `x`.
+    """Return a NumPy array sharing memory with `x`, with `x`'s strides (contiguous or not:
+    layouts.py copies what is not).
 
-    Raises InvalidArgumentError for non-contiguous arrays and for read-only arrays when `writable`,
-    UnsupportedError for unsupported types and dtypes. Never copies: what a collective writes into
-    the returned array lands in `x`.
+    Raises InvalidArgumentError for read-only arrays when `writable`, UnsupportedError for
+    unsupported types and dtypes. Never copies: what a collective writes into the returned array
+    lands in `x`.
     """
     if isinstance(x, np.ndarray):
         arr = x
@@ -132,10 +132,6 @@ def as_numpy(x: Any, name: str, *, writable: bool) -> np.ndarray:
     if arr.dtype not in SUPPORTED:
         names = ", ".join(d.name for d in SUPPORTED_DTYPES)
         raise UnsupportedError(f"{name} has dtype {arr.dtype}; supported: {names}")
-    if not arr.flags.c_contiguous:
-        raise InvalidArgumentError(
-            f"{name} is not C-contiguous (shape {arr.shape}, strides {arr.strides}); pass "
-            f"np.ascontiguousarray(...) and copy the result back if you need it in place")
     if writable and not arr.flags.writeable:
         raise InvalidArgumentError(f"{name} is read-only but receives the result; pass a writable "
                                    f"array")
@@ -273,6 +269,11 @@ def torch_stream_function() -> Callable[[int], int]:
 
 def _from_torch(t: Any, name: str) -> GpuArray:
     _check_torch_layout(t, name)
+    if not t.is_contiguous():
+        raise InvalidArgumentError(
+            f"{name} is a GPU tensor that is not contiguous (shape {tuple(t.shape)}, strides "
+            f"{t.stride()}); GPU arrays must be contiguous: pass tensor.contiguous() and copy "
+            f"the result back if you need it in place")
     device = t.get_device()  # an int, without building a torch.device
     return GpuArray(t.data_ptr(), t.numel(), _torch_dtype(t, name), device, torch_stream(device),
                     "torch", t)

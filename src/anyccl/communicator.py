@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from . import groups, in_place, lifetime
+from . import groups, in_place, layouts, lifetime
 from .algorithms import objects
 from .arguments import Arguments, named
 from .backends.base import Backend
@@ -172,7 +172,14 @@ class Communicator:
         engine, which gets the function that queues it from the GPU backend's `name` (or from
         `gpu_call(gpu_backend)`). `like` (the array whose dtype and size every rank must agree
         on), `root` and `op` are its signature. replayable=False: a blocking GPU call leaves no
-        plan (its queued function holds buffers of its own, used once)."""
+        plan (its queued function holds buffers of its own, used once). Host arrays staged
+        through contiguous copies (layouts.py) are settled here: written back once it is done."""
+        if self._check.staged:
+            staged = self._check.take_staged()   # (dropped if the call fails)
+            return layouts.settle(self._collective(name, args, nbytes, operands, async_op,
+                                                   like=like, root=root, op=op, arrays=arrays,
+                                                   stream=stream, replayable=replayable,
+                                                   gpu_call=gpu_call), staged)
         enqueue = None
         # one host array and no stream (the common case) cannot be on a GPU: no need to ask
         if (stream is not None or len(arrays) != 1 or type(like) is not np.ndarray) \
@@ -193,6 +200,7 @@ class Communicator:
     def _refused(self, name: str, exc: AnycclError, args: tuple) -> None:
         """This rank refused its arguments to collective `name`: the other ranks are told and
         raise too (host collectives only; a closed or one-rank communicator tells nobody)."""
+        self._check.take_staged()   # what its checks staged before refusing is dropped
         if self._closed or self.size == 1 or self._engine.failure is not None \
                 or lives_on_gpu(args):
             return

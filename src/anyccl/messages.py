@@ -16,6 +16,7 @@ from .arguments import TAG_END, Arguments
 from .buffers import SUPPORTED, Array
 from .engine import HostEngine
 from .gpu_dispatch import GpuDispatch
+from .layouts import settle
 from .trace import OpRecord, message_text
 from .work import Work
 
@@ -72,8 +73,11 @@ class MessageCalls:
         op = _OPS[kind, async_op]
         if self._comm._closed:
             self._comm._check_open(op)
-        x, peer, tag = self._check.message(op, tensor, peer, _PEER_NAMES[kind], tag,
-                                           kind == "recv")
+        try:
+            x, peer, tag = self._check.message(op, tensor, peer, _PEER_NAMES[kind], tag,
+                                               kind == "recv")
+        finally:   # a receive into a non-contiguous array: its copy, written back when done
+            staged = self._check.take_staged()
         gpu_side = self._gpu_side
         if (stream is not None or type(x) is not np.ndarray) and gpu_side.on_gpu(
                 op, [("tensor", x)], stream):
@@ -88,20 +92,24 @@ class MessageCalls:
         record = self.record(kind, x, peer, tag)
         self._log(record)
         engine = self._engine
-        return (engine.message if async_op else engine.blocking)(kind, x, peer, tag, record)
+        return settle((engine.message if async_op else engine.blocking)(kind, x, peer, tag,
+                                                                         record), staged)
 
     def sendrecv(self, send_tensor: Any, dst: int, recv_tensor: Any, src: int | None,
                  tag: int, stream: Any) -> int | None:
         """`comm.sendrecv`: both messages checked, then exchanged at once (host arrays: as one
         blocking operation; GPU arrays: as one batch); returns the sender."""
-        x, dst, y, src, tag = self._check.exchange(send_tensor, dst, recv_tensor, src, tag)
+        try:
+            x, dst, y, src, tag = self._check.exchange(send_tensor, dst, recv_tensor, src, tag)
+        finally:
+            staged = self._check.take_staged()
         if self._gpu_side.batched is not None:
             raise self._check.fail("sendrecv",
                                    "use isend and irecv inside `with comm.batch():`")
         if stream is None and type(x) is np.ndarray and type(y) is np.ndarray:
             record = self.record("sendrecv", x, dst, tag, src)
             self._log(record)
-            return self._engine.sendrecv(record, x, dst, y, src, tag)
+            return settle(self._engine.sendrecv(record, x, dst, y, src, tag), staged)
         comm = self._comm
         with comm.batch():   # GPU arrays: one group; isend and irecv take the caller's arrays
             sent = comm.isend(send_tensor, dst, tag, stream=stream)

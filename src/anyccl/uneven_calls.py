@@ -13,6 +13,7 @@ from .arguments import Arguments, named
 from .buffers import Array, GpuArray
 from .errors import InvalidArgumentError, UnsupportedError
 from .gpu_dispatch import GpuDispatch
+from .layouts import Staged, copy_back
 from .trace import OpRecord, about
 from .work import Work
 
@@ -36,12 +37,13 @@ class UnevenCalls:
     def all_gather(self, x: Array, outs: list[Array], async_op: bool,
                    stream: Any) -> Work | None:
         """all_gather into `outs`, whose entry j has rank j's size (checked already)."""
+        staged = self._check.take_staged()
         arrays = [("tensor", x), *named("out", outs)]
         self._gpu_side.on_gpu("all_gather", arrays, stream)
         comm = self._comm
         sizes, piece = uneven.agree_sizes(comm, x.size, [o.size for o in outs], "all_gather")
         return self._move("all_gather", arrays, lambda new: uneven.all_gather_v(
-            comm.size, outs, x, sizes, piece, new), x, async_op, stream)
+            comm.size, outs, x, sizes, piece, new), x, async_op, stream, staged)
 
     def all_to_all(self, out: Any, inp: Any, out_splits: Any, in_splits: Any,
                    async_op: bool, stream: Any) -> Work | None:
@@ -54,10 +56,11 @@ class UnevenCalls:
         except _REFUSALS as exc:
             self._refused("all_to_all", exc, (out, inp))
             raise
+        staged = self._check.take_staged()
         comm = self._comm
         piece = uneven.agree_all_to_all(comm, receives, sends)
         return self._move("all_to_all", arrays, lambda new: uneven.all_to_all_v(
-            comm.size, y, x, receives, sends, piece, new), x, async_op, stream)
+            comm.size, y, x, receives, sends, piece, new), x, async_op, stream, staged)
 
     def rooted(self, op: str, x: Array, pieces: Any, name: str, root: int, root_name: str,
                writable: bool, async_op: bool, stream: Any) -> Work | None:
@@ -69,6 +72,7 @@ class UnevenCalls:
         except _REFUSALS as exc:
             self._refused(op, exc, (x, pieces))
             raise
+        staged = self._check.take_staged()
         arrays = [("tensor" if writable else "out", x), *named(name, checked or [])]
         self._gpu_side.on_gpu(op, arrays, stream)
         comm = self._comm
@@ -77,19 +81,21 @@ class UnevenCalls:
         layout = uneven.gather_v if writable else uneven.scatter_v
         return self._move(op, arrays, lambda new: layout(comm.size, comm.rank, x, checked,
                                                          root, sizes, piece, new),
-                          x, async_op, stream)
+                          x, async_op, stream, staged)
 
     def _move(self, op: str, arrays: list[tuple[str, Array]],
               layout: Callable[[uneven.NewBuffer | None], uneven.Moves], x: Array,
-              async_op: bool, stream: Any) -> Work | None:
+              async_op: bool, stream: Any, staged: Staged) -> Work | None:
         """Move an uneven collective's data once the ranks agreed on its sizes: `layout(new)`
         lays it out on padded buffers that `new` makes like `x` (`layout(None)`: pieces as they
         are). Host arrays: at once, through the communicator's even collectives (async_op=True
-        gets a Work already complete). GPU arrays: one operation queued like any GPU collective,
+        gets a Work already complete); `staged` (host arrays the checks copied, layouts.py)
+        are copied back once moved. GPU arrays: one operation queued like any GPU collective,
         laid out by the GPU engine (`uneven_moves`)."""
         comm = self._comm
         if not isinstance(x, GpuArray):
             layout(uneven.host_scratch(x)).run_on_host(comm)
+            copy_back(staged)
             if not async_op:
                 return None
             work = Work(OpRecord(op, self._seq(), "uneven sizes", x.nbytes), comm.rank)
