@@ -1,15 +1,19 @@
 import pytest
-from harness import close_pools, job_segments
+from harness import close_pools, job_files, remove_suite_files
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _pools_closed_and_no_segments_left():
-    """The suite's own jobs leave no shared memory behind (other jobs on the machine may)."""
-    before = job_segments()
+def _pools_closed_and_nothing_left():
+    """At the end of the run, the suite's own jobs (their ids start with the suite's prefix;
+    other jobs on the machine may leave what they like) have left nothing in /dev/shm or /tmp:
+    no shared memory, no job directory; the flight records tests provoked go with the suite's
+    flight-record directory."""
+    before = job_files()
     yield
     close_pools()
-    leftover = job_segments() - before
-    assert not leftover, f"shared-memory segments left behind: {sorted(leftover)}"
+    remove_suite_files()
+    leftover = job_files() - before
+    assert not leftover, f"left behind by this run's jobs: {sorted(leftover)}"
 
 
 def pytest_collection_modifyitems(config, items):

@@ -15,6 +15,7 @@ import os
 import secrets
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from typing import Any, Callable
@@ -29,11 +30,40 @@ DEFAULT_DEADLINE_S = 120.0
 SUITE_JOB_PREFIX = os.environ.setdefault("ANYCCL_JOB_PREFIX", "t" + secrets.token_hex(4))
 
 
+# Flight records of the suite's jobs (tests provoke timeouts and lost ranks on purpose) go to a
+# directory of the suite's own, removed at its end (`remove_suite_files`), unless the caller
+# named one.
+SUITE_FLIGHT_DIR = os.environ.get("ANYCCL_FLIGHT_DIR") or os.environ.setdefault(
+    "ANYCCL_FLIGHT_DIR", tempfile.mkdtemp(prefix=f"anyccl-{SUITE_JOB_PREFIX}-flights-"))
+_OWN_FLIGHT_DIR = SUITE_FLIGHT_DIR.rsplit("/", 1)[-1].startswith(f"anyccl-{SUITE_JOB_PREFIX}-")
+
+
 def job_segments(prefix: str = SUITE_JOB_PREFIX) -> set[str]:
     """The shared-memory segments of the jobs whose ids start with `prefix`."""
     import glob
 
     return set(glob.glob(f"/dev/shm/anyccl-{prefix}*"))
+
+
+def job_files(prefix: str = SUITE_JOB_PREFIX) -> set[str]:
+    """What jobs whose ids start with `prefix` left on this machine: shared-memory segments,
+    job directories in this user's anyccl directory, temporary directories named for them."""
+    import glob
+
+    from anyccl import private
+
+    found = job_segments(prefix)
+    found.update(glob.glob(os.path.join(private.user_directory(), f"job-{prefix}*")))
+    found.update(glob.glob(os.path.join(tempfile.gettempdir(), f"anyccl-{prefix}*")))
+    return found - {SUITE_FLIGHT_DIR}
+
+
+def remove_suite_files() -> None:
+    """Remove the suite's own flight-record directory (made at import)."""
+    import shutil
+
+    if _OWN_FLIGHT_DIR:
+        shutil.rmtree(SUITE_FLIGHT_DIR, ignore_errors=True)
 
 
 def new_job_id() -> str:
@@ -270,13 +300,19 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, env: dict | None = None
     return [value for _, value, _ in outcomes]
 
 
+def _without_job_variables(more: tuple[str, ...] = ()) -> dict[str, str]:
+    """This process's environment without what would make a new process join a job (anyccl's
+    settings, launcher variables), but with the suite's own job prefix and flight directory."""
+    return {k: v for k, v in os.environ.items()
+            if not k.startswith(("ANYCCL_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_", *more))
+            or k in ("ANYCCL_JOB_PREFIX", "ANYCCL_FLIGHT_DIR")}
+
+
 def spawn_processes(source: str, envs: list[dict[str, str]], timeout_s: float = 120,
                     args: list[str] | None = None) -> list[subprocess.CompletedProcess]:
     """Run Python `source` in one fresh process per entry of `envs` (added to this process's
     environment, minus any launcher variables), all at once; their completed processes."""
-    base = {k: v for k, v in os.environ.items()
-            if not k.startswith(("ANYCCL_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_",
-                                 "OMPI_", "PMI_", "SLURM_"))}
+    base = _without_job_variables(("OMPI_", "PMI_", "SLURM_"))
     procs = [subprocess.Popen([sys.executable, "-c", source, *(args or [])], env={**base, **env},
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for env in envs]
@@ -299,8 +335,7 @@ def launch_job(script: str, world_size: int, args: list[str] | None = None,
                ) -> tuple[subprocess.CompletedProcess, float]:
     """Run `script` as a whole job, the way users start one on the suite's backend: `anyccl run`
     on shm, `mpiexec` on mpi. Returns the finished job and how many seconds it took."""
-    base = {k: v for k, v in os.environ.items()
-            if not k.startswith(("ANYCCL_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_"))}
+    base = _without_job_variables()
     if suite_backend() == "mpi":
         cmd = ["mpiexec", "-n", str(world_size), sys.executable, script]
         base["ANYCCL_BACKEND"] = "mpi"

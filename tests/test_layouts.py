@@ -79,10 +79,10 @@ def check_every_operation(comm, kind: str, layout: str) -> int:
     checked = 0
     for dtype in DTYPES:
         for count in COUNTS:
-            def strided(values=None, elements=count):
+            def strided(values=None, elements=count, dtype=dtype):
                 return Strided(kind, layout, elements, dtype, values)
 
-            def given(rank, salt=0, elements=count):
+            def given(rank, salt=0, elements=count, dtype=dtype):
                 return make_input(rank, elements, dtype, salt)
 
             what = f"{kind} {layout} {dtype} x {count}"

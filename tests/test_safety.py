@@ -385,6 +385,7 @@ def test_flight_records_refuse_a_directory_others_can_write_and_never_follow_lin
 
     root = tmp_path / "flights"
     root.mkdir(mode=0o700)
+    suite_flight_dir = os.environ.get("ANYCCL_FLIGHT_DIR")
     os.environ["ANYCCL_FLIGHT_DIR"] = str(root)
     try:
         planted = root / "anyccl-job1"
@@ -408,7 +409,9 @@ def test_flight_records_refuse_a_directory_others_can_write_and_never_follow_lin
         assert not os.path.islink(path) and stat.S_IMODE(os.stat(path).st_mode) == 0o600
         assert b'"all_reduce"' in private.read(path)
     finally:
-        del os.environ["ANYCCL_FLIGHT_DIR"]
+        os.environ.pop("ANYCCL_FLIGHT_DIR")
+        if suite_flight_dir is not None:
+            os.environ["ANYCCL_FLIGHT_DIR"] = suite_flight_dir
 
 
 _DUMPS = textwrap.dedent("""

@@ -378,6 +378,10 @@ def print_flight_summary(job_id: str) -> None:
         except (OSError, ValueError):
             continue
     if not records:
+        try:
+            os.rmdir(directory)   # made by looking (flight_directory); an empty one says nothing
+        except OSError:
+            pass
         return
     say(f"anyccl run: flight records in {directory}:")
     for rec in sorted(records, key=lambda r: (r["communicator"], r["rank"])):

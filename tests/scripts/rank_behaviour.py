@@ -6,7 +6,8 @@
   chatty                 every rank prints 300 lines in pieces and ends on a line without newline
   slow-exit RANK CODE    rank RANK closes its communicator, and exits with CODE half a second
                          later: the others lose it first and fail before it does
-  refuse RANK            rank RANK passes a strided array to all_reduce and raises the refusal
+  refuse RANK            rank RANK passes an array whose elements share memory to
+                         all_reduce and raises the refusal
                          0.2 s later: every rank raises, the others usually first
 """
 
@@ -45,7 +46,8 @@ for step in range(10**9):
         os.kill(os.getpid(), signal.SIGKILL)
     if mode == "refuse" and comm.rank == int(sys.argv[3]) and step == 5:
         try:
-            comm.all_reduce(np.ones((4, 4), np.float32)[:, 1])   # strided: refused
+            comm.all_reduce(np.lib.stride_tricks.as_strided(   # elements share memory: refused
+                np.ones(4, np.float32), (4, 4), (0, 4)))
         except anyccl.InvalidArgumentError:
             time.sleep(0.2)     # the others raise first, told of the refusal (the launcher
             raise               # waits up to 1 s for the rank they name)
