@@ -261,6 +261,22 @@ def test_the_rank_that_refused_its_arguments_is_named_first_though_the_others_fa
     assert "rank 2 refused its arguments" in err, err
 
 
+def test_a_rank_that_never_arrives_is_named_first_though_the_others_time_out_first(
+        no_leftovers):
+    proc = subprocess.Popen([sys.executable, "-m", "anyccl", "run", "-n", "3", SCRIPT, "stall",
+                             str(no_leftovers), "1"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "ANYCCL_TIMEOUT": "2"})
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1, err
+    said = [line for line in err.splitlines() if "failed first" in line]
+    assert len(said) == 1 and re.match(
+        r"anyccl run: rank 1 failed first: it never arrived at the operation rank [02] timed "
+        r"out in; rank [02] then exited with code 1; the other ranks were stopped$",
+        said[0]), err
+    assert "timed out after" in err and "rank 1 is idle after all_reduce" in err, err
+
+
 def test_a_backend_named_by_the_environment_is_blamed_on_the_variable(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "anyccl", "run", "-n", "2", SCRIPT, "ok"],
                           capture_output=True, text=True, timeout=60, cwd=tmp_path,

@@ -13,7 +13,7 @@ from types import TracebackType
 
 from . import settings
 from ._console import say
-from .errors import AnycclError, CollectiveMismatchError, PeerLostError
+from .errors import AnycclError, CollectiveMismatchError, PeerLostError, TimeoutError
 
 _PR_SET_PDEATHSIG = 1
 
@@ -30,8 +30,9 @@ def _die_with_launcher() -> None:
 
 def lost_marker(job_id: str, rank: int) -> str:
     """Where a rank that ends on an error another rank caused (an uncaught PeerLostError: the
-    rank it lost; a CollectiveMismatchError because a rank refused its arguments: that rank)
-    says which rank that was, so the launcher blames it, not the ones that only reacted."""
+    rank it lost; a CollectiveMismatchError because a rank refused its arguments: that rank; a
+    TimeoutError waiting for ranks in no operation: the first of them) says which rank that
+    was, so the launcher blames it, not the ones that only reacted."""
     from .trace import flight_directory
 
     return os.path.join(flight_directory(job_id), f"lost-by-rank{rank}")
@@ -69,6 +70,8 @@ def main() -> None:
             _note_cause(exc.lost_rank)
         elif isinstance(exc, CollectiveMismatchError) and exc.refused_by:
             _note_cause(exc.refused_by[0])
+        elif isinstance(exc, TimeoutError) and exc.waited_for:
+            _note_cause(exc.waited_for[0])
         traceback.print_exception(type(exc), exc, _user_frames(exc.__traceback__))
         sys.stderr.flush()
         sys.exit(1)   # what Python exits with on an uncaught exception

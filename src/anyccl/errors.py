@@ -21,7 +21,11 @@ class UnsupportedError(AnycclError, TypeError):
 
 
 class TimeoutError(AnycclError, builtins.TimeoutError):  # noqa: A001 - deliberate, like asyncio's
-    """A blocking wait passed its deadline. The message names the rank, the op and its peers."""
+    """A blocking wait passed its deadline. The message names the rank, the op and its peers;
+    `waited_for`: the peers that were in no operation at all then (they never arrived), where
+    the backend can tell."""
+
+    waited_for: tuple[int, ...] = ()
 
 
 class PeerLostError(AnycclError, ConnectionError):

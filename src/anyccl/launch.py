@@ -462,15 +462,19 @@ def _stopped(pid: int) -> bool:
 def _cause(ranks: list[RankProcess], running: list[RankProcess], failed: RankProcess,
            lost: int | None) -> tuple[int, str] | None:
     """The rank that made `failed` fail, where it is not `failed` itself: a rank that is
-    stopped (the others timed out waiting for it), or the rank `failed` lost when that one
-    ended with code 0 (it left early, while `failed` still needed it)."""
+    stopped (the others timed out waiting for it); the rank `failed` named (`lost`) when that
+    one ended with code 0 (it left early, while `failed` still needed it) or still runs (it
+    never arrived where `failed` timed out waiting for it)."""
     stopped = [rp for rp in running if _stopped(rp.proc.pid)]
     if stopped:
         return stopped[0].rank, "was stopped (by a signal such as SIGSTOP) while the others " \
                                 "waited for it"
     by_rank = {rp.rank: rp for rp in ranks}
-    if lost is not None and lost in by_rank and by_rank[lost].proc.poll() == 0:
-        return lost, f"exited early (code 0) while rank {failed.rank} still needed it"
+    if lost is not None and lost in by_rank:
+        if by_rank[lost].proc.poll() == 0:
+            return lost, f"exited early (code 0) while rank {failed.rank} still needed it"
+        if by_rank[lost].proc.poll() is None:
+            return lost, f"never arrived at the operation rank {failed.rank} timed out in"
     return None
 
 

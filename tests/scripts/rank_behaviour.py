@@ -9,6 +9,8 @@
   refuse RANK            rank RANK passes an array whose elements share memory to
                          all_reduce and raises the refusal
                          0.2 s later: every rank raises, the others usually first
+  stall RANK             rank RANK stops calling collectives (it sleeps) after a few: the
+                         others time out waiting for it (run with a short ANYCCL_TIMEOUT)
 """
 
 import os
@@ -51,6 +53,8 @@ for step in range(10**9):
         except anyccl.InvalidArgumentError:
             time.sleep(0.2)     # the others raise first, told of the refusal (the launcher
             raise               # waits up to 1 s for the rank they name)
+    if mode == "stall" and comm.rank == int(sys.argv[3]) and step == 5:
+        time.sleep(60)          # the launcher stops it long before
     comm.all_reduce(x)
     if mode == "forever":
         time.sleep(0.01)

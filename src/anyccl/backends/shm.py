@@ -609,8 +609,11 @@ class SharedMemoryBackend(Backend):
         waited = time.monotonic() - record.issued_at if record else self._timeout_s
         peers = "; ".join(f"rank {j} {self.peer_status(j)}"
                           for j in range(self.size) if j != self.rank)
-        return TimeoutError(f"rank {self.rank}: {record} timed out after {waited:.3g} s waiting "
-                            f"for {waiting_for}" + (f"; {peers}" if peers else ""))
+        error = TimeoutError(f"rank {self.rank}: {record} timed out after {waited:.3g} s waiting "
+                             f"for {waiting_for}" + (f"; {peers}" if peers else ""))
+        error.waited_for = tuple(j for j in range(self.size)
+                                 if j != self.rank and not int(self._ctl[j][_W_DOING]) & 1)
+        return error
 
     def _check_peers(self) -> None:
         # a death first: a peer that closed may only have reacted to that death
