@@ -57,9 +57,9 @@ def test_an_expanded_torch_tensor_cannot_receive_a_result():
     """Its elements share memory (stride 0); a transposed tensor is fine (test_layouts.py)."""
     torch = pytest.importorskip("torch")
     comm = anyccl.init()
-    with pytest.raises(anyccl.InvalidArgumentError, match=r"tensor has elements that share "
-                                                          r"memory \(shape \(4, 4\), strides "
-                                                          r"\(0, 4\)\)"):
+    with pytest.raises(anyccl.InvalidArgumentError,
+                       match=r"tensor \(a torch tensor\) has elements that share memory "
+                             r"\(shape \(4, 4\), strides \(0, 4\)\)"):
         comm.all_reduce(torch.ones(4).expand(4, 4))
     t = torch.ones(4, 4).t()
     assert comm.all_reduce(t) is t and (t == 1).all()

@@ -27,10 +27,10 @@ def _read_only():
 # (call made on rank 0 only, error type, words the message must contain)
 BAD_CALLS = {
     "elements_share_memory": (lambda c: c.all_reduce(np.lib.stride_tricks.as_strided(
-        _ones(), (4, 4), (0, 4))), anyccl.InvalidArgumentError, "tensor has elements that share "
-        "memory (shape (4, 4), strides (0, 4)), so it cannot receive a result"),
+        _ones(), (4, 4), (0, 4))), anyccl.InvalidArgumentError, "tensor (a NumPy array) has "
+        "elements that share memory (shape (4, 4), strides (0, 4)), so it cannot receive a result"),
     "read_only_output": (lambda c: c.all_gather(_read_only(), _ones(2)),
-                         anyccl.InvalidArgumentError, "out is read-only"),
+                         anyccl.InvalidArgumentError, "out (a NumPy array) is read-only"),
     "read_only_input_async": (lambda c: c.all_reduce(_read_only(), async_op=True),
                               anyccl.InvalidArgumentError, "cannot be written in place, so "
                               "async_op=True has nowhere to put the result"),

@@ -189,8 +189,9 @@ def check_overlapping_output(comm) -> str:
 
 def test_an_output_whose_elements_share_memory_is_refused_on_every_rank():
     said = run_ranks(check_overlapping_output, 3)
-    assert said[0].startswith("InvalidArgumentError: rank 0: all_reduce: tensor has elements "
-                              "that share memory (shape (4, 6), strides (0, 4))"), said[0]
+    assert said[0].startswith("InvalidArgumentError: rank 0: all_reduce: tensor (a NumPy array) "
+                              "has elements that share memory (shape (4, 6), strides (0, 4))"), \
+        said[0]
     for other in said[1:]:
         assert "rank 0" in other and "share memory" in other, other
 

@@ -57,7 +57,11 @@ class Arguments:
             if type(arr) is np.ndarray and not arr.flags.c_contiguous:
                 arr = contiguous_copy(arr, name, writable, self.staged)
         except AnycclError as exc:
-            raise type(exc)(f"rank {self.rank}: {op}: {exc}") from None
+            text, label = str(exc), _label(x)
+            rest = text[len(name):] if text.startswith(f"{name} ") else ""
+            if label and rest and not rest.startswith((" is a ", " of type ")):
+                text = f"{name} ({label}){rest}"   # the argument, and what it is
+            raise type(exc)(f"rank {self.rank}: {op}: {text}") from None
         return arr.reshape(-1)
 
     def message(self, op: str, x: Any, peer: Any, peer_name: str, tag: Any,
@@ -271,6 +275,20 @@ class Arguments:
                 0 <= tag < TAG_END:
             raise self.fail(op, f"tag={tag!r} must be an int from 0 to 2**63-1")
         return int(tag)
+
+
+def _label(x: Any) -> str:
+    """What kind of array `x` is, for a refusal that names its argument ("a NumPy array"); empty
+    where the message says it already (None, Python numbers and sequences)."""
+    if x is None or isinstance(x, (bool, int, float, complex, list, tuple)):
+        return ""
+    if isinstance(x, np.ndarray):
+        return "a NumPy array"
+    module = type(x).__module__.split(".")[0]
+    framework = {"torch": "torch", "cupy": "CuPy", "jax": "JAX", "jaxlib": "JAX"}.get(module)
+    if framework is not None:
+        return f"a {framework} {'tensor' if framework == 'torch' else 'array'}"
+    return f"a {type(x).__name__}"
 
 
 def named(name: str, pieces: Sequence[Array]) -> list[tuple[str, Array]]:
