@@ -261,6 +261,23 @@ def test_the_rank_that_refused_its_arguments_is_named_first_though_the_others_fa
     assert "rank 2 refused its arguments" in err, err
 
 
+def test_a_rank_traceback_shows_the_users_call_not_anyccls_insides(no_leftovers):
+    """Of anyccl's frames, only the call the user's code made; ANYCCL_FULL_TRACEBACK=1 shows
+    all of them."""
+    hidden = re.compile(r"^\((\d+) frames? inside anyccl not shown; ANYCCL_FULL_TRACEBACK=1 "
+                        r"shows them\)$", re.M)
+    _, err = _launch(2, "refuse", str(no_leftovers), "1").communicate(timeout=60)
+    frames = re.findall(r'^  File "(.*?)", line \d+, in (\w+)', err, re.M)
+    inside = [f for f in frames if "/anyccl/" in f[0]]
+    assert hidden.search(err) and inside, err
+    assert all(name == "all_reduce" and path.endswith("anyccl/communicator.py")
+               for path, name in inside), err   # no engine, backend or argument-check frames
+    full = subprocess.run([sys.executable, "-m", "anyccl", "run", "-n", "2", SCRIPT, "refuse",
+                           str(no_leftovers), "1"], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "ANYCCL_FULL_TRACEBACK": "1"})
+    assert not hidden.search(full.stderr) and "arguments.py" in full.stderr, full.stderr
+
+
 def test_a_rank_that_never_arrives_is_named_first_though_the_others_time_out_first(
         no_leftovers):
     proc = subprocess.Popen([sys.executable, "-m", "anyccl", "run", "-n", "3", SCRIPT, "stall",

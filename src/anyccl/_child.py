@@ -38,12 +38,37 @@ def lost_marker(job_id: str, rank: int) -> str:
     return os.path.join(flight_directory(job_id), f"lost-by-rank{rank}")
 
 
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
 def _user_frames(tb: TracebackType | None) -> TracebackType | None:
     """`tb` without its first frames of this module and runpy: the user's code only."""
     while tb is not None and (tb.tb_frame.f_code.co_filename == __file__ or
                               tb.tb_frame.f_globals.get("__name__") == "runpy"):
         tb = tb.tb_next
     return tb
+
+
+def _shown_frames(tb: TracebackType | None) -> tuple[TracebackType | None, int]:
+    """`tb` as the user reads it, and how many frames it leaves out: from their code on, and
+    of each run of anyccl's own frames only the first, the call their code made (all of them
+    with ANYCCL_FULL_TRACEBACK)."""
+    tb = _user_frames(tb)
+    if settings.FULL_TRACEBACK.get():
+        return tb, 0
+    kept: list[TracebackType] = []
+    inside_before, hidden = False, 0
+    while tb is not None:
+        inside = os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(_PACKAGE)
+        if inside and inside_before:
+            hidden += 1
+        else:
+            kept.append(tb)
+        inside_before, tb = inside, tb.tb_next
+    shown = None
+    for frame in reversed(kept):
+        shown = TracebackType(shown, frame.tb_frame, frame.tb_lasti, frame.tb_lineno)
+    return shown, hidden
 
 
 def main() -> None:
@@ -72,8 +97,12 @@ def main() -> None:
             _note_cause(exc.refused_by[0])
         elif isinstance(exc, TimeoutError) and exc.waited_for:
             _note_cause(exc.waited_for[0])
-        traceback.print_exception(type(exc), exc, _user_frames(exc.__traceback__))
+        shown, hidden = _shown_frames(exc.__traceback__)
+        traceback.print_exception(type(exc), exc.with_traceback(shown), shown)
         sys.stderr.flush()
+        if hidden:
+            say(f"({hidden} frame{'s' if hidden > 1 else ''} inside anyccl not shown; "
+                f"{settings.FULL_TRACEBACK.name}=1 shows them)")
         sys.exit(1)   # what Python exits with on an uncaught exception
 
 

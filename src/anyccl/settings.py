@@ -121,6 +121,11 @@ DEBUG = _declare("DEBUG", "bool", False,
                  "one, at the same sequence number, with agreeing arguments "
                  "(CollectiveMismatchError otherwise). Host collectives check op, dtype, count, "
                  "root and reduce op without it.")
+FULL_TRACEBACK = _declare("FULL_TRACEBACK", "bool", False,
+                          "Under anyccl run, show anyccl's own frames in the traceback of an "
+                          "error a rank did not catch. Off: of each run of anyccl's frames only "
+                          "the call your code made is shown, and a line says how many were left "
+                          "out.")
 FLIGHT_DIR = _declare("FLIGHT_DIR", "path", None,
                       "Where flight records are written on a timeout or a lost peer (in a "
                       "private anyccl-<job> directory below it). Default: this user's private "
