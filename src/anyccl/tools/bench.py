@@ -457,6 +457,12 @@ def print_header(out, op: str, libraries: list[str]) -> None:
     extra = [("", ""), ("  spread", "  library" if len(libraries) > 1 else ""),
              ("     (%)", "")]
     print("\n".join(line + a + b for line, (a, b) in zip(lines, extra)), file=out)
+    if op in _IN_PLACE_ONLY:
+        print(f"# (out-of-place N/A: {op} writes its result into its input in anyccl's API, as "
+              f"in torch.distributed's; the in-place columns are measured)", file=out)
+    elif op in _OUT_OF_PLACE_ONLY:
+        print(f"# (in-place N/A: {op} has no in-place form; the out-of-place columns are "
+              f"measured)", file=out)
 
 
 def print_size(out, library: str, rows: list[Row], several: bool) -> None:
