@@ -1,7 +1,8 @@
 """What torch's own utilities ask of a process group, run on one backend: the devices it declares
 and its default device, distributed checkpoints (save, load, async_save), FSDP2 loading a full
-state dict broadcast from rank 0, DTensor redistribution and the functional collectives. Each
-rank saves what it got. Usage: torch_real_clients.py BACKEND WORLD_SIZE PORT OUT_DIR"""
+state dict broadcast from rank 0, DTensor redistribution, the functional collectives and a
+pipeline-parallel schedule. Each rank saves what it got.
+Usage: torch_real_clients.py BACKEND WORLD_SIZE PORT OUT_DIR"""
 
 import os
 import sys
@@ -88,6 +89,63 @@ def run(rank: int, backend: str, world_size: int, port: int, out_dir: str) -> No
     got["fc_all_gather"] = fc.all_gather_tensor(mine, 0, group).wait()
     got["fc_reduce_scatter"] = fc.reduce_scatter_tensor(
         torch.arange(2.0 * n) * (rank + 1), "sum", 0, group).wait()
+
+    # tensors that are not contiguous, in every collective gloo runs on them: a channels_last
+    # activation and a transposed matrix (results compared as laid out logically)
+    layouts = {"channels_last": lambda v: (torch.arange(24.0) + v).reshape(2, 3, 2, 2).contiguous(
+                   memory_format=torch.channels_last),
+               "transposed": lambda v: (torch.arange(12.0) + v).reshape(4, 3).t()}
+    for name, make in layouts.items():
+        x = make(rank)
+        dist.all_reduce(x)
+        got[f"{name}_all_reduce"] = x.contiguous()
+        x = make(rank)
+        dist.broadcast(x, n - 1)
+        got[f"{name}_broadcast"] = x.contiguous()
+        x = make(rank)
+        dist.reduce(x, 0)     # the root's result (gloo leaves partial sums on the others)
+        got[f"{name}_reduce"] = x.contiguous() if rank == 0 else None
+        outs = [make(-1) for _ in range(n)]
+        dist.all_gather(outs, make(rank))
+        got[f"{name}_all_gather"] = [o.contiguous() for o in outs]
+        outs = [make(-1) for _ in range(n)] if rank == 0 else None
+        dist.gather(make(rank), outs, 0)
+        got[f"{name}_gather"] = [o.contiguous() for o in outs or []]
+        x = make(-1)
+        dist.scatter(x, [make(10 * j) for j in range(n)] if rank == 0 else None, 0)
+        got[f"{name}_scatter"] = x.contiguous()
+        x = make(-1)
+        dist.reduce_scatter(x, [make(rank + 10 * j) for j in range(n)])
+        got[f"{name}_reduce_scatter"] = x.contiguous()
+        outs = [make(-1) for _ in range(n)]
+        dist.all_to_all(outs, [make(rank + 10 * j) for j in range(n)])
+        got[f"{name}_all_to_all"] = [o.contiguous() for o in outs]
+        if backend == "anyccl":   # gloo refuses these ("input tensor has to be contiguous")
+            x, right, left = make(-1), (rank + 1) % n, (rank - 1) % n
+            for request in dist.batch_isend_irecv([dist.P2POp(dist.isend, make(rank), right),
+                                                   dist.P2POp(dist.irecv, x, left)]):
+                request.wait()
+            got["p2p_matches"] = got.get("p2p_matches", True) and torch.equal(
+                x, make(left))
+
+    # pipeline parallelism: one stage per rank, GPipe over 4 micro-batches (p2p between stages)
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    torch.manual_seed(3)
+    layers = [torch.nn.Linear(16, 16) for _ in range(n)]
+    stage = PipelineStage(layers[rank], rank, n, torch.device("cpu"))
+    schedule = ScheduleGPipe(stage, n_microbatches=4,
+                             loss_fn=lambda y, t: ((y - t) ** 2).mean())
+    inputs = torch.randn(8, 16, generator=torch.Generator().manual_seed(4))
+    losses: list = []
+    if rank == 0:
+        schedule.step(inputs)
+    elif rank == n - 1:
+        schedule.step(target=torch.zeros(8, 16), losses=losses)
+    else:
+        schedule.step()
+    got["pipeline_grads"] = [p.grad.clone() for p in layers[rank].parameters()]
+    got["pipeline_losses"] = [loss.detach().clone() for loss in losses]
 
     dist.barrier()
     torch.save(got, os.path.join(out_dir, f"rank{rank}.pt"))
