@@ -3,6 +3,7 @@ tcp://, file://, torchrun's and SLURM's variables, mpiexec, or alone."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
@@ -87,13 +88,29 @@ def test_slurm_variables_give_rank_size_and_local_rank():
 
 
 @pytest.mark.skipif(shutil.which("mpiexec") is None, reason="no mpiexec on PATH")
-def test_ranks_started_by_mpiexec_meet_through_mpi():
+def test_ranks_started_by_mpiexec_meet_through_mpi_and_run_on_shared_memory_by_default():
+    """On one host the default is shm under mpiexec too; ranks keep MPI's numbering, and a
+    program's own MPI calls work beside anyccl's."""
     pytest.importorskip("mpi4py")
-    proc = subprocess.run(["mpiexec", "-n", "3", sys.executable, "-c", PROGRAM],
-                          capture_output=True, text=True, timeout=120)
+    program = PROGRAM + (
+        "from mpi4py import MPI\n"
+        "assert MPI.COMM_WORLD.Get_rank() == comm.rank, (MPI.COMM_WORLD.Get_rank(), comm.rank)\n"
+        "assert MPI.COMM_WORLD.allreduce(comm.rank) == comm.size * (comm.size - 1) // 2\n"
+        "sys.stdout.write(f'{comm.rank} {comm.backend} {comm.backend_reason}\\n')\n")
+    env = {k: v for k, v in os.environ.items() if k != "ANYCCL_BACKEND"}
+    proc = subprocess.run(["mpiexec", "-n", "3", sys.executable, "-c", program],
+                          capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert sorted(line.split()[:2] + line.split()[3:] for line in proc.stdout.splitlines()) == \
-        [[str(r), "3", "6"] for r in range(3)]
+    lines = proc.stdout.splitlines()
+    sums = [line.split() for line in lines if line.split()[1] == "3"]
+    assert sorted(s[:2] + s[3:] for s in sums) == [[str(r), "3", "6"] for r in range(3)]
+    said = [line for line in lines if line.split()[1] != "3"]
+    assert len(said) == 3 and all(line.split()[1] == "shm" and "also under mpiexec" in line
+                                  for line in said), lines
+    named = subprocess.run(["mpiexec", "-n", "2", sys.executable, "-c", program],
+                           capture_output=True, text=True, timeout=120,
+                           env={**env, "ANYCCL_BACKEND": "mpi"})
+    assert named.returncode == 0 and " mpi named" in named.stdout, named.stderr[-2000:]
 
 
 def test_a_rank_without_any_way_to_meet_says_how_to_launch():

@@ -384,8 +384,7 @@ def parse_backend(backend: str | None) -> tuple[str, str | None]:
     "cpu:shm,cuda:nccl" or ANYCCL_BACKEND, by the names registered (backends/registry.py).
     Naming a GPU backend creates it at init(); otherwise the first collective on GPU arrays
     creates the host backend's default one."""
-    default = "mpi" if _launched_by_mpiexec() and _has_mpi4py() else "shm"
-    spec = (backend or settings.BACKEND.get() or default).strip().lower()
+    spec = (backend or settings.BACKEND.get() or "shm").strip().lower()
     gpu_names = registry.selectable_gpu_backends()
     host, device_backend = None, None
     for part in spec.split(","):
@@ -401,6 +400,15 @@ def parse_backend(backend: str | None) -> tuple[str, str | None]:
         else:
             host = registry.host_entry(name).name
     return host or "shm", device_backend
+
+
+def _one_host_default() -> str:
+    """Why an unnamed backend on one host is shm, also under mpiexec (mpi when named)."""
+    if _launched_by_mpiexec():
+        return ("default on one host, also under mpiexec: shared memory is faster than MPI "
+                "inside a host; ranks keep MPI's numbering, and backend='mpi' (or "
+                "ANYCCL_BACKEND=mpi) runs on MPI")
+    return "default on one host"
 
 
 def _has_mpi4py() -> bool:
@@ -517,7 +525,7 @@ def join(connection: Store, rank: int, world_size: int, *, backend: str | None,
         if local_rank is None:
             local_rank = env_local if env_local is not None else \
                 hosts[:rank].count(hosts[rank])
-        why = "named" if (backend or settings.BACKEND.get()) else "default on one host"
+        why = "named" if (backend or settings.BACKEND.get()) else _one_host_default()
         if len(set(hosts)) > 1:
             name, why = _across_hosts(name, bool(backend or settings.BACKEND.get()), hosts,
                                       addresses)
