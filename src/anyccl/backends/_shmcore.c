@@ -3,6 +3,7 @@
  * missing or does not cover a dtype or reduction).
  *
  *   ring(bell)                       wake a doorbell (sem_post on its address)
+ *   set_spin_yield(on)               spins give the core away at every turn (sched_yield)
  *   send(lane, pos, tag, code, src) write a whole message (32-byte header, data) into a byte
  *                                    ring if it has room, publish the sent counter, ring the
  *                                    receiver's bell; the new position (0: no room)
@@ -33,7 +34,23 @@
 #include <semaphore.h>
 #include <stdint.h>
 #include <string.h>
+#include <sched.h>
 #include <time.h>
+
+/* Whether spins give the core away at every turn (sched_yield) instead of pausing: set when
+ * this host runs more ranks than this process has cores (set_spin_yield), where a pausing spin
+ * holds the core the peer it waits for needs. */
+static int spin_yields = 0;
+
+static inline void spin_turn(void) {
+    if (spin_yields) {
+        sched_yield();
+        return;
+    }
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
 
 static uint64_t now_ns(void) {
     struct timespec ts;
@@ -77,14 +94,12 @@ static int spin_until(const uint64_t *const *words, Py_ssize_t n, unsigned long 
         Py_ssize_t i = 0;
         while (i < n && __atomic_load_n(words[i], __ATOMIC_ACQUIRE) >= value) i++;
         if (i == n) return 1;
-        if ((iter & 63) == 0) {
+        if ((iter & 63) == 0 || spin_yields) {
             uint64_t t = now_ns();
             if (end == 0) end = t + spin_ns;
             else if (t >= end) return 0;
         }
-#if defined(__x86_64__) || defined(__i386__)
-        __builtin_ia32_pause();
-#endif
+        spin_turn();
     }
 }
 
@@ -214,11 +229,9 @@ static PyObject *take(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
         Py_BEGIN_ALLOW_THREADS
         uint64_t end = now_ns() + spin_ns;
         for (unsigned iter = 1; state == PARTIAL; iter++) {
-#if defined(__x86_64__) || defined(__i386__)
-            __builtin_ia32_pause();
-#endif
+            spin_turn();
             state = message_state(&m, total);
-            if ((iter & 63) == 0 && now_ns() >= end) break;
+            if (((iter & 63) == 0 || spin_yields) && now_ns() >= end) break;
         }
         Py_END_ALLOW_THREADS
     }
@@ -564,8 +577,17 @@ static PyTypeObject StagingType = {
     .tp_members = staging_members,
 };
 
+static PyObject *set_spin_yield(PyObject *self, PyObject *flag) {
+    int on = PyObject_IsTrue(flag);
+    if (on < 0) return NULL;
+    spin_yields = on;
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"ring", ring, METH_O, "ring(bell): wake the doorbell at address `bell`."},
+    {"set_spin_yield", set_spin_yield, METH_O,
+     "set_spin_yield(on): spins yield the core at every turn (more ranks than cores)."},
     {"send", (PyCFunction)(void (*)(void))send, METH_FASTCALL,
      "send(lane, pos, tag, code, src) -> new position, or 0: a whole message."},
     {"take", (PyCFunction)(void (*)(void))take, METH_FASTCALL,

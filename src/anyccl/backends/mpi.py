@@ -50,17 +50,30 @@ from ..ops import finish as finish_op
 from ..store import Store
 from ..trace import OpRecord, format_bytes
 from .base import Backend, Completion, PolledMessages, per_operation
-from .doorbell import PollingBell
+from .doorbell import PollingBell, cores_available
 from .registry import HostContext
+from .shm import CORE_REDUCTIONS
+
+try:  # the shm backend's compiled core reduces what an agreement carried
+    from . import _shmcore
+except ImportError:  # pragma: no cover - built without a C compiler
+    _shmcore = None
 
 _DTYPE_CODE = {d: i for i, d in enumerate(SUPPORTED_DTYPES)}
 _CODES = 16  # > len(SUPPORTED_DTYPES): the low 4 bits of an MPI tag name the dtype
-_SPIN_S = 0.02  # how long a wait spins on MPI_Test before it tests every 100 us ...
-_SHARED_SPIN_S = 2e-4  # ... or this long where this host's ranks outnumber its cores
+_SPIN_S = 0.02  # how long a wait spins on MPI_Test before it tests every 100 us (where this
+# host's ranks outnumber its cores, each turn of the spin yields the core: os.sched_yield)
 _DEPARTURE_CHECK_S = 0.25  # how often a waiting rank asks the store whether a peer left
 _DEPARTURE_GRACE_S = 2.0   # a peer that left may have done its part: wait this long first
 _SIGNATURE = struct.Struct("=4q")  # (word, count, -word, -count): one MAX finds any difference
 _QUICK_TESTS = 64   # MPI_Test calls before an agreement waits the way every operation waits
+# Up to _FOLD_RANKS ranks, the agreement is an all-gather of fixed blocks, each a rank's
+# signature and room for _FOLD_BYTES / size bytes of data: a small all_reduce or broadcast
+# travels inside it, so the check and the data take one MPI call instead of two.
+_FOLD_RANKS = 64
+_FOLD_BYTES = 1024
+_HEAD = 32          # a block's signature: (word, count, 0, 0) as four int64
+_FOLDS = ("all_reduce", "broadcast")   # the collectives whose data may ride in the agreement
 
 
 def _mpi() -> Any:
@@ -264,13 +277,21 @@ class MpiBackend(PolledMessages, Backend):
         self._next_source = 0   # where the next any-source receive starts probing
         # set by a composite backend that starts the agreement itself (start_agreement)
         self.defer_agreement = False
-        self._spin_s = _spin_s(self._comm, self.MPI)
+        self._spin_s, self._yields = _spinning(self._comm, self.MPI)
         self.doorbell = PollingBell(spin_s=self._spin_s)
         self._closed = False
         self._agrees = self.size > 1 and settings.MPI_AGREE.get()
         self._split_min = tuning.value("mpi.split_all_reduce_min")   # the tuning table
         self._signature = array.array("q", bytes(32))      # this rank's, for _agree
         self._signature_max = array.array("q", bytes(32))  # every rank's, reduced
+        # the folded agreement's blocks (see _FOLD_RANKS): this rank's, and every rank's
+        self._room = (_FOLD_BYTES // self.size) // 8 * 8 if self.size <= _FOLD_RANKS else -1
+        if self._room >= 0:
+            self._block = np.zeros(_HEAD + self._room, np.uint8)
+            self._blocks = np.zeros((self.size, _HEAD + self._room), np.uint8)
+            self._heads = self._blocks[:, :16].view(np.int64)   # every rank's (word, count)
+            self._carried_at = tuple(self._blocks.ctypes.data + r * (_HEAD + self._room) + _HEAD
+                                     for r in range(self.size))
 
     @classmethod
     def world(cls, timeout_s: float, store: Store | None = None) -> MpiBackend:
@@ -344,8 +365,11 @@ class MpiBackend(PolledMessages, Backend):
         earlier send raised, and its signature compared across ranks."""
         self._record, self._deadline = record, record.deadline
         self._raise_late()
-        if record.agree is not None and self._agrees and not self.defer_agreement:
-            self._agree(record.agree)
+        agree = record.agree
+        if agree is not None and self._agrees and not self.defer_agreement and not (
+                record.name in _FOLDS and self._room >= 0 and not agree[0] & agreement.REFUSED):
+            self._agree(agree)   # (all_reduce and broadcast agree themselves, carrying data;
+            #                      a refusal of theirs arrives as a barrier, agreeing here)
 
     def _agree(self, agree: tuple) -> None:
         """The collective's signature (agreement.py) compared across ranks before it runs: one
@@ -353,17 +377,37 @@ class MpiBackend(PolledMessages, Backend):
         the ranks gather every signature (and refusal reason) to say what differed."""
         self.start_agreement(agree)()
 
-    def start_agreement(self, agree: tuple) -> Callable[[], None]:
-        """Start `_agree`'s all-reduce and return the function that finishes it (raising
+    def _agree_carrying(self, data: np.ndarray | None) -> np.ndarray | None:
+        """The current collective's agreement (if it agrees), with `data` inside it where it
+        fits the folded blocks' room: every rank's block (a row of bytes: the signature, then
+        the data) once every signature matched; None where nothing was carried. (all_reduce and
+        broadcast, which `_enter` leaves to agree here.)"""
+        record = self._record
+        if not self._agrees or self.defer_agreement or record is None or record.agree is None:
+            return None
+        if self._room < 0:
+            self._agree(record.agree)
+            return None
+        fits = data is not None and data.nbytes <= self._room
+        self.start_agreement(record.agree, data if fits else None)()
+        return self._blocks if fits else None
+
+    def start_agreement(self, agree: tuple, data: np.ndarray | None = None
+                        ) -> Callable[[], None]:
+        """Start `_agree`'s exchange and return the function that finishes it (raising
         CollectiveMismatchError on every rank where signatures differ), so that a caller can
-        do work of its own that touches no peer's data in between (hierarchical.py)."""
+        do work of its own that touches no peer's data in between (hierarchical.py). Up to
+        _FOLD_RANKS ranks it is an all-gather of blocks (signature, then `data`'s bytes, if
+        given), the same call on every rank whatever it carries; beyond, an all-reduce."""
         word, count = agree[0], agree[1]
+        if self._room >= 0:
+            return self._start_folded(agree, data)
         _SIGNATURE.pack_into(self._signature, 0, word, count, -word, -count)
         request = self._comm.Iallreduce(self._signature, self._signature_max, self.MPI.MAX)
 
         def finish() -> None:
-            for _ in range(_QUICK_TESTS):   # the common case: every rank is already there
-                if request.Test():
+            for _ in range(0 if self._yields else _QUICK_TESTS):   # the common case: every
+                if request.Test():                                 # rank is already there
                     break
             else:
                 self._complete(request, "the other ranks to reach the collective")
@@ -371,12 +415,32 @@ class MpiBackend(PolledMessages, Backend):
                 self._signature_max)
             if top_word == -low_word and top_count == -low_count:
                 return
-            everyone = self._comm.allgather((agree[0], agree[1], agree[2] if len(agree) > 2
-                                             else ""))
-            words = [(w, c) for w, c, _ in everyone]
-            reasons = {r: why for r, (_, _, why) in enumerate(everyone) if why}
-            raise agreement.mismatch(self.rank, self._record, words, reasons, self.name)
+            self._disagree(agree)
         return finish
+
+    def _start_folded(self, agree: tuple, data: np.ndarray | None) -> Callable[[], None]:
+        block = self._block
+        head = block[:_HEAD].view(np.int64)
+        head[0], head[1], head[2], head[3] = agree[0], agree[1], 0, 0
+        if data is not None and data.nbytes:
+            block[_HEAD:_HEAD + data.nbytes] = data.reshape(-1).view(np.uint8)
+        request = self._comm.Iallgather([block, self.MPI.BYTE], [self._blocks, self.MPI.BYTE])
+
+        def finish() -> None:
+            self._complete(request, "the other ranks to reach the collective")
+            mine = [agree[0], agree[1]]
+            if all(head == mine for head in self._heads.tolist()):
+                return
+            self._disagree(agree)
+        return finish
+
+    def _disagree(self, agree: tuple) -> None:
+        """Signatures differ: every rank learns every signature and refusal, and raises."""
+        everyone = self._comm.allgather((agree[0], agree[1], agree[2] if len(agree) > 2
+                                         else ""))
+        words = [(w, c) for w, c, _ in everyone]
+        reasons = {r: why for r, (_, _, why) in enumerate(everyone) if why}
+        raise agreement.mismatch(self.rank, self._record, words, reasons, self.name)
 
     def all_reduce_start(self, x: np.ndarray, op: ReduceOp) -> Callable[[], None]:
         """Start an all_reduce of `x` and return the function that finishes it (x holds the
@@ -412,11 +476,14 @@ class MpiBackend(PolledMessages, Backend):
 
     def _complete(self, request: Any, what: str) -> None:
         """Poll `request` until done: MPI progresses only inside its calls, so spin on Test as
-        MPI's blocking calls do, then, after _SPIN_S, test every 100 us; TimeoutError at the
+        MPI's blocking calls do (yielding the core at each turn where this host's ranks
+        outnumber its cores), then, after the spin, test every 100 us; TimeoutError at the
         current operation's deadline."""
+        if request.Test():
+            return
         started = time.monotonic()
         self._lost_since = None
-        told = False
+        told, yields = False, self._yields
         while not request.Test():
             now = time.monotonic()
             if now >= self._deadline:
@@ -429,6 +496,8 @@ class MpiBackend(PolledMessages, Backend):
                     told = self._tell_waiting(self._record, what)
                 self._check_peers(self._record, what)
                 time.sleep(1e-4)
+            elif yields:
+                os.sched_yield()
 
     def _tell_waiting(self, record: OpRecord | None, what: str) -> bool:
         if self._departures is not None:
@@ -499,10 +568,29 @@ class MpiBackend(PolledMessages, Backend):
     # ---- collectives -------------------------------------------------------------------------
     @per_operation
     def all_reduce(self, x: np.ndarray, op: ReduceOp) -> None:
+        blocks = self._agree_carrying(x)
+        if blocks is not None:   # every rank's x came with the agreement: reduce them here,
+            self._reduce_carried(x, blocks, op)   # as every rank does
+            return
         _, mpi_op = self._reduction(op, x.dtype)
         self._complete(self._comm.Iallreduce(self.MPI.IN_PLACE, self._reduced(x, op), mpi_op),
                        "the other ranks' all_reduce")
         finish(x, op, self.size)
+
+    def _reduce_carried(self, x: np.ndarray, blocks: np.ndarray, op: ReduceOp) -> None:
+        """x = every rank's data carried in `blocks`, reduced in rank order (the compiled core
+        where it covers the dtype and op; else NumPy, quiet about overflow as MPI's SUM is)."""
+        codes = CORE_REDUCTIONS.get((x.dtype, op)) if self.size > 1 else None
+        if codes is not None and _shmcore is not None and _shmcore.reduce(
+                x, self._carried_at, x.size, codes[0], codes[1], self.size):
+            return
+        n = x.nbytes
+        given = [blocks[r, _HEAD:_HEAD + n].view(x.dtype) for r in range(self.size)]
+        x[...] = given[0]
+        with np.errstate(all="ignore"):
+            for other in given[1:]:
+                accumulate(x, other, op)
+            finish(x, op, self.size)
 
     @per_operation
     def reduce(self, x: np.ndarray, root: int, op: ReduceOp) -> None:
@@ -517,6 +605,11 @@ class MpiBackend(PolledMessages, Backend):
 
     @per_operation
     def broadcast(self, x: np.ndarray, root: int) -> None:
+        blocks = self._agree_carrying(x)
+        if blocks is not None:   # the root's x came with the agreement
+            if self.rank != root and x.nbytes:
+                x.reshape(-1).view(np.uint8)[...] = blocks[root, _HEAD:_HEAD + x.nbytes]
+            return
         self._complete(self._comm.Ibcast(self._bytes(x), root), f"rank {root}'s broadcast")
 
     @per_operation
@@ -765,20 +858,20 @@ class MpiBackend(PolledMessages, Backend):
             pass
 
 
-def _spin_s(comm: Any, MPI: Any) -> float:
-    """How long a wait spins on MPI_Test before it sleeps between tests: ANYCCL_SPIN_US, else
-    _SPIN_S while every rank of this host has a core, and _SHARED_SPIN_S where they outnumber
-    the cores (spinning ranks would take the cores the others need to make progress)."""
+def _spinning(comm: Any, MPI: Any) -> tuple[float, bool]:
+    """(how long a wait spins on MPI_Test before it sleeps between tests, whether each turn
+    yields the core): ANYCCL_SPIN_US or _SPIN_S; yielding where this host's ranks outnumber
+    the cores this process may use (a spin that keeps its core would starve the very rank it
+    waits for)."""
     spin_us = settings.SPIN_US.get()
-    if spin_us is not None:
-        return spin_us * 1e-6
+    spin_s = _SPIN_S if spin_us is None else spin_us * 1e-6
     try:
         local = comm.Split_type(MPI.COMM_TYPE_SHARED)
         ranks_here = local.Get_size()
         local.Free()
     except Exception:  # noqa: BLE001 - an MPI without shared-memory groups: assume a core each
-        return _SPIN_S
-    return _SHARED_SPIN_S if ranks_here > (os.cpu_count() or 1) else _SPIN_S
+        return spin_s, False
+    return spin_s, ranks_here > cores_available()
 
 
 def _native_type(MPI: Any, dtype: np.dtype) -> Any:

@@ -54,7 +54,7 @@ from ..store import Store
 from ..trace import OpRecord, format_bytes
 from . import cross_memory
 from .base import Backend, Completion
-from .doorbell import Doorbell
+from .doorbell import Doorbell, cores_available
 from .registry import HostContext
 
 try:  # the per-call core in C (_shmcore.c); without it, the same steps in Python and NumPy
@@ -86,9 +86,12 @@ _HEADER_WORDS = struct.Struct("<4q")
 _PEER_CHECK_S = 0.25
 _DEADLINE_CHECK_S = 0.001  # how often progress() looks for posted messages past their deadline
 _SPIN_US = 200  # default spin while every rank has a core: past a sleep's wake-up time
+# with more ranks than cores: spin this long, yielding the core at every turn, then sleep
+_SHARED_SPIN_US = 100
 _NO_ROOM = "no room\n"             # published instead of a segment name when creation failed
 _DTYPE_CODE = {dt: i for i, dt in enumerate(SUPPORTED_DTYPES)}
-# what the compiled core reduces itself: (dtype, op) -> its codes (enums of _shmcore.c)
+# what the compiled core reduces itself: (dtype, op) -> its codes (enums of _shmcore.c); the
+# mpi backend reduces the data its agreement carried with it too
 _CORE_DTYPES = ("float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16",
                 "uint32", "uint64")
 _CORE_OPS = (ReduceOp.SUM, ReduceOp.PROD, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.AVG,
@@ -103,7 +106,7 @@ def _defined(op: ReduceOp, dtype: np.dtype) -> bool:
     return True
 
 
-_CORE_REDUCTIONS = {(np.dtype(d), op): (i, k) for i, d in enumerate(_CORE_DTYPES)
+CORE_REDUCTIONS = {(np.dtype(d), op): (i, k) for i, d in enumerate(_CORE_DTYPES)
                     for k, op in enumerate(_CORE_OPS) if _defined(op, np.dtype(d))}
 _NAMES = ("an operation", *COLLECTIVES, "barrier", "send", "recv", "batch", "sendrecv")
 _NAME_CODE = {name: i for i, name in enumerate(_NAMES)}
@@ -335,9 +338,14 @@ class SharedMemoryBackend(Backend):
             _round_up(settings.SHM_CHANNEL_BYTES.get(), _HEADER))
         self.half_bytes = layout.staging_bytes
         self._store, self._job_id, self._timeout_s = store, job_id, timeout_s
+        # more ranks than cores: a spin that pauses holds the core the awaited peer needs, so
+        # spins yield it at every turn instead (as MPICH's polling does when oversubscribed)
+        self._yields = size > cores_available()
+        if _shmcore is not None:
+            _shmcore.set_spin_yield(self._yields)
         spin_us = settings.SPIN_US.get()
-        if spin_us is None:  # spinning only helps while every rank has a core of its own
-            spin_us = 0 if size > (os.cpu_count() or 1) else _SPIN_US
+        if spin_us is None:
+            spin_us = _SHARED_SPIN_US if self._yields else _SPIN_US
         self._spin_ns = int(spin_us * 1000)
         # the staging half used last and the last barrier's count: the core's Staging, which
         # also runs the one-shot step, once the lanes are known (below); else these
@@ -580,6 +588,8 @@ class SharedMemoryBackend(Backend):
         while time.perf_counter() < spin_end:
             if ready():
                 return
+            if self._yields:
+                os.sched_yield()
         # peers are checked (a /proc read each) only once a wait has lasted a while: a check
         # on every short wait slowed this rank enough to make its peers wait in turn
         next_check = time.monotonic() + _PEER_CHECK_S
@@ -827,7 +837,7 @@ class SharedMemoryBackend(Backend):
 
     # ---- collectives -------------------------------------------------------------------------
     def all_reduce(self, x: np.ndarray, op: ReduceOp, record: OpRecord) -> None:
-        codes = _CORE_REDUCTIONS.get((x.dtype, op))
+        codes = CORE_REDUCTIONS.get((x.dtype, op))
         if codes is not None and x.nbytes <= self._core_max_bytes and record is not self._record:
             # the hot path, `_enter` and `_core_one_shot` inline: a new operation whose one-shot
             # step the core runs whole, marking this rank in it, then idle
@@ -858,7 +868,7 @@ class SharedMemoryBackend(Backend):
         step (stage, barrier, reduce in rank order), run by the compiled core in one call;
         False (nothing done) without the core, where it does not reduce this dtype and op, or
         for a larger message."""
-        codes = _CORE_REDUCTIONS.get((x.dtype, op))
+        codes = CORE_REDUCTIONS.get((x.dtype, op))
         if codes is None or x.nbytes > self._core_max_bytes:
             return False
         self._one_shot(x, codes, root is None or root == self.rank, -1)
