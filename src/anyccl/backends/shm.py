@@ -915,8 +915,19 @@ class SharedMemoryBackend(Backend):
 
     def all_gather(self, outs: list[np.ndarray], x: np.ndarray, record: OpRecord) -> None:
         self._enter(record)
-        (direct if self._direct_for("all_gather", x.nbytes) else symmetric).all_gather(
-            self, outs, x)
+        if self._direct_for("all_gather", x.nbytes):
+            direct.all_gather(self, outs, x)
+        elif self._core_steps and x.nbytes <= self._core_max_bytes:
+            # one chunk: every rank stages its piece and arrives (the core's one-shot step,
+            # neither reducing nor copying), then reads every piece from the staging halves
+            # (safe until the next operation's barrier, which no rank passes before reading)
+            self._one_shot(x.view(np.uint8), (0, 0), False, -1)
+            half, n = self._steps.half, x.nbytes
+            for j, out in enumerate(outs):
+                if j != self.rank or not np.may_share_memory(out, x):
+                    out.view(np.uint8)[...] = self._staging[j][half][:n]
+        else:
+            symmetric.all_gather(self, outs, x)
         self._idle()
 
     def gather(self, x: np.ndarray, outs: list[np.ndarray] | None, root: int,
