@@ -15,6 +15,7 @@ the queue and the counters; held receives sit in a deque of their own.
 from __future__ import annotations
 
 import functools
+import os
 import threading
 import time
 from collections import deque
@@ -300,13 +301,15 @@ class Engine:
         peer raises here."""
         backend = self.backend
         progress, bell = backend.progress, backend.doorbell
-        spin_until = time.perf_counter() + bell.spin_s
+        spin_until, yields = time.perf_counter() + bell.spin_s, bell.yields
         while True:
             progress()
             if finished():
                 return
             if time.perf_counter() >= spin_until:
                 break
+            if yields:
+                os.sched_yield()
         while True:
             bell.drain()
             progress()

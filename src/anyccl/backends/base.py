@@ -47,9 +47,11 @@ def per_operation(collective: _F) -> _F:
 
 class Bell(Protocol):
     """What the host engine sleeps on (backends/doorbell.py has two kinds); a waiter polls
-    without sleeping for `spin_s` first."""
+    without sleeping for `spin_s` first, yielding the core at every look if `yields` (more
+    ranks than cores)."""
 
     spin_s: float
+    yields: bool
 
     def ring(self) -> None: ...
 

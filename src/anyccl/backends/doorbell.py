@@ -58,6 +58,7 @@ class Doorbell:
     waiter polls without sleeping for `spin_s` first (set by its owner)."""
 
     spin_s = 0.0
+    yields = False   # whether a waiter's polling yields the core at every look (set by its owner)
 
     def __init__(self, address: int, *, create: bool) -> None:
         self.address = address
@@ -109,10 +110,10 @@ class Doorbell:
 class PollingBell:
     """The doorbell of a transport that nobody can ring (a library that progresses only when
     polled: MPI, gloo): sleeping is a short nap, after which the engine polls again. A waiter
-    polls without sleeping for `spin_s` first."""
+    polls without sleeping for `spin_s` first, yielding the core at every look if `yields`."""
 
-    def __init__(self, spin_s: float = 0.0, nap_s: float = 1e-4) -> None:
-        self.spin_s, self.nap_s = spin_s, nap_s
+    def __init__(self, spin_s: float = 0.0, nap_s: float = 1e-4, yields: bool = False) -> None:
+        self.spin_s, self.nap_s, self.yields = spin_s, nap_s, yields
 
     def ring(self) -> None:
         pass

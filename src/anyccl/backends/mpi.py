@@ -278,7 +278,7 @@ class MpiBackend(PolledMessages, Backend):
         # set by a composite backend that starts the agreement itself (start_agreement)
         self.defer_agreement = False
         self._spin_s, self._yields = _spinning(self._comm, self.MPI)
-        self.doorbell = PollingBell(spin_s=self._spin_s)
+        self.doorbell = PollingBell(spin_s=self._spin_s, yields=self._yields)
         self._closed = False
         self._agrees = self.size > 1 and settings.MPI_AGREE.get()
         self._split_min = tuning.value("mpi.split_all_reduce_min")   # the tuning table

@@ -380,7 +380,7 @@ class SharedMemoryBackend(Backend):
             self._own.unlink()
             raise
         self._words = self._own.words   # this rank's control block
-        self._bell.spin_s = self._spin_ns * 1e-9
+        self._bell.spin_s, self._bell.yields = self._spin_ns * 1e-9, self._yields
         self._ctl = [seg.words for seg in self._segments]
         self._bells = [Doorbell(seg.address(_BELL_OFFSET), create=False)
                        for seg in self._segments]
