@@ -290,25 +290,3 @@ def test_order_dependent_sums_are_bit_identical_on_every_rank(world_size, dtype_
     assert all(digests == results[0][1] for _, digests in results), \
         "ranks hold different results of one reduction"
 
-
-def check_sizes_around_the_mpi_agreements_room(comm):
-    """On mpi, an all_reduce or broadcast of up to 1024 / size bytes (rounded down to 8) rides
-    inside the agreement's all-gather; the sizes on both sides of that edge, on every backend."""
-    room = (1024 // comm.size) // 8 * 8
-    for dtype in (np.dtype(np.float64), np.dtype(np.float32), BFLOAT16):
-        edge = room // dtype.itemsize
-        for count in (edge - 1, edge, edge + 1):
-            x = make_input(comm.rank, count, dtype)
-            comm.all_reduce(x)
-            assert_matches(x, reduce_reference([make_input(r, count, dtype)
-                                                for r in range(comm.size)], ReduceOp.SUM),
-                           f"all_reduce {dtype} x {count}")
-            x = make_input(comm.rank, count, dtype)
-            comm.broadcast(x, src=comm.size - 1)
-            assert_matches(x, make_input(comm.size - 1, count, dtype), f"broadcast {dtype}")
-    return True
-
-
-@pytest.mark.parametrize("world_size", (2, 3, 4))
-def test_all_reduce_and_broadcast_either_side_of_the_mpi_agreements_room(world_size):
-    assert all(run_ranks(check_sizes_around_the_mpi_agreements_room, world_size))

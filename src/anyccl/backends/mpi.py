@@ -52,12 +52,6 @@ from ..trace import OpRecord, format_bytes
 from .base import Backend, Completion, PolledMessages, per_operation
 from .doorbell import PollingBell, cores_available
 from .registry import HostContext
-from .shm import CORE_REDUCTIONS
-
-try:  # the shm backend's compiled core reduces what an agreement carried
-    from . import _shmcore
-except ImportError:  # pragma: no cover - built without a C compiler
-    _shmcore = None
 
 _DTYPE_CODE = {d: i for i, d in enumerate(SUPPORTED_DTYPES)}
 _CODES = 16  # > len(SUPPORTED_DTYPES): the low 4 bits of an MPI tag name the dtype
@@ -67,13 +61,6 @@ _DEPARTURE_CHECK_S = 0.25  # how often a waiting rank asks the store whether a p
 _DEPARTURE_GRACE_S = 2.0   # a peer that left may have done its part: wait this long first
 _SIGNATURE = struct.Struct("=4q")  # (word, count, -word, -count): one MAX finds any difference
 _QUICK_TESTS = 64   # MPI_Test calls before an agreement waits the way every operation waits
-# Up to _FOLD_RANKS ranks, the agreement is an all-gather of fixed blocks, each a rank's
-# signature and room for _FOLD_BYTES / size bytes of data: a small all_reduce or broadcast
-# travels inside it, so the check and the data take one MPI call instead of two.
-_FOLD_RANKS = 64
-_FOLD_BYTES = 1024
-_HEAD = 32          # a block's signature: (word, count, 0, 0) as four int64
-_FOLDS = ("all_reduce", "broadcast")   # the collectives whose data may ride in the agreement
 
 
 def _mpi() -> Any:
@@ -284,14 +271,6 @@ class MpiBackend(PolledMessages, Backend):
         self._split_min = tuning.value("mpi.split_all_reduce_min")   # the tuning table
         self._signature = array.array("q", bytes(32))      # this rank's, for _agree
         self._signature_max = array.array("q", bytes(32))  # every rank's, reduced
-        # the folded agreement's blocks (see _FOLD_RANKS): this rank's, and every rank's
-        self._room = (_FOLD_BYTES // self.size) // 8 * 8 if self.size <= _FOLD_RANKS else -1
-        if self._room >= 0:
-            self._block = np.zeros(_HEAD + self._room, np.uint8)
-            self._blocks = np.zeros((self.size, _HEAD + self._room), np.uint8)
-            self._heads = self._blocks[:, :16].view(np.int64)   # every rank's (word, count)
-            self._carried_at = tuple(self._blocks.ctypes.data + r * (_HEAD + self._room) + _HEAD
-                                     for r in range(self.size))
 
     @classmethod
     def world(cls, timeout_s: float, store: Store | None = None) -> MpiBackend:
@@ -365,11 +344,8 @@ class MpiBackend(PolledMessages, Backend):
         earlier send raised, and its signature compared across ranks."""
         self._record, self._deadline = record, record.deadline
         self._raise_late()
-        agree = record.agree
-        if agree is not None and self._agrees and not self.defer_agreement and not (
-                record.name in _FOLDS and self._room >= 0 and not agree[0] & agreement.REFUSED):
-            self._agree(agree)   # (all_reduce and broadcast agree themselves, carrying data;
-            #                      a refusal of theirs arrives as a barrier, agreeing here)
+        if record.agree is not None and self._agrees and not self.defer_agreement:
+            self._agree(record.agree)
 
     def _agree(self, agree: tuple) -> None:
         """The collective's signature (agreement.py) compared across ranks before it runs: one
@@ -377,31 +353,11 @@ class MpiBackend(PolledMessages, Backend):
         the ranks gather every signature (and refusal reason) to say what differed."""
         self.start_agreement(agree)()
 
-    def _agree_carrying(self, data: np.ndarray | None) -> np.ndarray | None:
-        """The current collective's agreement (if it agrees), with `data` inside it where it
-        fits the folded blocks' room: every rank's block (a row of bytes: the signature, then
-        the data) once every signature matched; None where nothing was carried. (all_reduce and
-        broadcast, which `_enter` leaves to agree here.)"""
-        record = self._record
-        if not self._agrees or self.defer_agreement or record is None or record.agree is None:
-            return None
-        if self._room < 0:
-            self._agree(record.agree)
-            return None
-        fits = data is not None and data.nbytes <= self._room
-        self.start_agreement(record.agree, data if fits else None)()
-        return self._blocks if fits else None
-
-    def start_agreement(self, agree: tuple, data: np.ndarray | None = None
-                        ) -> Callable[[], None]:
-        """Start `_agree`'s exchange and return the function that finishes it (raising
+    def start_agreement(self, agree: tuple) -> Callable[[], None]:
+        """Start `_agree`'s all-reduce and return the function that finishes it (raising
         CollectiveMismatchError on every rank where signatures differ), so that a caller can
-        do work of its own that touches no peer's data in between (hierarchical.py). Up to
-        _FOLD_RANKS ranks it is an all-gather of blocks (signature, then `data`'s bytes, if
-        given), the same call on every rank whatever it carries; beyond, an all-reduce."""
+        do work of its own that touches no peer's data in between (hierarchical.py)."""
         word, count = agree[0], agree[1]
-        if self._room >= 0:
-            return self._start_folded(agree, data)
         _SIGNATURE.pack_into(self._signature, 0, word, count, -word, -count)
         request = self._comm.Iallreduce(self._signature, self._signature_max, self.MPI.MAX)
 
@@ -414,22 +370,6 @@ class MpiBackend(PolledMessages, Backend):
             top_word, top_count, low_word, low_count = _SIGNATURE.unpack_from(
                 self._signature_max)
             if top_word == -low_word and top_count == -low_count:
-                return
-            self._disagree(agree)
-        return finish
-
-    def _start_folded(self, agree: tuple, data: np.ndarray | None) -> Callable[[], None]:
-        block = self._block
-        head = block[:_HEAD].view(np.int64)
-        head[0], head[1], head[2], head[3] = agree[0], agree[1], 0, 0
-        if data is not None and data.nbytes:
-            block[_HEAD:_HEAD + data.nbytes] = data.reshape(-1).view(np.uint8)
-        request = self._comm.Iallgather([block, self.MPI.BYTE], [self._blocks, self.MPI.BYTE])
-
-        def finish() -> None:
-            self._complete(request, "the other ranks to reach the collective")
-            mine = [agree[0], agree[1]]
-            if all(head == mine for head in self._heads.tolist()):
                 return
             self._disagree(agree)
         return finish
@@ -479,10 +419,10 @@ class MpiBackend(PolledMessages, Backend):
         MPI's blocking calls do (yielding the core at each turn where this host's ranks
         outnumber its cores), then, after the spin, test every 100 us; TimeoutError at the
         current operation's deadline."""
+        self._lost_since = None
         if request.Test():
             return
         started = time.monotonic()
-        self._lost_since = None
         told, yields = False, self._yields
         while not request.Test():
             now = time.monotonic()
@@ -568,29 +508,10 @@ class MpiBackend(PolledMessages, Backend):
     # ---- collectives -------------------------------------------------------------------------
     @per_operation
     def all_reduce(self, x: np.ndarray, op: ReduceOp) -> None:
-        blocks = self._agree_carrying(x)
-        if blocks is not None:   # every rank's x came with the agreement: reduce them here,
-            self._reduce_carried(x, blocks, op)   # as every rank does
-            return
         _, mpi_op = self._reduction(op, x.dtype)
         self._complete(self._comm.Iallreduce(self.MPI.IN_PLACE, self._reduced(x, op), mpi_op),
                        "the other ranks' all_reduce")
         finish(x, op, self.size)
-
-    def _reduce_carried(self, x: np.ndarray, blocks: np.ndarray, op: ReduceOp) -> None:
-        """x = every rank's data carried in `blocks`, reduced in rank order (the compiled core
-        where it covers the dtype and op; else NumPy, quiet about overflow as MPI's SUM is)."""
-        codes = CORE_REDUCTIONS.get((x.dtype, op)) if self.size > 1 else None
-        if codes is not None and _shmcore is not None and _shmcore.reduce(
-                x, self._carried_at, x.size, codes[0], codes[1], self.size):
-            return
-        n = x.nbytes
-        given = [blocks[r, _HEAD:_HEAD + n].view(x.dtype) for r in range(self.size)]
-        x[...] = given[0]
-        with np.errstate(all="ignore"):
-            for other in given[1:]:
-                accumulate(x, other, op)
-            finish(x, op, self.size)
 
     @per_operation
     def reduce(self, x: np.ndarray, root: int, op: ReduceOp) -> None:
@@ -605,11 +526,6 @@ class MpiBackend(PolledMessages, Backend):
 
     @per_operation
     def broadcast(self, x: np.ndarray, root: int) -> None:
-        blocks = self._agree_carrying(x)
-        if blocks is not None:   # the root's x came with the agreement
-            if self.rank != root and x.nbytes:
-                x.reshape(-1).view(np.uint8)[...] = blocks[root, _HEAD:_HEAD + x.nbytes]
-            return
         self._complete(self._comm.Ibcast(self._bytes(x), root), f"rank {root}'s broadcast")
 
     @per_operation

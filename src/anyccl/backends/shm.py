@@ -90,8 +90,7 @@ _SPIN_US = 200  # default spin while every rank has a core: past a sleep's wake-
 _SHARED_SPIN_US = 100
 _NO_ROOM = "no room\n"             # published instead of a segment name when creation failed
 _DTYPE_CODE = {dt: i for i, dt in enumerate(SUPPORTED_DTYPES)}
-# what the compiled core reduces itself: (dtype, op) -> its codes (enums of _shmcore.c); the
-# mpi backend reduces the data its agreement carried with it too
+# what the compiled core reduces itself: (dtype, op) -> its codes (enums of _shmcore.c)
 _CORE_DTYPES = ("float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16",
                 "uint32", "uint64")
 _CORE_OPS = (ReduceOp.SUM, ReduceOp.PROD, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.AVG,
@@ -106,7 +105,7 @@ def _defined(op: ReduceOp, dtype: np.dtype) -> bool:
     return True
 
 
-CORE_REDUCTIONS = {(np.dtype(d), op): (i, k) for i, d in enumerate(_CORE_DTYPES)
+_CORE_REDUCTIONS = {(np.dtype(d), op): (i, k) for i, d in enumerate(_CORE_DTYPES)
                     for k, op in enumerate(_CORE_OPS) if _defined(op, np.dtype(d))}
 _NAMES = ("an operation", *COLLECTIVES, "barrier", "send", "recv", "batch", "sendrecv")
 _NAME_CODE = {name: i for i, name in enumerate(_NAMES)}
@@ -837,7 +836,7 @@ class SharedMemoryBackend(Backend):
 
     # ---- collectives -------------------------------------------------------------------------
     def all_reduce(self, x: np.ndarray, op: ReduceOp, record: OpRecord) -> None:
-        codes = CORE_REDUCTIONS.get((x.dtype, op))
+        codes = _CORE_REDUCTIONS.get((x.dtype, op))
         if codes is not None and x.nbytes <= self._core_max_bytes and record is not self._record:
             # the hot path, `_enter` and `_core_one_shot` inline: a new operation whose one-shot
             # step the core runs whole, marking this rank in it, then idle
@@ -868,7 +867,7 @@ class SharedMemoryBackend(Backend):
         step (stage, barrier, reduce in rank order), run by the compiled core in one call;
         False (nothing done) without the core, where it does not reduce this dtype and op, or
         for a larger message."""
-        codes = CORE_REDUCTIONS.get((x.dtype, op))
+        codes = _CORE_REDUCTIONS.get((x.dtype, op))
         if codes is None or x.nbytes > self._core_max_bytes:
             return False
         self._one_shot(x, codes, root is None or root == self.rank, -1)
