@@ -179,8 +179,10 @@ SHM_CMA = _declare("SHM_CMA", "bool", True,
                    "Move large messages once, reading the peer's memory directly "
                    "(process_vm_readv), where the kernel allows it.")
 SPIN_US = _declare("SPIN_US", "float", None,
-                   "How long a waiting rank spins before it sleeps. Default: 200, or 0 when "
-                   "ranks outnumber cores.", unit="us", minimum=0)
+                   "How long a waiting rank spins before it sleeps. Default: 200 on shm and "
+                   "20000 on mpi; where a host's ranks outnumber the cores they may use (their "
+                   "affinity mask), shm spins 100 and every turn of a spin yields the core.",
+                   unit="us", minimum=0)
 
 # ---- mpi -------------------------------------------------------------------------------------
 MPI_AGREE = _declare("MPI_AGREE", "bool", True,
