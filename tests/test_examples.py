@@ -57,13 +57,18 @@ def test_seed_examples_check_themselves_on_cpu(n, example, args, success):
 
 
 @pytest.mark.skipif(shutil.which("mpiexec") is None, reason="no mpiexec on PATH")
-def test_gradient_average_runs_under_mpiexec_on_the_mpi_backend():
+@pytest.mark.parametrize("backend", (None, "mpi"))
+def test_gradient_average_runs_under_mpiexec_on_shared_memory_or_the_mpi_backend(backend):
+    """Under mpiexec on one host the default is shm; --backend mpi runs on MPI."""
     pytest.importorskip("mpi4py")
+    env = {k: v for k, v in os.environ.items() if k != "ANYCCL_BACKEND"}
     proc = subprocess.run(["mpiexec", "-n", "2", sys.executable,
-                           str(EXAMPLES / "gradient_average.py"), "--size", "200000"],
-                          capture_output=True, text=True, timeout=120)
+                           str(EXAMPLES / "gradient_average.py"), "--size", "200000",
+                           *(["--backend", backend] if backend else [])],
+                          capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("(mpi, cpu)") == 2 and proc.stdout.count(": OK") == 2
+    assert proc.stdout.count(f"({backend or 'shm'}, cpu)") == 2, proc.stdout
+    assert proc.stdout.count(": OK") == 2, proc.stdout
 
 
 @pytest.mark.parametrize("n", (2, 4))
