@@ -171,8 +171,8 @@ def main(argv: list[str] | None = None) -> int:
             cells = "".join(f"{'X' if i == j else table[(i, j)]:<8}"
                             for j in range(len(devices)))
             print(f"  GPU{i:<3} {cells}")
-    print("\nrouting: host arrays (NumPy, torch CPU) -> shm (mpi when started by mpiexec); GPU "
-          "arrays (torch, CuPy, JAX, DLPack) -> "
+    print("\nrouting: host arrays (NumPy, torch CPU) -> shm (under mpiexec too; mpi when "
+          "named); GPU arrays (torch, CuPy, JAX, DLPack) -> "
           + ("nccl" if _try(_nccl_version) else "nccl once installed"))
     print("  ranks on several hosts: host arrays -> shm+mpi under mpiexec, else shm+gloo (shm "
           "inside each host, MPI or torch's gloo between); GPU arrays -> nccl")
