@@ -62,6 +62,9 @@ class Arguments:
             if label and rest and not rest.startswith((" is a ", " of type ")):
                 text = f"{name} ({label}){rest}"   # the argument, and what it is
             raise type(exc)(f"rank {self.rank}: {op}: {text}") from None
+        except BaseException:
+            self.staged.clear()   # an error from a library: no later call writes these back
+            raise
         return arr.reshape(-1)
 
     def message(self, op: str, x: Any, peer: Any, peer_name: str, tag: Any,
