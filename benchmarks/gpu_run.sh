@@ -20,7 +20,8 @@
 # torch backend's collectives and DDP/FSDP2/averager on a small model, on however many GPUs), torchddp (torch DDP,
 # FSDP2 and the GradientAverager on anyccl groups vs DDP on NCCL: float32 and bfloat16, 201M
 # parameters; PROFILE=1 adds rank 0's torch.profiler tables), tune (anyccl tune: the auto
-# policy's routes for this machine shape), autovs (auto beside torch's NCCL, six ops, $DTYPE), pack (everything in $RESULTS_DIR into one gpu-out.tgz: last).
+# policy's routes for this machine shape), sweep (the ipc kernels' blocks, tiles, takers and
+# all_reduce algorithms beside torch's NCCL: lab/ipc_sweep.py $SWEEP_ARGS), autovs (auto beside torch's NCCL, six ops, $DTYPE), pack (everything in $RESULTS_DIR into one gpu-out.tgz: last).
 # MIN/MAX change small's, large's and scale's sizes, ROUNDS the bench rounds (3); CE_ARGS are
 # ce_allreduce.py's arguments (e.g. "--sync events memops").
 # N=k runs the multi-rank steps on k ranks (default: one per visible GPU); K=expr selects ipc tests.
@@ -153,6 +154,9 @@ for what in "$@"; do
         2>&1 | tee "$RESULTS_DIR/ce-modes.txt" | tail -40 ;;
   links) step links
     timeout 120 python3 benchmarks/roofline/link_ceiling.py 2>&1 | tee "$RESULTS_DIR/link-ceiling.txt" | tail -8 ;;
+  sweep) step sweep  # the ipc kernels' configurations beside torch's NCCL: lab/ipc_sweep.py $SWEEP_ARGS
+    timeout "${SWEEP_TIMEOUT:-300}" python3 -m anyccl run -n "$n" benchmarks/lab/ipc_sweep.py ${SWEEP_ARGS:-} 2>&1 \
+        | grep -v Warning | tee -a "$RESULTS_DIR/sweep-$n.txt" ;;
   tune) step tune  # anyccl tune on N ranks: the routes into ANYCCL_ROUTES_FILE (or the cache)
     timeout "${TUNE_TIMEOUT:-300}" python3 -m anyccl tune -n "$n" 2>&1 | grep -v Warning \
         | tee "$RESULTS_DIR/tune-$n.txt" ;;

@@ -1,7 +1,8 @@
 """GPU arrays on the ipc backend (anyccl's kernels over CUDA IPC peer memory) on 1, 2, 4 and 8
 GPUs (as many as are visible): every op the kernels serve x float32/float16/bfloat16 x
 SUM/AVG/MIN/MAX against a float64 reference, through the one-shot, two-shot, several-kernel and
-copy-engine paths (small buffers and thresholds force them), unaligned views, tagged messages
+copy-engine paths (small buffers and thresholds force them), with the blocks of a kernel
+split into pushers and takers and without, unaligned views, tagged messages
 and batched rings larger than the message ring, what the kernels do not serve falling to NCCL,
 a CUDA graph replaying a captured all_reduce, and a deadline that stops spinning kernels. Needs
 CUDA GPUs, NVRTC and nccl4py; skipped without."""
@@ -105,8 +106,12 @@ def check_ipc_collectives(comm) -> int:
 
 
 @pytest.mark.parametrize("world", world_sizes())
-def test_ipc_collectives_match_a_float64_reference(world):
-    checked = run_ranks(check_ipc_collectives, world, env=IPC_ENV, deadline_s=240)
+@pytest.mark.parametrize("takers", [0, 3])
+def test_ipc_collectives_match_a_float64_reference(world, takers):
+    # takers 0: every block pushes, then takes; 3: three blocks of each kernel take (copy out,
+    # reduce) what arrives while the others push
+    env = {**IPC_ENV, "ANYCCL_TUNING": f"{IPC_ENV['ANYCCL_TUNING']},ipc.takers={takers}"}
+    checked = run_ranks(check_ipc_collectives, world, env=env, deadline_s=240)
     assert checked[0] > 200
 
 

@@ -178,6 +178,28 @@ def test_each_all_reduce_algorithm_a_route_names_covers_every_element_once_on_an
     assert covered == count
 
 
+@pytest.mark.parametrize("takers", [0, 1, 16, 127, 128, 300])
+@pytest.mark.parametrize("nbytes", [4, TILE_BYTES, 3 * TILE_BYTES + 1, 8 << 20, 33 << 20])
+def test_a_kernels_blocks_split_into_pushers_with_a_tile_each_and_at_most_as_many_takers(
+        launches, takers, nbytes):
+    _, names, _ = launches
+    b = make_backend(names)
+    b.takers = takers
+    blocks, tile, taking = b._tiling(nbytes)
+    tiles = -(-nbytes // tile)
+    pushers = blocks - taking
+    assert 1 <= pushers <= tiles and blocks <= b.max_blocks     # every pusher has a tile
+    assert TILE_BYTES <= tile <= b.layout.tile_bytes and tile % TILE_BYTES == 0
+    if 0 < takers < b.max_blocks:
+        assert taking == min(takers, tiles)                         # a taker has a tile too
+    else:
+        assert taking == 0                                          # none, or none left to push
+    b.all_gather([arr((1 << 32) + q * (1 << 28), nbytes, np.uint8) for q in range(2)],
+                 arr(1 << 36, nbytes, np.uint8))(0)               # the kernels are told
+    first = b._tiling(min(nbytes, b.layout.slot_bytes))          # (a round fills a slot)
+    assert launches[0][0][1] == first[0] and launches[0][0][3]["takers"] == first[2]
+
+
 def test_reduce_scatter_and_all_gather_address_every_piece_in_each_round(launches):
     seen, names, _ = launches
     b = make_backend(names)

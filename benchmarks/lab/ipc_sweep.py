@@ -5,7 +5,12 @@ NCCL, rotating the order round by round. Each configuration is first checked (ex
 small integers, the gathered pieces) on every rank.
 
     anyccl run -n 4 benchmarks/lab/ipc_sweep.py [--mib 16 64 256 1024] [--blocks 64 128]
-        [--tiles 256 512] [--ops all_reduce,all_gather,reduce_scatter] [--dtype float32]
+        [--tiles 256 512] [--takers 0 16] [--algorithms two_shot one_shot]
+        [--ops all_reduce,all_gather,reduce_scatter] [--dtype float32]
+
+(--mib takes fractions: 0.25 is 256 KiB. --takers: blocks of each kernel that take what
+arrived while the others push; --algorithms: all_reduce's kernels, each in every
+configuration, instead of the tuning table's choice by size.)
 
 Prints busbw (GB/s, nccl-tests' factors) of the median round, slowest rank, and each
 configuration's speed over NCCL's. Eager back-to-back calls timed with CUDA events.
@@ -20,14 +25,17 @@ import numpy as np
 import torch
 
 import anyccl
+from anyccl.backends.ipc.routes import NO_END, Routes
 from anyccl.ops import ReduceOp
 from anyccl.tools.peers import TorchPeer
 
 parser = argparse.ArgumentParser()
-parser.add_argument("--mib", type=int, nargs="+", default=[16, 64, 256, 1024])
+parser.add_argument("--mib", type=float, nargs="+", default=[16, 64, 256, 1024])
 parser.add_argument("--blocks", type=int, nargs="+", default=[64, 128])
 parser.add_argument("--tiles", type=int, nargs="+", default=[256, 512],
                     help="KiB a block moves between two flags")
+parser.add_argument("--takers", type=int, nargs="+", default=[None])
+parser.add_argument("--algorithms", nargs="+", default=[None])
 parser.add_argument("--ops", default="all_reduce,all_gather,reduce_scatter")
 parser.add_argument("--dtype", default="float32")
 parser.add_argument("--rounds", type=int, default=3)
@@ -41,27 +49,41 @@ peer = TorchPeer(comm, str(dev))
 dist = peer.dist
 n = comm.size
 dtype = getattr(torch, args.dtype)
-top = (max(args.mib) << 20) // dtype.itemsize
+top = int(max(args.mib) * (1 << 20)) // dtype.itemsize
 big = torch.empty(top, dtype=dtype, device=dev)
 gathered = torch.empty(top, dtype=dtype, device=dev)
 backend = comm.gpu_backend
-default = (backend.max_blocks, backend.layout.tile_bytes, backend.ce_bytes)
+default = (backend.max_blocks, backend.layout.tile_bytes, backend.ce_bytes, backend.takers,
+           backend.routes)
 NEVER = 1 << 62
+SHORT = {"two_shot": "2s", "one_shot": "1s", "low_latency": "ll"}
 
 
 def configure(name: str) -> None:
-    """'nccl'; 'sm B T': the SM kernels, B blocks, tiles of T KiB; 'ce': the copy engines."""
-    backend.max_blocks, backend.layout.tile_bytes, backend.ce_bytes = default
+    """'nccl'; 'sm B T [K [A]]': the SM kernels, B blocks, tiles of T KiB, K of the blocks
+    taking, all_reduce by algorithm A; 'ce': the copy engines. Plans cached by earlier calls
+    are dropped, so that the next call is queued under this configuration."""
+    (backend.max_blocks, backend.layout.tile_bytes, backend.ce_bytes, backend.takers,
+     backend.routes) = default
     if name.startswith("sm"):
-        _, blocks, tile = name.split()
+        _, blocks, tile, *rest = name.split()
         backend.max_blocks, backend.layout.tile_bytes = int(blocks), int(tile) << 10
         backend.ce_bytes = NEVER
+        if rest:
+            backend.takers = int(rest[0])
+        if len(rest) > 1:
+            algorithm = {v: k for k, v in SHORT.items()}[rest[1]]
+            routes = Routes(dict(default[4].spans), f"all_reduce by {algorithm}")
+            routes.spans["all_reduce"] = [(0, NO_END, algorithm)]
+            backend.routes = routes
     elif name == "ce":
         backend.ce_bytes = 1 << 20
+    if comm._gpu_side.plans is not None:
+        comm._gpu_side.plans.forget()
 
 
-def operands(op: str, mib: int) -> tuple[torch.Tensor, torch.Tensor]:
-    count = (mib << 20) // dtype.itemsize
+def operands(op: str, mib: float) -> tuple[torch.Tensor, torch.Tensor]:
+    count = int(mib * (1 << 20)) // dtype.itemsize
     if op == "all_reduce":
         return big[:count], big[:count]
     piece = count // n
@@ -116,7 +138,9 @@ def timed(name: str, op: str, inp: torch.Tensor, out: torch.Tensor) -> float:
 
 
 ops = args.ops.split(",")
-sm = [f"sm {b} {t}" for b in args.blocks for t in args.tiles]
+sm = [" ".join(f"sm {b} {t}{'' if k is None else f' {k}'}"
+              f"{'' if al is None else f' {SHORT[al]}'}".split())
+      for b in args.blocks for t in args.tiles for k in args.takers for al in args.algorithms]
 names = ["nccl"] + sm
 results: dict[tuple[str, int, str], list[float]] = {}
 wrong: set[tuple[str, int, str]] = set()
@@ -138,14 +162,14 @@ if comm.rank == 0:
           f"{args.rounds} rounds x {args.iters} eager calls; (x NCCL)")
     for op in ops:
         factor = 2 * (n - 1) / n if op == "all_reduce" else (n - 1) / n
-        cands = names + (["ce"] if op == "all_reduce" else [])
+        cands = names + (["ce"] if op == "all_reduce" and n > 1 else [])
         print(f"  {op:<15}" + "".join(f"{c:>16}" for c in cands))
         for mib in args.mib:
-            bw = {c: factor * (mib << 20) / statistics.median(results[op, mib, c]) / 1e9
+            bw = {c: factor * mib * (1 << 20) / statistics.median(results[op, mib, c]) / 1e9
                   for c in cands}
             cells = "".join(f"{bw[c]:7.1f} ({bw[c] / bw['nccl']:4.2f})"
                             + ("!" if (op, mib, c) in wrong else " ") for c in cands)
-            print(f"  {mib:>10} MiB  {cells}", flush=True)
+            print(f"  {mib:>10g} MiB  {cells}", flush=True)
 comm.barrier()
 peer.close()
 comm.close()

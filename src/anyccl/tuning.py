@@ -80,6 +80,9 @@ TABLE: dict[str, Threshold] = {t.key: t for t in (
     # ipc: CUDA peer memory (backends/ipc/)
     Threshold("ipc.tile", "size", 256 * _K,
               "what one block of an ipc collective moves between two flags"),
+    Threshold("ipc.takers", "count", 16,
+              "blocks of an ipc collective that copy out or reduce what arrived while the "
+              "others push (0: every block does both, one after the other)"),
     Threshold("ipc.ll_max", "size", 1 * _M,
               "all_reduce up to this size: data and flag in one 8-byte store"),
     Threshold("ipc.one_shot_max", "size", 2 * _M,

@@ -37,7 +37,7 @@ from ..gpu_base import QueuedGpuBackend
 from ..nccl import NcclBackend
 from ..registry import GpuContext
 from . import ce, compiler
-from .memory import STATUS_ERROR, THREADS, KernelArgs, PeerMemory, describe_args
+from .memory import STATUS_ERROR, THREADS, TILE_BYTES, KernelArgs, PeerMemory, describe_args
 from .routes import NCCL, Routes, agreed
 
 _TYPES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16", BFLOAT16: "bfloat16"}
@@ -68,6 +68,8 @@ class IpcBackend(QueuedGpuBackend):
         self._params_address = ctypes.addressof(self._params)
         # fewer blocks leave NVLink bandwidth unused (results: the blocks-per-kernel sweeps)
         self.max_blocks = settings.IPC_BLOCKS.get()
+        # of which this many take what arrived (copy it out, reduce it) while the rest push
+        self.takers = tuning.value("ipc.takers")
         # the tuning table (tuning.py): all_reduce's data+flag words up to ll_bytes, one shot
         # up to one_shot_bytes, else two shots
         self.ll_bytes = min(tuning.value("ipc.ll_max"), self.layout.slot_bytes // 2)
@@ -140,31 +142,36 @@ class IpcBackend(QueuedGpuBackend):
     def _ipc(self, op: str, nbytes: int) -> bool:
         return self.routes.pick(op, nbytes) != NCCL
 
-    def _tiling(self, nbytes: int) -> tuple[int, int]:
-        """(blocks, tile) for a kernel whose blocks share `nbytes`: the tile (bytes between
-        two flags) small enough that every block has one, at most the layout's."""
-        least = 64 << 10
-        tile = min(self.layout.tile_bytes, max(least, -(-nbytes // self.max_blocks // least)
-                                               * least))
-        return max(1, min(self.max_blocks, -(-nbytes // tile))), tile
+    def _tiling(self, nbytes: int) -> tuple[int, int, int]:
+        """(blocks, tile, takers) for a kernel whose blocks share `nbytes`: the tile (bytes
+        between two flags) small enough that every pushing block has one, at most the
+        layout's; of the blocks, `takers` only take what arrives (kernels: Role), no more
+        than there are tiles, and none when `max_blocks` leaves no block to push."""
+        least = TILE_BYTES
+        takers = self.takers if 0 < self.takers < self.max_blocks else 0
+        pushers = self.max_blocks - takers
+        tile = min(self.layout.tile_bytes, max(least, -(-nbytes // pushers // least) * least))
+        tiles = max(1, -(-nbytes // tile))
+        takers = min(takers, tiles)
+        return min(pushers, tiles) + takers, tile, takers
 
     def _blocks(self, nbytes: int) -> int:
-        """`_tiling`'s blocks, with its tile set in the kernels' arguments."""
-        blocks, self._args.tile_bytes = self._tiling(nbytes)
+        """`_tiling`'s blocks, with its tile and takers set in the kernels' arguments."""
+        blocks, self._args.tile_bytes, self._args.takers = self._tiling(nbytes)
         return blocks
 
     def _launch(self, kernel: str, blocks: int, stream: int) -> None:
         gpu.launch(self._kernels[kernel], blocks, THREADS, stream, self._params_address)
 
     def _kernel(self, kernel: str, blocks: int, inp: int, out: int, count: int, *,
-                tile: int = 0, scale: float = 1.0, root: int = 0, ins: Sequence[int] = (),
-                outs: Sequence[int] = ()) -> gpu.KernelLaunch:
+                tile: int = 0, takers: int = 0, scale: float = 1.0, root: int = 0,
+                ins: Sequence[int] = (), outs: Sequence[int] = ()) -> gpu.KernelLaunch:
         """One launch of `kernel` with its own copy of the argument block (the backend's, with
         this launch's values): queuing it again writes nothing (a cached plan's replay is one
         driver call)."""
         a = KernelArgs.from_buffer_copy(self._args)
         a.inp, a.out, a.count, a.scale, a.root = inp, out, count, scale, root
-        a.tile_bytes = tile or self.layout.tile_bytes
+        a.tile_bytes, a.takers = tile or self.layout.tile_bytes, takers
         for q, ptr in enumerate(ins):
             a.ins[q] = ptr
         for q, ptr in enumerate(outs):
@@ -196,12 +203,13 @@ class IpcBackend(QueuedGpuBackend):
         # the chosen one-shot size
         one_shot = slot if algorithm != "two_shot" else min(slot, self.one_shot_bytes // size)
         if total <= one_shot:   # one kernel: every rank's piece is the whole array
-            blocks, tile = self._tiling(x.nbytes)
-            return self._kernel(one, blocks, ptr, ptr, total, tile=tile, scale=scale,
-                                ins=[ptr] * n)
+            blocks, tile, takers = self._tiling(x.nbytes)
+            return self._kernel(one, blocks, ptr, ptr, total, tile=tile, takers=takers,
+                                scale=scale, ins=[ptr] * n)
         if total <= slot * n and algorithm == "two_shot":   # one kernel of two shots
-            blocks, tile = self._tiling(-(-total // n) * size)
-            return self._kernel(two, blocks, ptr, ptr, total, tile=tile, scale=scale)
+            blocks, tile, takers = self._tiling(-(-total // n) * size)
+            return self._kernel(two, blocks, ptr, ptr, total, tile=tile, takers=takers,
+                                scale=scale)
         step = slot if algorithm != "two_shot" else slot * n
 
         def enqueue(stream: int) -> None:
@@ -262,25 +270,27 @@ class IpcBackend(QueuedGpuBackend):
                     for count in [min(slot, x.nbytes - start)]]
         return self._launches("broadcast", launches, root=root)
 
-    def _launches(self, kernel: str, launches: list[tuple[int, int, list[int], int, int, int]],
-                  *, scale: float = 1.0, root: int = 0,
+    def _launches(self, kernel: str,
+                  launches: list[tuple[int, int, list[int], int, int, int, int]], *,
+                  scale: float = 1.0, root: int = 0,
                   gathers: bool = False) -> Callable[[int], None]:
         """The enqueue function of `kernel` launched once per (inp, out, pointers, count,
-        blocks, tile) of `launches`, worked out here so that queuing an operation again (a
-        cached plan) only writes the kernels' arguments and launches. `pointers` go to
-        outs (gathers) or ins."""
+        blocks, tile, takers) of `launches`, worked out here so that queuing an operation
+        again (a cached plan) only writes the kernels' arguments and launches. `pointers` go
+        to outs (gathers) or ins."""
         if len(launches) == 1:
-            inp, out, targets, count, blocks, tile = launches[0]
-            return self._kernel(kernel, blocks, inp, out, count, tile=tile, scale=scale,
-                                root=root, **{"outs" if gathers else "ins": targets})
+            inp, out, targets, count, blocks, tile, takers = launches[0]
+            return self._kernel(kernel, blocks, inp, out, count, tile=tile, takers=takers,
+                                scale=scale, root=root,
+                                **{"outs" if gathers else "ins": targets})
         a, function, params = self._args, self._kernels[kernel], self._params_address
         launch = gpu.launch
 
         def enqueue(stream: int) -> None:
             a.scale, a.root = scale, root
             pointers = a.outs if gathers else a.ins
-            for inp, out, targets, count, blocks, tile in launches:
-                a.inp, a.out, a.count, a.tile_bytes = inp, out, count, tile
+            for inp, out, targets, count, blocks, tile, takers in launches:
+                a.inp, a.out, a.count, a.tile_bytes, a.takers = inp, out, count, tile, takers
                 for q, ptr in enumerate(targets):
                     pointers[q] = ptr
                 launch(function, blocks, THREADS, stream, params)

@@ -242,4 +242,5 @@ class KernelArgs(ctypes.Structure):
         ("peer", ctypes.c_int),
         ("max_tiles", ctypes.c_int),
         ("slots", ctypes.c_int),
+        ("takers", ctypes.c_int),
     ]

@@ -65,6 +65,9 @@ __device__ void all_reduce_ll(const Args& a) {
 }
 
 // ---- all_reduce, two shots: reduce-scatter by pushes, then all-gather by pushes -------------
+// Pushers: A) segment q of my input to rank q's slot r, tile by tile; B) reduce my segment's
+// tiles as they arrive, the result to my output and to every peer's slot n + r. Takers: C)
+// copy the segments the peers reduced from my slots n + q to my output, as they arrive.
 template <typename T, int OP>
 __device__ void all_reduce_two_shot(const Args& a) {
     const u64 epoch = enter(a);
@@ -72,54 +75,64 @@ __device__ void all_reduce_two_shot(const Args& a) {
     const u64 E = Elem<T>::SIZE, N = Elem<T>::N;
     const u64 seg = ceil_div(ceil_div(a.count, n), N) * N;  // elements of each rank's segment
     const u64 tile = a.tile_bytes / E, tiles = ceil_div(seg, tile);
+    const Role me = role(a);
     u64* my = a.sig[r];
-    // A: my input's segment q goes to rank q's slot r
-    for (int i = 1; i < n; ++i) {
-        const int q = (r + i) % n;
-        if (!may_write(a, q, epoch)) return;
-        for (u64 t = blockIdx.x; t < tiles; t += gridDim.x) {
-            const u64 e0 = q * seg + t * tile;
-            const u64 e1 = umin(umin(e0 + tile, (q + 1) * seg), a.count);
-            if (e0 < e1)
-                block_copy(slot(a, q, epoch, r) + t * tile * E, a.in + e0 * E, (e1 - e0) * E,
-                           false);
-            block_signal(flag_a(a, a.sig[q], t, r), epoch);
-        }
-    }
-    // B: reduce my segment; the result goes to my output and to every peer's slot n + r
-    for (u64 t = blockIdx.x; t < tiles; t += gridDim.x) {
-        const u64 e0 = r * seg + t * tile;
-        const u64 e1 = umin(umin(e0 + tile, (r + 1) * seg), a.count);
-        for (int q = 0; q < n; ++q)
-            if (q != r && !block_wait(a, flag_a(a, my, t, q), epoch)) return;
-        if (e0 < e1) {
-            const char* src[MAX_RANKS];
-            char* dst[MAX_RANKS];
-            int nd = 0;
-            for (int q = 0; q < n; ++q) {
-                src[q] = q == r ? a.in + e0 * E : slot(a, r, epoch, q) + t * tile * E;
-                if (q != r) dst[nd++] = slot(a, q, epoch, n + r) + t * tile * E;
+    if (me.push) {
+        for (int i = 1; i < n; ++i)
+            if (!may_write(a, (r + i) % n, epoch)) return;
+        // A: tile t of every peer's segment, peer by peer, then the next tile
+        for (u64 t = me.index; t < tiles; t += me.count) {
+            for (int i = 1; i < n; ++i) {
+                const int q = (r + i) % n;
+                const u64 e0 = q * seg + t * tile;
+                const u64 e1 = umin(umin(e0 + tile, (q + 1) * seg), a.count);
+                if (e0 < e1)
+                    block_copy(slot(a, q, epoch, r) + t * tile * E, a.in + e0 * E,
+                               (e1 - e0) * E, false);
             }
-            dst[nd++] = a.out + e0 * E;
-            block_reduce<T, OP>(src, n, dst, nd, e1 - e0, a.scale);
+            __syncthreads();
+            if (threadIdx.x == 0) {
+                __threadfence_system();
+                for (int i = 1; i < n; ++i) st_release(flag_a(a, a.sig[(r + i) % n], t, r), epoch);
+            }
         }
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            __threadfence_system();
-            for (int q = 0; q < n; ++q)
-                if (q != r) st_release(flag_b(a, a.sig[q], t, r), epoch);
+        // B: reduce my segment's tiles; the result to my output and every peer's slot n + r
+        for (u64 t = me.index; t < tiles; t += me.count) {
+            const u64 e0 = r * seg + t * tile;
+            const u64 e1 = umin(umin(e0 + tile, (r + 1) * seg), a.count);
+            for (int i = 1; i < n; ++i)
+                if (!block_wait(a, flag_a(a, my, t, (r + n - i) % n), epoch)) return;
+            if (e0 < e1) {
+                const char* src[MAX_RANKS];
+                char* dst[MAX_RANKS];
+                int nd = 0;
+                for (int q = 0; q < n; ++q) {
+                    src[q] = q == r ? a.in + e0 * E : slot(a, r, epoch, q) + t * tile * E;
+                    if (q != r) dst[nd++] = slot(a, q, epoch, n + r) + t * tile * E;
+                }
+                dst[nd++] = a.out + e0 * E;
+                block_reduce<T, OP>(src, n, dst, nd, e1 - e0, a.scale);
+            }
+            __syncthreads();
+            if (threadIdx.x == 0) {
+                __threadfence_system();
+                for (int q = 0; q < n; ++q)
+                    if (q != r) st_release(flag_b(a, a.sig[q], t, r), epoch);
+            }
         }
     }
-    // C: the segments the other ranks reduced
-    for (int i = 1; i < n; ++i) {
-        const int q = (r + i) % n;
-        for (u64 t = blockIdx.x; t < tiles; t += gridDim.x) {
-            const u64 e0 = q * seg + t * tile;
-            const u64 e1 = umin(umin(e0 + tile, (q + 1) * seg), a.count);
-            if (!block_wait(a, flag_b(a, my, t, q), epoch)) return;
-            if (e0 < e1)
-                block_copy(a.out + e0 * E, slot(a, r, epoch, n + q) + t * tile * E,
-                           (e1 - e0) * E, true);
+    if (me.take) {
+        // C: the segments the other ranks reduced, tile by tile
+        for (u64 t = me.index; t < tiles; t += me.count) {
+            for (int i = 1; i < n; ++i) {
+                const int q = (r + i) % n;
+                const u64 e0 = q * seg + t * tile;
+                const u64 e1 = umin(umin(e0 + tile, (q + 1) * seg), a.count);
+                if (!block_wait(a, flag_b(a, my, t, q), epoch)) return;
+                if (e0 < e1)
+                    block_copy(a.out + e0 * E, slot(a, r, epoch, n + q) + t * tile * E,
+                               (e1 - e0) * E, true);
+            }
         }
     }
     leave(a, epoch);
@@ -127,27 +140,26 @@ __device__ void all_reduce_two_shot(const Args& a) {
 
 // ---- reduce_scatter: input piece ins[q] goes to rank q, which reduces what it got -----------
 // (with every ins[q] the whole array, this is the one-shot all_reduce: each rank pushes its
-// array to every peer and reduces all of it)
+// array to every peer and reduces all of it). Pushers push; takers reduce tiles as they arrive.
 template <typename T, int OP>
 __device__ void reduce_scatter(const Args& a) {
     const u64 epoch = enter(a);
     const int r = a.rank, n = a.nranks;
     const u64 E = Elem<T>::SIZE, tile = a.tile_bytes / E, tiles = ceil_div(a.count, tile);
-    for (int i = 1; i < n; ++i) {
-        const int q = (r + i) % n;
-        if (!may_write(a, q, epoch)) return;
-        push_tiles(a, q, epoch, r, a.ins[q], a.count * E);  // tiles of tile elements each
-    }
-    u64* my = a.sig[r];
-    for (u64 t = blockIdx.x; t < tiles; t += gridDim.x) {
-        const u64 e0 = t * tile, e1 = umin(e0 + tile, a.count);
-        for (int q = 0; q < n; ++q)
-            if (q != r && !block_wait(a, flag_a(a, my, t, q), epoch)) return;
-        const char* src[MAX_RANKS];
-        for (int q = 0; q < n; ++q)
-            src[q] = q == r ? a.ins[r] + e0 * E : slot(a, r, epoch, q) + e0 * E;
-        char* dst[1] = {a.out + e0 * E};
-        block_reduce<T, OP>(src, n, dst, 1, e1 - e0, a.scale);
+    const Role me = role(a);
+    if (me.push && !push_tiles(a, me, epoch, r, a.ins, a.count * E)) return;
+    if (me.take) {
+        u64* my = a.sig[r];
+        for (u64 t = me.index; t < tiles; t += me.count) {
+            const u64 e0 = t * tile, e1 = umin(e0 + tile, a.count);
+            for (int i = 0; i < n; ++i)   // i = 0: my pushes of the tile left (in place)
+                if (!block_wait(a, flag_a(a, my, t, (r + n - i) % n), epoch)) return;
+            const char* src[MAX_RANKS];
+            for (int q = 0; q < n; ++q)
+                src[q] = q == r ? a.ins[r] + e0 * E : slot(a, r, epoch, q) + e0 * E;
+            char* dst[1] = {a.out + e0 * E};
+            block_reduce<T, OP>(src, n, dst, 1, e1 - e0, a.scale);
+        }
     }
     leave(a, epoch);
 }

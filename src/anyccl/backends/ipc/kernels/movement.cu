@@ -3,31 +3,34 @@
 // ---- all_gather (bytes): my piece goes to every peer's slot r; piece q lands in outs[q] ------
 extern "C" __global__ void __launch_bounds__(THREADS) all_gather(Args a) {
     const u64 epoch = enter(a);
-    const int r = a.rank, n = a.nranks;
-    for (int i = 1; i < n; ++i) {
-        const int q = (r + i) % n;
-        if (!may_write(a, q, epoch)) return;
-        push_tiles(a, q, epoch, r, a.in, a.count);
+    const int r = a.rank;
+    const Role me = role(a);
+    const char* srcs[MAX_RANKS];
+    for (int q = 0; q < a.nranks; ++q) srcs[q] = a.in;
+    if (me.push && !push_tiles(a, me, epoch, r, srcs, a.count)) return;
+    if (me.take) {
+        if (a.outs[r] != a.in) copy_tiles(a, me, a.outs[r], a.in, a.count);
+        if (!take_tiles(a, me, epoch, -1, a.outs, a.count)) return;
     }
-    if (a.outs[r] != a.in) copy_tiles(a, a.outs[r], a.in, a.count);
-    for (int i = 1; i < n; ++i)
-        if (!take_tiles(a, epoch, (r + i) % n, a.outs[(r + i) % n], a.count)) return;
     leave(a, epoch);
 }
 
 // ---- broadcast (bytes): the root pushes to every peer's slot root --------------------------
 extern "C" __global__ void __launch_bounds__(THREADS) broadcast(Args a) {
     const u64 epoch = enter(a);
-    const int r = a.rank, n = a.nranks, root = a.root;
+    const int r = a.rank, root = a.root;
+    const Role me = role(a);
     if (r == root) {
-        for (int i = 1; i < n; ++i) {
-            const int q = (r + i) % n;
-            if (!may_write(a, q, epoch)) return;
-            push_tiles(a, q, epoch, root, a.in, a.count);
-        }
-        if (a.out != a.in) copy_tiles(a, a.out, a.in, a.count);
-    } else if (!take_tiles(a, epoch, root, a.out, a.count)) {
-        return;
+        const char* srcs[MAX_RANKS];
+        for (int q = 0; q < a.nranks; ++q) srcs[q] = a.in;
+        if (me.push && !push_tiles(a, me, epoch, root, srcs, a.count)) return;
+        if (me.take && a.out != a.in) copy_tiles(a, me, a.out, a.in, a.count);
+    } else {
+        // nothing to push here: every block takes
+        const Role all{(int)blockIdx.x, (int)gridDim.x, false, true};
+        char* dsts[MAX_RANKS];
+        dsts[root] = a.out;
+        if (!take_tiles(a, all, epoch, root, dsts, a.count)) return;
     }
     leave(a, epoch);
 }

@@ -30,6 +30,7 @@ typedef unsigned short u16;
 // signal area of each rank, in u64 words
 #define SIG_EPOCH 0         // collectives this rank completed (owner only)
 #define SIG_DONE 1          // blocks of the running collective that finished (owner only)
+#define SIG_TICKET 2        // blocks of the running collective that took their role (owner only)
 #define SIG_ENTER 8         // [MAX_RANKS] epoch each peer has entered (written by the peers)
 #define SIG_BAR 16          // [MAX_RANKS] barrier arrivals (written by the peers)
 #define SIG_SENT 24         // [MAX_RANKS] chunks sent to each peer (owner only)
@@ -62,6 +63,7 @@ struct Args {
     float scale;                // AVG: 1 / nranks; else 1
     int rank, nranks, root, peer;
     int max_tiles, slots;
+    int takers;                 // collectives: blocks that only take what arrived (see Role)
 };
 
 // ---- memory ordering -------------------------------------------------------------------------
@@ -103,14 +105,16 @@ __device__ void block_signal(u64* flag, u64 value) {
     }
 }
 
-// The last block to finish sets *target = value (and resets the block counter).
-__device__ void block_finish(u64* done, u64* target, u64 value) {
+// The last block to finish sets *target = value (and resets the block counter, and the role
+// tickets when given).
+__device__ void block_finish(u64* done, u64* target, u64 value, u64* tickets = nullptr) {
     __syncthreads();
     if (threadIdx.x == 0) {
         __threadfence();
         u64 prev = atomicAdd(done, 1ULL);
         if (prev == gridDim.x - 1) {
             *(volatile u64*)done = 0;
+            if (tickets) *(volatile u64*)tickets = 0;
             __threadfence();
             *(volatile u64*)target = value;
         }
@@ -279,36 +283,87 @@ __device__ bool may_write(const Args& a, int p, u64 epoch) {
 }
 __device__ void leave(const Args& a, u64 epoch) {
     u64* my = a.sig[a.rank];
-    block_finish(&my[SIG_DONE], &my[SIG_EPOCH], epoch);
+    block_finish(&my[SIG_DONE], &my[SIG_EPOCH], epoch, &my[SIG_TICKET]);
 }
 
-// ---- tiles pushed to a peer, copied locally, and taken from where peers pushed them ---------
-// Push `nbytes` of `src` into rank q's slot `from` for `epoch`, raising flag A of each tile.
-__device__ void push_tiles(const Args& a, int q, u64 epoch, int from, const char* src,
+// ---- roles: pushers and takers ---------------------------------------------------------------
+// A collective's blocks split into pushers (they write into the peers' slots) and a.takers
+// takers (they read what arrived in this rank's own slots: copy it out, or reduce it), so that
+// the local copies and reductions run while the links carry the next tiles instead of after
+// them. Roles go by arrival (a ticket per block), so the pushers are the first blocks to run:
+// a taker never spins on an SM that a pusher it waits for still needs. With a.takers == 0
+// every block does both, its pushes first. `index` of `count`: this block's share of the
+// tiles of its role.
+struct Role {
+    int index, count;
+    bool push, take;
+};
+__device__ Role role(const Args& a) {
+    if (a.takers <= 0 || a.takers >= (int)gridDim.x) return Role{(int)blockIdx.x, (int)gridDim.x,
+                                                                 true, true};
+    __shared__ int ticket;
+    __syncthreads();
+    if (threadIdx.x == 0) ticket = (int)atomicAdd(&a.sig[a.rank][SIG_TICKET], 1ULL);
+    __syncthreads();
+    const int pushers = (int)gridDim.x - a.takers;
+    return ticket < pushers ? Role{ticket, pushers, true, false}
+                            : Role{ticket - pushers, a.takers, false, true};
+}
+
+// ---- tiles pushed to the peers, copied locally, and taken from where peers pushed them -------
+// Push `nbytes` of srcs[q] into every peer q's slot `from` for `epoch`, raising flag A of each
+// tile: tile by tile (this role's share), each tile to every peer, so that tiles complete at
+// the peers in order and their takers can start on the first while later ones travel. This
+// rank's own flag A of the tile (from `from` to itself) says the tile has left, so a taker may
+// overwrite it (an in-place reduction).
+// Returns false if the host aborted. srcs[q] is read for q != from only.
+__device__ bool push_tiles(const Args& a, const Role& me, u64 epoch, int from,
+                           const char* const* srcs, u64 nbytes) {
+    const int n = a.nranks;
+    for (int i = 1; i < n; ++i)
+        if (!may_write(a, (from + i) % n, epoch)) return false;
+    const u64 tiles = ceil_div(nbytes, a.tile_bytes);
+    for (u64 t = me.index; t < tiles; t += me.count) {
+        const u64 b0 = t * a.tile_bytes, b1 = umin(b0 + a.tile_bytes, nbytes);
+        for (int i = 1; i < n; ++i) {
+            const int q = (from + i) % n;
+            block_copy(slot(a, q, epoch, from) + b0, srcs[q] + b0, b1 - b0, false);
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            __threadfence_system();
+            for (int i = 0; i < n; ++i) {   // i = 0: this rank's own flag, that the tile left
+                const int q = (from + i) % n;
+                st_release(flag_a(a, a.sig[q], t, from), epoch);
+            }
+        }
+    }
+    return true;
+}
+// This role's tiles of `nbytes`, from `src` to `dst` (both local).
+__device__ void copy_tiles(const Args& a, const Role& me, char* dst, const char* src,
                            u64 nbytes) {
     const u64 tiles = ceil_div(nbytes, a.tile_bytes);
-    for (u64 t = blockIdx.x; t < tiles; t += gridDim.x) {
-        const u64 b0 = t * a.tile_bytes, b1 = umin(b0 + a.tile_bytes, nbytes);
-        block_copy(slot(a, q, epoch, from) + b0, src + b0, b1 - b0, false);
-        block_signal(flag_a(a, a.sig[q], t, from), epoch);
-    }
-}
-// This block's tiles of `nbytes`, from `src` to `dst` (both local).
-__device__ void copy_tiles(const Args& a, char* dst, const char* src, u64 nbytes) {
-    const u64 tiles = ceil_div(nbytes, a.tile_bytes);
-    for (u64 t = blockIdx.x; t < tiles; t += gridDim.x) {
+    for (u64 t = me.index; t < tiles; t += me.count) {
         const u64 b0 = t * a.tile_bytes, b1 = umin(b0 + a.tile_bytes, nbytes);
         block_copy(dst + b0, src + b0, b1 - b0, false);
     }
 }
-// Wait for each tile rank `from` pushed into this rank's slot `from`, and copy it to `dst`;
-// false if the host aborted.
-__device__ bool take_tiles(const Args& a, u64 epoch, int from, char* dst, u64 nbytes) {
+// Wait for each tile (this role's share) that each peer q pushed into this rank's slot q (only
+// rank `only`, if it is not -1), and copy it to dsts[q]; false if the host aborted. Tile-major,
+// as push_tiles sends them.
+__device__ bool take_tiles(const Args& a, const Role& me, u64 epoch, int only,
+                           char* const* dsts, u64 nbytes) {
+    const int r = a.rank, n = a.nranks;
     const u64 tiles = ceil_div(nbytes, a.tile_bytes);
-    for (u64 t = blockIdx.x; t < tiles; t += gridDim.x) {
+    for (u64 t = me.index; t < tiles; t += me.count) {
         const u64 b0 = t * a.tile_bytes, b1 = umin(b0 + a.tile_bytes, nbytes);
-        if (!block_wait(a, flag_a(a, a.sig[a.rank], t, from), epoch)) return false;
-        block_copy(dst + b0, slot(a, a.rank, epoch, from) + b0, b1 - b0, true);
+        for (int i = 1; i < n; ++i) {
+            const int q = (r + n - i) % n;   // the peer that pushed to this rank first, first
+            if (only >= 0 && q != only) continue;
+            if (!block_wait(a, flag_a(a, a.sig[r], t, q), epoch)) return false;
+            block_copy(dsts[q] + b0, slot(a, r, epoch, q) + b0, b1 - b0, true);
+        }
     }
     return true;
 }
