@@ -76,8 +76,13 @@ def configure(name: str) -> None:
             routes = Routes(dict(default[4].spans), f"all_reduce by {algorithm}")
             routes.spans["all_reduce"] = [(0, NO_END, algorithm)]
             backend.routes = routes
+        else:   # the tuning table's algorithms by size, the copy engines never
+            backend.routes = Routes.kernels(backend.ll_bytes, backend.one_shot_bytes, NEVER,
+                                            "the SM kernels")
     elif name == "ce":
         backend.ce_bytes = 1 << 20
+        backend.routes = Routes.kernels(backend.ll_bytes, backend.one_shot_bytes, 1 << 20,
+                                        "the copy engines")
     if comm._gpu_side.plans is not None:
         comm._gpu_side.plans.forget()
 

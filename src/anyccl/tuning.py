@@ -22,12 +22,13 @@ from .errors import InvalidArgumentError
 
 @dataclass(frozen=True)
 class Threshold:
-    """One entry: `kind` "size" (bytes; "64K", "1M" accepted) or "count"."""
+    """One entry: `kind` "size" (bytes; "64K", "1M" accepted) or "count" (at least `least`)."""
 
     key: str
     kind: str
     default: int
     what: str
+    least: int = 1
 
 
 _K, _M = 1 << 10, 1 << 20
@@ -80,9 +81,9 @@ TABLE: dict[str, Threshold] = {t.key: t for t in (
     # ipc: CUDA peer memory (backends/ipc/)
     Threshold("ipc.tile", "size", 256 * _K,
               "what one block of an ipc collective moves between two flags"),
-    Threshold("ipc.takers", "count", 16,
+    Threshold("ipc.takers", "count", 0,
               "blocks of an ipc collective that copy out or reduce what arrived while the "
-              "others push (0: every block does both, one after the other)"),
+              "others push (0: every block does both, one after the other)", least=0),
     Threshold("ipc.ll_max", "size", 1 * _M,
               "all_reduce up to this size: data and flag in one 8-byte store"),
     Threshold("ipc.one_shot_max", "size", 2 * _M,
@@ -113,9 +114,9 @@ def overrides() -> dict[str, int]:
                 f"{', '.join(TABLE)}")
         value = size_of(raw, 1) if entry.kind == "size" else \
             (int(raw) if raw.isdigit() else None)
-        if value is None or (entry.kind == "count" and value < 1):
+        if value is None or (entry.kind == "count" and value < entry.least):
             expected = "a size, e.g. 64K, 16M, or a number of bytes" \
-                if entry.kind == "size" else "a whole number of at least 1"
+                if entry.kind == "size" else f"a whole number of at least {entry.least}"
             raise InvalidArgumentError(f"ANYCCL_TUNING: {key}={raw!r} is not valid; expected "
                                        f"{expected}")
         values[key] = value
