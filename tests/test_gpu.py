@@ -237,6 +237,70 @@ def test_cupy_jax_and_dlpack_arrays_and_host_arrays_on_one_communicator(world):
     assert all(run_ranks(check_array_kinds, world, env=GPU_ENV, deadline_s=90))
 
 
+def check_non_contiguous_gpu_arrays(comm):
+    """torch CUDA tensors and CuPy arrays that are not contiguous run on contiguous copies and
+    get the result in place; the memory between their elements is never written."""
+    import cupy
+    import torch
+
+    d, n, r = comm.device, comm.size, comm.rank
+    dev = f"cuda:{d}"
+    total = n * (n + 1) / 2
+    # a column: all_reduce, blocking and async; the other columns stay as they were
+    m = torch.full((64, 5), -7.0, device=dev)
+    m[:, 1] = r + 1
+    comm.all_reduce(m[:, 1])
+    assert torch.all(m[:, 1] == total) and torch.all(m[:, [0, 2, 3, 4]] == -7)
+    m[:, 3] = r + 1
+    work = comm.all_reduce(m[:, 3], async_op=True)
+    work.wait()
+    assert torch.all(m[:, 3] == total) and torch.all(m[:, [0, 2, 4]] == -7)
+    # transposed and channels_last: broadcast from the last rank
+    t = torch.arange(12.0, device=dev).reshape(3, 4) * (r + 1)
+    comm.broadcast(t.t(), n - 1)
+    assert torch.equal(t, torch.arange(12.0, device=dev).reshape(3, 4) * n)
+    w = torch.nn.Conv2d(3, 8, 3).to(dev).weight.data.to(memory_format=torch.channels_last)
+    assert not w.is_contiguous()
+    root = w.clone()
+    comm.broadcast(root, 0)                         # every rank's reference: rank 0's weight
+    comm.broadcast(w, 0)
+    assert torch.equal(w, root) and not w.is_contiguous()
+    # all_gather into a column of a wider matrix, reduce_scatter out of a transposed input
+    wide = torch.full((4 * n, 3), -7.0, device=dev)
+    comm.all_gather(wide[:, 2], torch.full((4,), float(r), device=dev))
+    assert torch.equal(wide[:, 2], torch.arange(n, device=dev).repeat_interleave(4).float())
+    assert torch.all(wide[:, :2] == -7)
+    inp = torch.ones(3, n, device=dev).t()          # (n, 3): not contiguous once n > 1
+    out = torch.full((3, 2), -7.0, device=dev)
+    comm.reduce_scatter(out[:, 1], inp)
+    assert torch.all(out[:, 1] == n) and torch.all(out[:, 0] == -7)
+    # a message into a column
+    if n > 1:
+        peer = r ^ 1
+        if peer < n:
+            box = torch.full((16, 2), -7.0, device=dev)
+            if r % 2 == 0:
+                comm.send(torch.full((16,), r + 1.0, device=dev), peer)
+                comm.recv(box[:, 0], peer)
+            else:
+                comm.recv(box[:, 0], peer)
+                comm.send(torch.full((16,), r + 1.0, device=dev), peer)
+            assert torch.all(box[:, 0] == peer + 1) and torch.all(box[:, 1] == -7)
+    # CuPy: a reversed view and a column
+    with cupy.cuda.Device(d):
+        c = cupy.full((32, 3), -7.0, cupy.float32)
+        c[:, 2] = r + 1
+        comm.all_reduce(c[::-1, 2])
+        assert bool((c[:, 2] == total).all()) and bool((c[:, :2] == -7).all())
+    torch.cuda.synchronize(dev)
+    return True
+
+
+@pytest.mark.parametrize("world", world_sizes())
+def test_gpu_arrays_that_are_not_contiguous_get_results_in_place(world):
+    assert all(run_ranks(check_non_contiguous_gpu_arrays, world, env=GPU_ENV, deadline_s=90))
+
+
 def check_refusals(comm):
     import torch
 
@@ -250,8 +314,11 @@ def check_refusals(comm):
         comm.all_reduce(np.ones(3), stream=0)
     with pytest.raises(anyccl.UnsupportedError, match="nccl backend cannot reduce int32.*BXOR"):
         comm.all_reduce(torch.ones(8, dtype=torch.int32, device=t.device), op="bxor")
-    with pytest.raises(anyccl.InvalidArgumentError, match="not contiguous"):
-        comm.all_reduce(torch.ones(8, 8, device=t.device).t())
+    with pytest.raises(anyccl.InvalidArgumentError, match="elements that share memory"):
+        comm.all_reduce(torch.ones(8, device=t.device).expand(4, 8))
+    with pytest.raises(anyccl.InvalidArgumentError, match="stream= does not order"):
+        comm.all_reduce(torch.ones(8, 8, device=t.device).t(),
+                        stream=torch.cuda.current_stream(t.device))
     if gpu.device_count() > 1:
         elsewhere = torch.ones(8, device=f"cuda:{(comm.device + 1) % gpu.device_count()}")
         with pytest.raises(anyccl.InvalidArgumentError, match="this rank's communicator uses GPU"):

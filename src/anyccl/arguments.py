@@ -11,9 +11,9 @@ from typing import Any
 
 import numpy as np
 
-from .buffers import SUPPORTED, Array, Pieces, as_array, overlaps
+from .buffers import SUPPORTED, Array, NotContiguousGpuArray, Pieces, as_array, overlaps
 from .errors import AnycclError, InvalidArgumentError
-from .layouts import Staged, contiguous_copy
+from .layouts import Staged, contiguous_copy, gpu_contiguous_copy
 from .ops import ReduceOp, check_reduce_op
 
 TAG_END = 2 ** 63   # tags are 0 .. 2**63 - 1
@@ -53,7 +53,11 @@ class Arguments:
             if flags.c_contiguous and (flags.writeable or not writable):
                 return x if x.ndim == 1 else x.reshape(-1)  # the common case, at once
         try:
-            arr = as_array(x, name, writable=writable)
+            try:
+                arr = as_array(x, name, writable=writable)
+            except NotContiguousGpuArray as exc:   # (its framework's array, found in x)
+                arr = as_array(gpu_contiguous_copy(exc.array, name, writable, self.staged),
+                               name, writable=writable)
             if type(arr) is np.ndarray and not arr.flags.c_contiguous:
                 arr = contiguous_copy(arr, name, writable, self.staged)
         except AnycclError as exc:

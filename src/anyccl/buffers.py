@@ -267,13 +267,22 @@ def torch_stream_function() -> Callable[[int], int]:
     return raw_stream
 
 
+class NotContiguousGpuArray(InvalidArgumentError):
+    """A torch CUDA tensor or CuPy array that is not C-contiguous (`array`, also when it came
+    through DLPack): the argument checks run the operation on a contiguous copy (layouts.py)
+    instead of refusing it."""
+
+    def __init__(self, message: str, array: Any = None) -> None:
+        super().__init__(message)
+        self.array = array
+
+
 def _from_torch(t: Any, name: str) -> GpuArray:
     _check_torch_layout(t, name)
     if not t.is_contiguous():
-        raise InvalidArgumentError(
+        raise NotContiguousGpuArray(
             f"{name} is a GPU tensor that is not contiguous (shape {tuple(t.shape)}, strides "
-            f"{t.stride()}); GPU arrays must be contiguous: pass tensor.contiguous() and copy "
-            f"the result back if you need it in place")
+            f"{t.stride()})", t)
     device = t.get_device()  # an int, without building a torch.device
     return GpuArray(t.data_ptr(), t.numel(), _torch_dtype(t, name), device, torch_stream(device),
                     "torch", t)
@@ -300,9 +309,8 @@ def _from_cupy(x: Any, name: str) -> GpuArray:
     import cupy
 
     if not x.flags.c_contiguous:
-        raise InvalidArgumentError(
-            f"{name} is not C-contiguous (shape {x.shape}, strides {x.strides}); pass "
-            f"cupy.ascontiguousarray(...) and copy the result back if you need it in place")
+        raise NotContiguousGpuArray(
+            f"{name} is not C-contiguous (shape {x.shape}, strides {x.strides})", x)
     device = int(x.device.id)
     with cupy.cuda.Device(device):
         stream = cupy.cuda.get_current_stream().ptr

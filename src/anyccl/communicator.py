@@ -176,6 +176,7 @@ class Communicator:
         through contiguous copies (layouts.py) are settled here: written back once it is done."""
         if self._check.staged:
             staged = self._check.take_staged()   # (dropped if the call fails)
+            layouts.check_stream(staged, stream, lambda text: self._check.fail(name, text))
             return layouts.settle(self._collective(name, args, nbytes, operands, async_op,
                                                    like=like, root=root, op=op, arrays=arrays,
                                                    stream=stream, replayable=replayable,

@@ -1,7 +1,13 @@
-"""Host arrays that are not laid out C-contiguously (a column, a transposed or channels_last
+"""Arrays that are not laid out C-contiguously (a column, a transposed or channels_last
 tensor, a reversed NumPy view): an operation runs on a contiguous copy, and what it writes is
 copied back into the caller's array once it completes, as gloo does. Backends see only flat,
 contiguous arrays.
+
+Host arrays are copied by NumPy. torch CUDA tensors and CuPy arrays are copied by their own
+framework on the caller's current stream: the operation is queued after that copy, and the
+copy back is queued on the current stream once the operation is done (right after a blocking
+call; at a Work's `wait()`), so later work on that stream sees the result, with no host sync.
+With `stream=` (an operation ordered after another stream) they are refused instead.
 
 An array an operation writes must have distinct elements: one whose strides make elements
 share memory (NumPy's broadcast_to, torch's expand) is refused, since no write into it could
@@ -18,39 +24,85 @@ import numpy as np
 from .errors import InvalidArgumentError
 from .work import Work
 
-Staged = list[tuple[np.ndarray, np.ndarray]]   # (the caller's array, the copy an operation ran on)
+Staged = list[tuple[Any, Any]]   # (the caller's array, the copy an operation ran on)
 
 
-def elements_apart(a: np.ndarray) -> bool:
-    """Whether no two elements of `a` share a byte, judged from shape and strides alone: the
+def elements_apart(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -> bool:
+    """Whether no two elements of an array of `shape` and byte `strides` share a byte: the
     axes, smallest stride first, must each step past all that the smaller ones span. (A layout
     that interleaves axes without overlap fails this test; no framework makes one.)"""
-    span = a.itemsize
-    for stride, length in sorted((abs(s), n) for s, n in zip(a.strides, a.shape) if n > 1):
+    span = itemsize
+    for stride, length in sorted((abs(s), n) for s, n in zip(strides, shape) if n > 1):
         if stride < span:
             return False
         span += stride * (length - 1)
     return True
 
 
+def _refuse_shared(name: str, shape: tuple[int, ...], strides: tuple[int, ...],
+                   unit: str, example: str) -> InvalidArgumentError:
+    return InvalidArgumentError(
+        f"{name} has elements that share memory (shape {shape}, strides {strides}{unit}), so "
+        f"it cannot receive a result; pass an array whose elements are distinct (for example "
+        f"a copy: {example})")
+
+
 def contiguous_copy(a: np.ndarray, name: str, writable: bool, staged: Staged) -> np.ndarray:
-    """A C-contiguous copy of non-contiguous `a`; when the operation writes it (`writable`),
-    the pair goes on `staged`, for `copy_back` once the operation completes."""
-    if writable and not elements_apart(a):
-        raise InvalidArgumentError(
-            f"{name} has elements that share memory (shape {a.shape}, strides {a.strides}), "
-            f"so it cannot receive a result; pass an array whose elements are distinct (for "
-            f"example a copy: np.array(...), tensor.clone())")
+    """A C-contiguous copy of non-contiguous host array `a`; when the operation writes it
+    (`writable`), the pair goes on `staged`, for `copy_back` once the operation completes."""
+    if writable and not elements_apart(a.shape, a.strides, a.itemsize):
+        raise _refuse_shared(name, a.shape, a.strides, "", "np.array(...), tensor.clone()")
     copy = np.ascontiguousarray(a)
     if writable:
         staged.append((a, copy))
     return copy
 
 
+def gpu_contiguous_copy(x: Any, name: str, writable: bool, staged: Staged) -> Any:
+    """A contiguous copy of `x`, a torch CUDA tensor or CuPy array that is not contiguous,
+    made by its framework on the caller's current stream; when the operation writes it, the
+    pair goes on `staged` (`copy_back` queues the copy into `x` on the current stream)."""
+    if type(x).__module__.startswith("torch"):
+        strides = tuple(s * x.element_size() for s in x.stride())
+        if writable and not elements_apart(tuple(x.shape), strides, x.element_size()):
+            raise _refuse_shared(name, tuple(x.shape), tuple(x.stride()), " elements",
+                                 "tensor.clone()")
+        copy = x.contiguous()
+    else:
+        import cupy
+
+        if writable and not elements_apart(x.shape, x.strides, x.itemsize):
+            raise _refuse_shared(name, x.shape, x.strides, " bytes", "x.copy()")
+        with cupy.cuda.Device(x.device.id):
+            copy = cupy.ascontiguousarray(x)
+    if writable:
+        staged.append((x, copy))
+    return copy
+
+
 def copy_back(staged: Staged) -> None:
-    """Write each copy's contents into the caller's array it was made from."""
+    """Write each copy's contents into the caller's array it was made from: host arrays at
+    once, GPU arrays queued on their framework's current stream."""
     for target, copy in staged:
-        np.copyto(target, copy.reshape(target.shape))
+        if isinstance(target, np.ndarray):
+            np.copyto(target, copy.reshape(target.shape))
+        elif type(target).__module__.startswith("torch"):
+            target.copy_(copy)
+        else:
+            import cupy
+
+            with cupy.cuda.Device(target.device.id):
+                target[...] = copy
+
+
+def check_stream(staged: Staged, stream: Any, fail: Any) -> None:
+    """Refuse `stream=` for a call that staged GPU arrays (their copies are made and written
+    back on the current stream, which `stream=` does not order): `fail(message)` is the
+    error to raise."""
+    if stream is not None and any(not isinstance(target, np.ndarray) for target, _ in staged):
+        raise fail("a GPU array that is not contiguous runs on a contiguous copy made on the "
+                   "current stream, which stream= does not order; pass contiguous arrays "
+                   "(tensor.contiguous()) with stream=, or leave stream= out")
 
 
 def settle(result: Any, staged: Staged) -> Any:

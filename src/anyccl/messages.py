@@ -16,7 +16,7 @@ from .arguments import TAG_END, Arguments
 from .buffers import SUPPORTED, Array
 from .engine import HostEngine
 from .gpu_dispatch import GpuDispatch
-from .layouts import settle
+from .layouts import check_stream, settle
 from .trace import OpRecord, message_text
 from .work import Work
 
@@ -85,8 +85,9 @@ class MessageCalls:
                 raise self._check.fail(op, "src=None (from any rank) needs host arrays: GPU "
                                            "messages match in issue order between two named "
                                            "ranks (NCCL has no any-source receive); name src")
-            return gpu_side.message(op, self.record(kind, x, peer, tag), x, peer, tag,
-                                    async_op, stream)
+            check_stream(staged, stream, lambda text: self._check.fail(op, text))
+            return settle(gpu_side.message(op, self.record(kind, x, peer, tag), x, peer, tag,
+                                           async_op, stream), staged)
         if gpu_side.batched is not None and not async_op:
             raise self._check.fail(kind, f"use i{kind} inside `with comm.batch():`")
         record = self.record(kind, x, peer, tag)

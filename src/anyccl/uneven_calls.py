@@ -13,7 +13,7 @@ from .arguments import Arguments, named
 from .buffers import Array, GpuArray
 from .errors import InvalidArgumentError, UnsupportedError
 from .gpu_dispatch import GpuDispatch
-from .layouts import Staged, copy_back
+from .layouts import Staged, check_stream, copy_back, settle
 from .trace import OpRecord, about
 from .work import Work
 
@@ -91,7 +91,8 @@ class UnevenCalls:
         are). Host arrays: at once, through the communicator's even collectives (async_op=True
         gets a Work already complete); `staged` (host arrays the checks copied, layouts.py)
         are copied back once moved. GPU arrays: one operation queued like any GPU collective,
-        laid out by the GPU engine (`uneven_moves`)."""
+        laid out by the GPU engine (`uneven_moves`); staged GPU arrays are copied back after it
+        on the current stream (at once, or at the Work's wait)."""
         comm = self._comm
         if not isinstance(x, GpuArray):
             layout(uneven.host_scratch(x)).run_on_host(comm)
@@ -101,12 +102,14 @@ class UnevenCalls:
             work = Work(OpRecord(op, self._seq(), "uneven sizes", x.nbytes), comm.rank)
             work.complete()
             return work
+        check_stream(staged, stream, lambda text: self._check.fail(op, text))
         moves, after = self._gpu_side.uneven_moves(op, layout, x, stream)
         like = moves.scratch[0] if moves.scratch else None
         try:
-            return self._collective(op, about(x, ", uneven sizes"), x.nbytes, (), async_op,
-                                    like=like, arrays=arrays, stream=stream, replayable=False,
-                                    gpu_call=moves.queue_on_gpu)
+            return settle(self._collective(op, about(x, ", uneven sizes"), x.nbytes, (),
+                                           async_op, like=like, arrays=arrays, stream=stream,
+                                           replayable=False, gpu_call=moves.queue_on_gpu),
+                          staged)
         except BaseException:
             if moves.scratch:   # refused or failed before it was queued: given back here
                 moves.free(after or 0)
