@@ -274,6 +274,42 @@ def check_non_contiguous_gpu_arrays(comm):
     out = torch.full((3, 2), -7.0, device=dev)
     comm.reduce_scatter(out[:, 1], inp)
     assert torch.all(out[:, 1] == n) and torch.all(out[:, 0] == -7)
+    # reduce to the last rank, gather to rank 0 and scatter from it, all_to_all: columns
+    red = torch.full((8, 2), -7.0, device=dev)
+    red[:, 1] = r + 1
+    comm.reduce(red[:, 1], n - 1)
+    assert torch.all(red[:, 1] == (total if r == n - 1 else r + 1)) and torch.all(red[:, 0] == -7)
+    got = [torch.full((6, 2), -7.0, device=dev) for _ in range(n)]
+    comm.gather(torch.full((6,), float(r), device=dev), [g[:, 0] for g in got] if r == 0
+                else None, 0)
+    assert r != 0 or all(torch.all(g[:, 0] == q) and torch.all(g[:, 1] == -7)
+                         for q, g in enumerate(got))
+    box = torch.full((6, 2), -7.0, device=dev)
+    chunks = [torch.full((6,), 10.0 + q, device=dev) for q in range(n)]
+    comm.scatter(box[:, 1], chunks if r == 0 else None, 0)
+    assert torch.all(box[:, 1] == 10 + r) and torch.all(box[:, 0] == -7)
+    mixed = torch.full((2 * n, 2), -7.0, device=dev)
+    comm.all_to_all(mixed[:, 0], torch.arange(2 * n, device=dev).float() + 100 * r)
+    want = torch.tensor([100.0 * q + 2 * r + k for q in range(n) for k in range(2)], device=dev)
+    assert torch.equal(mixed[:, 0], want) and torch.all(mixed[:, 1] == -7)
+    # uneven all_gather (rank q gives q + 1 elements) into columns; a column through DLPack
+    outs = [torch.full((q + 1, 2), -7.0, device=dev) for q in range(n)]
+    comm.all_gather([o[:, 1] for o in outs], torch.full((r + 1,), float(r), device=dev))
+    assert all(torch.all(o[:, 1] == q) and torch.all(o[:, 0] == -7) for q, o in enumerate(outs))
+
+    class OnlyDLPack:
+        def __init__(self, t):
+            self.t = t
+
+        def __dlpack__(self, **kwargs):
+            return self.t.__dlpack__(**kwargs)
+
+        def __dlpack_device__(self):
+            return self.t.__dlpack_device__()
+
+    m[:, 4] = r + 1
+    comm.all_reduce(OnlyDLPack(m[:, 4]))
+    assert torch.all(m[:, 4] == total) and torch.all(m[:, [0, 2]] == -7)
     # a message into a column
     if n > 1:
         peer = r ^ 1
