@@ -30,7 +30,7 @@ def _run(ns: argparse.Namespace) -> int:
     target, args = (ns.module, ns.args) if ns.module else (ns.args[0], ns.args[1:])
     try:
         return run(ns.nprocs, target, args, module=bool(ns.module), backend=ns.backend,
-                   tag_output=ns.tag_output, nodes=nodes)
+                   tag_output=ns.tag_output, nodes=nodes, keep_going=ns.keep_going)
     except AnycclError as exc:
         print(exc, file=sys.stderr)
         return 2
@@ -55,6 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
                      "(node 0 writes it if absent); else ANYCCL_JOB_KEY must be set on every node")
     run.add_argument("--backend", help="shm (default); sets ANYCCL_BACKEND for the ranks")
     run.add_argument("--tag-output", action="store_true", help="prefix each line with its rank")
+    run.add_argument("--keep-going", action="store_true",
+                     help="when a rank dies, let the others run on (they may `comm.shrink()`) "
+                     "instead of stopping them; exit 0 if every rank that was not killed "
+                     "exited 0")
     run.add_argument("-m", dest="module", help="run a module, as python -m does")
     run.add_argument("args", nargs=argparse.REMAINDER, help="script.py and its arguments")
     run.set_defaults(handler=_run)

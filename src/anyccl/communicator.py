@@ -18,13 +18,14 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Sequence
+from datetime import timedelta
 from typing import Any, Callable
 
 import numpy as np
 
-from . import groups, in_place, layouts, lifetime
+from . import groups, in_place, layouts, lifetime, recovery
 from .algorithms import objects
-from .arguments import Arguments, named
+from .arguments import Arguments, named, seconds
 from .backends.base import Backend
 from .backends.gpu_base import GpuBackend
 from .buffers import Array, lives_on_gpu
@@ -96,6 +97,9 @@ class Communicator:
         # the host of each rank, and why the host backend is what it is (set by init())
         self.hosts: tuple[str, ...] = ()
         self.backend_reason = "given"
+        # after `shrink`: {"ranks": the parent's ranks that are members, "lost": rank -> why}
+        self.shrunk_from: dict[str, Any] | None = None
+        self._shrinks = 0   # shrink rounds begun from this communicator
         lifetime.live.add(self)
 
     # ---- identity ----------------------------------------------------------------------------
@@ -479,6 +483,16 @@ class Communicator:
         (`key`, rank). Ranks passing color=None get None."""
         self._check_open("split")
         return groups.split(self, color, key)
+
+    def shrink(self, timeout: float | timedelta | None = None) -> Communicator:
+        """After a peer was lost: every surviving rank calls this and gets a new communicator of
+        the survivors, ranks renumbered in their old order, on the same kinds of transport
+        (recovery.py). The survivors agree on who is gone, also when they noticed different
+        ranks, and when another rank dies meanwhile. `timeout` (default: the communicator's)
+        bounds the whole; past it, TimeoutError names the ranks that never answered. The new
+        communicator's `shrunk_from` says which ranks it kept and what happened to the others;
+        this one stays broken (close it)."""
+        return recovery.shrink(self, seconds(timeout, self.timeout_s))
 
     def new_group(self, ranks: Sequence[int]) -> Communicator | None:
         """Collective over all ranks: a communicator of `ranks` (in ascending order, as

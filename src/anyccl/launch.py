@@ -10,7 +10,8 @@ rank with RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE, the store's address
 MASTER_ADDR / MASTER_PORT torchrun would give (a free port for torch's own store), and watches
 them. When a rank
 exits non-zero or dies, the others get SIGTERM, then SIGKILL after a grace period, and the
-launcher exits with the first failing rank's code. Ctrl-C and SIGTERM stop every rank. Ranks
+launcher exits with the first failing rank's code (with `--keep-going`, the others run on,
+for a job that shrinks its communicator: recovery.py). Ctrl-C and SIGTERM stop every rank. Ranks
 die with the launcher (PR_SET_PDEATHSIG), and shared-memory segments of the job are removed.
 """
 
@@ -256,9 +257,10 @@ def _module_found(name: str) -> bool:
 
 def run(nprocs: int, target: str, args: list[str], *, module: bool = False,
         backend: str | None = None, tag_output: bool = False, env: dict | None = None,
-        nodes: Nodes | None = None) -> int:
+        nodes: Nodes | None = None, keep_going: bool = False) -> int:
     """Run `target` (a script path, or a module with `module=True`) on `nprocs` ranks of this
-    machine (of every node, with `nodes`); return the exit code the launcher should exit with."""
+    machine (of every node, with `nodes`); return the exit code the launcher should exit with.
+    keep_going: a rank that dies does not stop the others (`_watch_keep_going`)."""
     import hashlib
 
     from .bootstrap import new_job_id
@@ -312,7 +314,7 @@ def run(nprocs: int, target: str, args: list[str], *, module: bool = False,
             ranks.append(RankProcess(rank, proc))
             relay.follow(proc.stdout, rank, sys.stdout)
             relay.follow(proc.stderr, rank, sys.stderr)
-        code = _watch(ranks, stop_requested, job_id)
+        code = (_watch_keep_going if keep_going else _watch)(ranks, stop_requested, job_id)
     finally:
         for rp in ranks:
             if rp.proc.poll() is None:
@@ -448,6 +450,36 @@ def _watch(ranks: list[RankProcess], stop_requested: list[int], job_id: str) -> 
         say(f"anyccl run: rank {first_failure.rank} failed first: it "
             f"{_describe(first_failure.proc.returncode)}{then}")
     return _exit_code(first_failure.proc.returncode)
+
+
+def _watch_keep_going(ranks: list[RankProcess], stop_requested: list[int], _job_id: str) -> int:
+    """`--keep-going`: report each rank that ends badly and let the others run on. The exit
+    code: 0 when every rank that was not killed by a signal exited 0 (and one at least ran to
+    its end); else the first such rank's code, or the signal's when every rank was killed."""
+    told: set[int] = set()
+    while True:
+        if stop_requested:
+            signum = stop_requested[0]
+            say(f"anyccl run: got {signal.Signals(signum).name}; stopping all ranks")
+            _stop(ranks)
+            return 128 + signum
+        running = False
+        for rp in ranks:
+            code = rp.proc.poll()
+            running = running or code is None
+            if code not in (None, 0) and rp.rank not in told:
+                told.add(rp.rank)
+                say(f"anyccl run: rank {rp.rank} {_describe(code)}; the other ranks keep "
+                    f"going (--keep-going)")
+        if not running:
+            break
+        time.sleep(_POLL_S)
+    failed = [rp for rp in ranks if rp.proc.returncode > 0]
+    if failed:
+        return _exit_code(failed[0].proc.returncode)
+    if all(rp.proc.returncode < 0 for rp in ranks):
+        return _exit_code(ranks[0].proc.returncode)
+    return 0
 
 
 def _stopped(pid: int) -> bool:

@@ -143,6 +143,16 @@ class Backend(ABC):
         (called from other threads, e.g. the GPU backend's watchdog). None when all seem alive."""
         return None
 
+    #: whether a communicator on this transport can go on without a lost rank (recovery.py):
+    #: its sub-communicators are built through the store alone, never through the lost rank
+    survives_peer_loss = True
+
+    def departed(self) -> dict[int, str]:
+        """Every peer this transport can tell has left: rank -> what happened (what recovery
+        asks; `lost_peer` names only the first)."""
+        lost = self.lost_peer()
+        return {} if lost is None else {lost[0]: lost[1]}
+
     @abstractmethod
     def abort(self, error: BaseException) -> None:
         """Complete every posted message with `error` (a peer was lost: nothing will arrive)."""

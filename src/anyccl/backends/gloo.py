@@ -315,6 +315,13 @@ class GlooBackend(PolledMessages, Backend):
             return None
         return self._job_ranks.index(silent[0]), heartbeat.describe(silent)
 
+    def departed(self) -> dict[int, str]:
+        heartbeat = self.peers.heartbeat
+        if heartbeat is None:
+            return {}
+        silent = heartbeat.silent([r for r in self._job_ranks if r != self._me()])
+        return {self._job_ranks.index(r): heartbeat.describe([r]) for r in silent}
+
     def _translated(self, exc: BaseException, record: OpRecord | None,
                     what: str) -> AnycclError:
         text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

@@ -348,6 +348,16 @@ class HierarchicalBackend(Backend):
             return self._members[self._host][local[0]], local[1]
         return self._net.lost_peer()
 
+    @property
+    def survives_peer_loss(self) -> bool:  # type: ignore[override]
+        return self._net.survives_peer_loss
+
+    def departed(self) -> dict[int, str]:
+        gone = {self._members[self._host][j]: why for j, why in self._local.departed().items()}
+        for r, why in self._net.departed().items():
+            gone.setdefault(r, why)
+        return gone
+
     def subgroup(self, ranks: list[int], name: str, timeout_s: float) -> Backend:
         here = [r for r in ranks if self.hosts[r] == self.hosts[self.rank]]
         local = self._local.subgroup([self._position[r][1] for r in here], name, timeout_s)

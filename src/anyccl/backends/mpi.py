@@ -240,6 +240,9 @@ class MpiBackend(PolledMessages, Backend):
     program's own MPI messages)."""
 
     name = "mpi"
+    # an MPI without ULFM ends the job, or leaves its communicators unusable, once a process
+    # dies: no sub-communicator can be built without the lost rank
+    survives_peer_loss = False
 
     def __init__(self, comm: Any, timeout_s: float, departures: Departures | None = None,
                  world_ranks: list[int] | None = None) -> None:

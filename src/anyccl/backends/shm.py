@@ -672,6 +672,10 @@ class SharedMemoryBackend(Backend):
                 return j, f"rank {j} (pid {self._pids[j]}) {self._gone(j)}"
         return None
 
+    def departed(self) -> dict[int, str]:
+        return {j: f"rank {j} (pid {self._pids[j]}) {self._gone(j)}" for j in range(self.size)
+                if j != self.rank and not process_alive(self._pids[j])}
+
     def _gone(self, j: int) -> str:
         """How rank j's process ended: after closing its communicator (a normal exit), or
         without (a crash, a signal, os._exit)."""

@@ -1,0 +1,134 @@
+"""Going on without a lost rank: `shrink`, ULFM's and NCCL's word for it.
+
+Every survivor of a communicator that lost ranks calls `shrink`; each gets a new communicator
+of the survivors, ranked in their old order, on the same kinds of transport. The survivors meet
+in the job's store, never through the broken transport, in rounds (generations) under one
+prefix per communicator:
+
+1. Each survivor says it is alive (`alive/<rank>`) and publishes every rank its transport's
+   liveness checks find gone (`dead/<rank>`: a process that ended, a host that fell silent).
+   The error a survivor caught is no proof: across hosts a rank that is alive but closed its
+   connections after losing a peer of its own is named in it too.
+2. It waits until every rank of the old communicator is either alive or gone in its view; a
+   rank that did both (it came, then died) counts as gone.
+3. The first survivor to get there proposes the members (`members`, one atomic `add` picks
+   it); every survivor takes that one list, so all agree even when they noticed different
+   ranks at different times.
+4. The members build the new transport through the store (the backend's `subgroup`), within
+   `_BUILD_S`. If a member dies meanwhile, that fails on every member; they go round again,
+   one generation up, without it.
+
+Every step has the caller's deadline; past it the error names the ranks that neither came nor
+were seen to leave. A rank the others declared gone (it came too late) is told so and gets no
+communicator. The GPU backend of the new communicator is made on its first GPU call, like any
+communicator's, among the survivors alone.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import TYPE_CHECKING
+
+from .errors import PeerLostError, RendezvousError, TimeoutError, UnsupportedError
+from .store import PrefixStore, Store
+
+if TYPE_CHECKING:
+    from .communicator import Communicator
+
+_POLL_S = (0.002, 0.05)   # the store is polled from every 2 ms up to every 50 ms
+# a round's transport is given this long (at most) to be built: a member that died after the
+# agreement is then found in the next round instead of at the caller's deadline
+_BUILD_S = 15.0
+
+
+def shrink(comm: Communicator, timeout_s: float) -> Communicator:
+    """The communicator of `comm`'s surviving ranks (see the module's docstring)."""
+    backend = comm._engine.backend
+    if not backend.survives_peer_loss:
+        raise UnsupportedError(
+            f"rank {comm.rank}: shrink: the {backend.name} backend cannot go on without a lost "
+            f"rank (MPI without ULFM ends the job or its communicators when a process dies); "
+            f"use shm on one host, shm+gloo between hosts")
+    deadline = time.monotonic() + timeout_s
+    known: dict[int, str] = {}
+    while True:
+        comm._shrinks += 1
+        name = f"{comm._name}.shrink{comm._shrinks}"
+        store = PrefixStore(name, comm._store)
+        members, gone = _agree(comm, store, known, deadline)
+        try:
+            return _build(comm, members, gone, name,
+                          min(deadline, time.monotonic() + _BUILD_S))
+        except (PeerLostError, TimeoutError, RendezvousError):   # a member left meanwhile
+            if time.monotonic() >= deadline:
+                raise
+            known.update(gone)
+
+
+def _agree(comm: Communicator, store: Store, known: dict[int, str],
+           deadline: float) -> tuple[list[int], dict[int, str]]:
+    """The members of the next communicator, the same list on every survivor, and what this
+    rank knows of the ranks left out."""
+    rank, size, backend = comm.rank, comm.size, comm._engine.backend
+    store.set(f"alive/{rank}", b"1")
+    alive, gone, told = {rank}, dict(known), set()
+    pause = _POLL_S[0]
+    while True:
+        gone.update((r, why) for r, why in backend.departed().items() if r not in gone)
+        for r in gone.keys() - told:
+            store.set(f"dead/{r}", gone[r].encode())
+            told.add(r)
+        for r in range(size):
+            if r == rank or r in gone:
+                continue
+            if store.check(f"dead/{r}"):
+                gone[r] = store.get(f"dead/{r}", 1.0).decode()
+                told.add(r)
+            elif r not in alive and store.check(f"alive/{r}"):
+                alive.add(r)
+        if len(alive - gone.keys()) + len(gone) >= size:
+            break
+        if time.monotonic() >= deadline:
+            missing = sorted(set(range(size)) - alive - gone.keys())
+            raise TimeoutError(
+                f"rank {rank}: shrink: rank{'s' if len(missing) > 1 else ''} "
+                f"{', '.join(map(str, missing))} neither joined the shrink nor were seen to "
+                f"leave before the deadline; {len(alive)} of {size} ranks joined")
+        time.sleep(pause)
+        pause = min(pause * 2, _POLL_S[1])
+    if store.add("proposer", 1) == 1:
+        store.set("members", json.dumps(sorted(alive - gone.keys())).encode())
+    members = json.loads(store.get("members", max(0.0, deadline - time.monotonic())))
+    if rank not in members:
+        raise PeerLostError(f"rank {rank}: shrink: the other survivors counted this rank as "
+                            f"gone (it came after they decided); it has no communicator",
+                            rank)
+    return members, {r: why for r, why in gone.items() if r not in members}
+
+
+def _build(comm: Communicator, members: list[int], gone: dict[int, str], name: str,
+           deadline: float) -> Communicator:
+    """The communicator of `members` (ranks of `comm`), its transport built through the
+    store."""
+    timeout_s = max(0.001, deadline - time.monotonic())
+    backend = comm._engine.backend.subgroup(members, name, timeout_s)
+    hosts = tuple(comm.hosts[r] for r in members) if comm.hosts else ()
+    mine = comm.hosts[comm.rank] if comm.hosts else None
+    local_rank = sum(1 for r in members if r < comm.rank and comm.hosts[r] == mine) \
+        if comm.hosts else members.index(comm.rank)
+    try:
+        child = type(comm)(backend, comm._store, rank=members.index(comm.rank),
+                           size=len(members), local_rank=local_rank, timeout_s=comm.timeout_s,
+                           name=name, job_id=comm.job_id, debug=comm.debug,
+                           device=comm._gpu_side.device, gpu_kind=comm._gpu_side.kind)
+    except BaseException:
+        backend.close()
+        raise
+    child.hosts = hosts
+    left = ", ".join(f"{r}" for r in sorted(gone)) or "none"
+    child.backend_reason = (f"shrunk from {comm._name} without rank(s) {left} "
+                            f"({comm.backend_reason})")
+    child.shrunk_from = {"ranks": members, "lost": dict(sorted(gone.items()))}
+    return child
+

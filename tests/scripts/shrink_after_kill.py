@@ -1,0 +1,85 @@
+"""A job that loses ranks and goes on: run by tests/test_recovery.py under
+`anyccl run --keep-going`. Each rank loops on all_reduce; the victims (VICTIMS, comma-separated
+ranks) kill themselves with SIGKILL at iteration KILL_AT; rank DURING (if set) joins the shrink
+and dies right after the survivors agreed on it (they must go round again without it). Every
+survivor catches the error, shrinks, checks the new communicator's collectives and messages,
+and prints one line: `rank R of N -> rank r of n: ok lost=[...] seconds=S first=F detect=D`
+(S: from the error to the new communicator; F: from the error to the end of the first
+all_reduce on it; D: from the first victim's kill to the error, when KILL_FILE names a file the
+victims append their kill times to, else -1)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+
+import anyccl
+from anyccl import recovery
+
+victims = {int(r) for r in os.environ["VICTIMS"].split(",")}
+kill_at = int(os.environ.get("KILL_AT", "5"))
+during = int(os.environ["DURING"]) if os.environ.get("DURING") else None
+
+comm = anyccl.init()
+rank, size = comm.rank, comm.size
+x = np.ones(1 << 12, np.float32)
+error = None
+for i in range(200):
+    if rank in victims and i == kill_at:
+        if os.environ.get("KILL_FILE"):
+            with open(os.environ["KILL_FILE"], "a") as f:
+                f.write(f"{time.time()}\n")
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        x[:] = 1.0
+        comm.all_reduce(x)
+    except anyccl.AnycclError as exc:
+        error = exc
+        break
+if error is None:
+    sys.exit(f"rank {rank}: no rank was lost after 200 iterations")
+caught, caught_wall = time.monotonic(), time.time()
+if rank == during:   # join the shrink, then die before its communicator is built
+    real = recovery._agree
+
+    def agree_then_die(*args):
+        real(*args)
+        os.kill(os.getpid(), signal.SIGKILL)
+    recovery._agree = agree_then_die
+new = comm.shrink(timeout=60)
+took = time.monotonic() - caught
+comm.close()
+n, r = new.size, new.rank
+lost = victims | ({during} if during is not None else set())
+assert n == size - len(lost), (n, size, lost)
+assert sorted(new.shrunk_from["lost"]) == sorted(lost), new.shrunk_from
+y = np.full(1000, float(r + 1))
+new.all_reduce(y)
+first = time.monotonic() - caught
+assert np.all(y == n * (n + 1) / 2)
+b = np.full(10, float(r))
+new.broadcast(b, n - 1)
+assert np.all(b == n - 1)
+out = np.zeros(4 * n)
+new.all_gather(out, np.full(4, float(r)))
+assert np.array_equal(out, np.repeat(np.arange(n, dtype=float), 4))
+rs = np.zeros(3)
+new.reduce_scatter(rs, np.ones(3 * n))
+assert np.all(rs == n)
+if n > 1:
+    got = np.zeros(5)
+    new.sendrecv(np.full(5, float(r)), (r + 1) % n, got, (r - 1) % n)
+    assert np.all(got == (r - 1) % n)
+assert new.all_gather_object(rank) == sorted(set(range(size)) - lost)
+new.barrier()
+detect = -1.0
+if os.environ.get("KILL_FILE"):
+    with open(os.environ["KILL_FILE"]) as f:
+        detect = caught_wall - min(float(t) for t in f.read().split())
+print(f"rank {rank} of {size} -> rank {r} of {n}: ok lost={sorted(new.shrunk_from['lost'])} "
+      f"seconds={took:.3f} first={first:.3f} detect={detect:.3f}", flush=True)
+new.close()

@@ -1,0 +1,124 @@
+"""Losing ranks and going on: every survivor of a communicator that lost ranks calls
+`comm.shrink()` and gets a communicator of the survivors, ranked in their old order, that runs
+every collective and message correctly (tests/scripts/shrink_after_kill.py checks them). Ranks
+die by SIGKILL in the middle of an all_reduce loop: one rank, two at once, rank 0 (the lowest,
+whose ranks all move), all but one, and one that dies after the survivors agreed on it (they go
+round again without it); on one host (shm) and across two simulated hosts (shm inside, gloo
+between), under `anyccl run --keep-going`. The mpi backend, which cannot go on, says so."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from harness import run_ranks
+from simhosts import Cluster
+
+import anyccl
+
+pytestmark = pytest.mark.shm_only   # each job picks its own transport
+
+SCRIPT = Path(__file__).parent / "scripts" / "shrink_after_kill.py"
+DONE = re.compile(r"rank (\d+) of (\d+) -> rank (\d+) of (\d+): ok lost=\[([\d, ]*)\] "
+                  r"seconds=([\d.]+)")
+
+
+def _job(nprocs: int, victims: str, during: str = "", timeout_s: float = 120) -> tuple[int, str]:
+    env = dict(os.environ, VICTIMS=victims, DURING=during, KILL_AT="3", ANYCCL_TIMEOUT="30",
+               PYTHONUNBUFFERED="1")
+    env.pop("ANYCCL_BACKEND", None)
+    done = subprocess.run([sys.executable, "-m", "anyccl", "run", "-n", str(nprocs),
+                           "--keep-going", str(SCRIPT)], env=env, capture_output=True,
+                          text=True, timeout=timeout_s)
+    return done.returncode, done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("nprocs, victims, during", [
+    (4, "2", ""),        # one rank
+    (4, "1,3", ""),      # two at once
+    (4, "0", ""),        # rank 0: every survivor's rank moves
+    (3, "0,2", ""),      # all but one: a communicator of one
+    (5, "1", "2"),       # rank 2 dies after the survivors agreed on it: a second round
+])
+def test_survivors_shrink_and_run_every_collective_on_one_host(nprocs, victims, during):
+    code, text = _job(nprocs, victims, during)
+    lost = sorted({int(v) for v in victims.split(",")} | ({int(during)} if during else set()))
+    survivors = [r for r in range(nprocs) if r not in lost]
+    done = {int(m[1]): m for m in DONE.finditer(text)}
+    assert code == 0 and sorted(done) == survivors, text[-3000:]
+    for old, m in done.items():
+        assert int(m[2]) == nprocs and int(m[3]) == survivors.index(old), m[0]
+        assert int(m[4]) == len(survivors) and m[5].replace(" ", "") == \
+            ",".join(map(str, lost)), m[0]
+    for r in lost:
+        assert re.search(rf"rank {r} was killed by SIGKILL; the other ranks keep going", text)
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith("anyccl-") and
+                _mine(f)], "shared memory left behind"
+
+
+def _mine(name: str) -> bool:
+    """Whether /dev/shm/`name` is this user's (other jobs of other users may run here)."""
+    try:
+        return os.stat(f"/dev/shm/{name}").st_uid == os.getuid()
+    except OSError:
+        return False
+
+
+def test_without_keep_going_the_launcher_still_stops_every_rank():
+    env = dict(os.environ, VICTIMS="1", KILL_AT="3", ANYCCL_TIMEOUT="30")
+    env.pop("ANYCCL_BACKEND", None)
+    done = subprocess.run([sys.executable, "-m", "anyccl", "run", "-n", "3", str(SCRIPT)],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "rank 1 failed first: it was killed by SIGKILL" in \
+        done.stdout + done.stderr
+    assert "-> rank" not in done.stdout
+
+
+def check_shrink_refused_on_mpi(comm):
+    with pytest.raises(anyccl.UnsupportedError, match="mpi backend cannot go on without a lost"):
+        comm.shrink(timeout=5)
+    x = np.ones(3)
+    comm.all_reduce(x)                      # the communicator is still usable
+    return bool(np.all(x == comm.size))
+
+
+def test_the_mpi_backend_says_it_cannot_shrink():
+    pytest.importorskip("mpi4py")
+    assert all(run_ranks(check_shrink_refused_on_mpi, 2, backend="mpi"))
+
+
+WHY_NOT = Cluster.unavailable()
+
+
+@pytest.mark.skipif(bool(WHY_NOT), reason=WHY_NOT or "")
+def test_survivors_across_two_hosts_shrink_to_shm_and_gloo_and_go_on():
+    """h1 runs ranks 0 and 1, h2 ranks 2 and 3; rank 3 dies. Ranks 0, 1 and 2 shrink: shared
+    memory on h1, gloo between the hosts, and every collective right."""
+    key, port = "5e" * 32, 29460
+    with Cluster(2) as cluster:
+        env = dict(os.environ, ANYCCL_JOB_KEY=key, ANYCCL_TIMEOUT="30", PYTHONUNBUFFERED="1",
+                   OMP_NUM_THREADS="1", VICTIMS="3", KILL_AT="3", ANYCCL_PEER_SILENCE="3")
+        env.pop("ANYCCL_BACKEND", None)
+        procs = [cluster.run(i, [sys.executable, "-m", "anyccl", "run", "-n", "2", "--nnodes",
+                                 "2", "--node-rank", str(i), "--master-addr", "h1",
+                                 "--master-port", str(port), "--keep-going", str(SCRIPT)],
+                             env=env) for i in range(2)]
+        results = []
+        for proc in procs:
+            try:
+                out, err = proc.communicate(timeout=150)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                out, err = proc.communicate()
+            results.append((proc.returncode, out + err))
+        text = "\n".join(t for _, t in results)
+        done = {int(m[1]): m for m in DONE.finditer(text)}
+        assert all(code == 0 for code, _ in results) and sorted(done) == [0, 1, 2], text[-4000:]
+        assert all(m[5] == "3" and int(m[4]) == 3 for m in done.values()), text[-2000:]
+        for i in range(2):
+            assert not [f for f in cluster.shm_files(i) if f.startswith("anyccl-")]
