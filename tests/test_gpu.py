@@ -39,6 +39,19 @@ def two_gpus():
     return pytest.mark.skipif(gpu.device_count() < 2, reason="needs 2 GPUs")
 
 
+class OnlyDLPack:
+    """An array that offers DLPack alone (what anyccl reads of an array it does not know)."""
+
+    def __init__(self, t):
+        self.t = t
+
+    def __dlpack__(self, **kwargs):
+        return self.t.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self.t.__dlpack_device__()
+
+
 # ---- arrays on the GPU, and back ---------------------------------------------------------------
 def to_gpu(a: np.ndarray, device: int):
     """A GPU copy of `a`: torch for bfloat16 (CuPy has none), CuPy for everything else."""
@@ -210,16 +223,6 @@ def check_array_kinds(comm):
     comm.all_reduce(j)                             # written in place; visible on return
     assert float(j[0]) == total and float(j.sum()) == 1000 * total
 
-    class OnlyDLPack:
-        def __init__(self, t):
-            self.t = t
-
-        def __dlpack__(self, **kwargs):
-            return self.t.__dlpack__(**kwargs)
-
-        def __dlpack_device__(self):
-            return self.t.__dlpack_device__()
-
     t = torch.full((1000,), comm.rank + 1.0, device=f"cuda:{d}")
     comm.all_reduce(OnlyDLPack(t))
     assert torch.all(t == total)
@@ -296,16 +299,6 @@ def check_non_contiguous_gpu_arrays(comm):
     outs = [torch.full((q + 1, 2), -7.0, device=dev) for q in range(n)]
     comm.all_gather([o[:, 1] for o in outs], torch.full((r + 1,), float(r), device=dev))
     assert all(torch.all(o[:, 1] == q) and torch.all(o[:, 0] == -7) for q, o in enumerate(outs))
-
-    class OnlyDLPack:
-        def __init__(self, t):
-            self.t = t
-
-        def __dlpack__(self, **kwargs):
-            return self.t.__dlpack__(**kwargs)
-
-        def __dlpack_device__(self):
-            return self.t.__dlpack_device__()
 
     m[:, 4] = r + 1
     comm.all_reduce(OnlyDLPack(m[:, 4]))

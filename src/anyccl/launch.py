@@ -414,10 +414,7 @@ def _watch(ranks: list[RankProcess], stop_requested: list[int], job_id: str) -> 
     grace_until = 0.0
     while True:
         if stop_requested:
-            signum = stop_requested[0]
-            say(f"anyccl run: got {signal.Signals(signum).name}; stopping all ranks")
-            _stop(ranks)
-            return 128 + signum
+            return _stop_on_request(ranks, stop_requested[0])
         running = [rp for rp in ranks if rp.proc.poll() is None]
         failed = [rp for rp in ranks if rp.proc.returncode not in (None, 0)]
         if failed and first_failure is None:
@@ -459,10 +456,7 @@ def _watch_keep_going(ranks: list[RankProcess], stop_requested: list[int], _job_
     told: set[int] = set()
     while True:
         if stop_requested:
-            signum = stop_requested[0]
-            say(f"anyccl run: got {signal.Signals(signum).name}; stopping all ranks")
-            _stop(ranks)
-            return 128 + signum
+            return _stop_on_request(ranks, stop_requested[0])
         running = False
         for rp in ranks:
             code = rp.proc.poll()
@@ -480,6 +474,13 @@ def _watch_keep_going(ranks: list[RankProcess], stop_requested: list[int], _job_
     if all(rp.proc.returncode < 0 for rp in ranks):
         return _exit_code(ranks[0].proc.returncode)
     return 0
+
+
+def _stop_on_request(ranks: list[RankProcess], signum: int) -> int:
+    """The launcher got `signum` (Ctrl-C, SIGTERM): stop every rank; the exit code."""
+    say(f"anyccl run: got {signal.Signals(signum).name}; stopping all ranks")
+    _stop(ranks)
+    return 128 + signum
 
 
 def _stopped(pid: int) -> bool:
