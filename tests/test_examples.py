@@ -83,6 +83,21 @@ def test_collectives_tour_and_classifier_check_themselves(n, tmp_path):
     assert "one process:" in proc.stdout and ": OK" in proc.stdout
 
 
+def test_training_loses_a_rank_and_the_survivors_finish_with_the_same_weights():
+    pytest.importorskip("sklearn")
+    pytest.importorskip("torch")
+    env = {k: v for k, v in os.environ.items() if k != "ANYCCL_BACKEND"}
+    proc = subprocess.run([sys.executable, "-m", "anyccl", "run", "--keep-going", "-n", "4",
+                           str(EXAMPLES / "keep_training.py"), "--steps", "80", "--kill-rank",
+                           "2", "--kill-step", "20"], capture_output=True, text=True,
+                          timeout=240, env=env)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert out.count("lost rank(s) [2]; going on as rank") == 3, out[-3000:]
+    assert out.count("weights identical on every survivor: True") == 3, out[-3000:]
+    assert "rank 2 was killed by SIGKILL; the other ranks keep going" in out
+
+
 def test_the_tour_leaves_nothing_in_the_directory_it_runs_in(tmp_path):
     pytest.importorskip("matplotlib")
     proc = subprocess.run([sys.executable, "-m", "anyccl", "run", "-n", "2",
