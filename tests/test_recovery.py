@@ -3,8 +3,10 @@
 every collective and message correctly (tests/scripts/shrink_after_kill.py checks them). Ranks
 die by SIGKILL in the middle of an all_reduce loop: one rank, two at once, rank 0 (the lowest,
 whose ranks all move), all but one, and one that dies after the survivors agreed on it (they go
-round again without it); on one host (shm) and across two simulated hosts (shm inside, gloo
-between), under `anyccl run --keep-going`. The mpi backend, which cannot go on, says so."""
+round again without it); and in each kind of collective and message, where some survivors do
+not wait on the lost rank (the others' revoke stops them); on one host (shm) and across two
+simulated hosts (shm inside, gloo between), under `anyccl run --keep-going`. The mpi backend,
+which cannot go on, says so."""
 
 from __future__ import annotations
 
@@ -28,9 +30,11 @@ DONE = re.compile(r"rank (\d+) of (\d+) -> rank (\d+) of (\d+): ok lost=\[([\d, 
                   r"seconds=([\d.]+)")
 
 
-def _job(nprocs: int, victims: str, during: str = "", timeout_s: float = 120) -> tuple[int, str]:
+def _job(nprocs: int, victims: str, during: str = "", timeout_s: float = 120,
+         **more: str) -> tuple[int, str]:
     env = dict(os.environ, VICTIMS=victims, DURING=during, KILL_AT="3", ANYCCL_TIMEOUT="30",
                PYTHONUNBUFFERED="1")
+    env.update(more)
     env.pop("ANYCCL_BACKEND", None)
     done = subprocess.run([sys.executable, "-m", "anyccl", "run", "-n", str(nprocs),
                            "--keep-going", str(SCRIPT)], env=env, capture_output=True,
@@ -59,6 +63,18 @@ def test_survivors_shrink_and_run_every_collective_on_one_host(nprocs, victims, 
         assert re.search(rf"rank {r} was killed by SIGKILL; the other ranks keep going", text)
     assert not [f for f in os.listdir("/dev/shm") if f.startswith("anyccl-") and
                 _mine(f)], "shared memory left behind"
+
+
+@pytest.mark.parametrize("kill_at", range(16))
+def test_a_kill_in_any_kind_of_operation_is_survived_fast(kill_at):
+    """The loop goes through every collective, a ring of sendrecvs and neighbour isend/irecv;
+    rank 1 of 4 dies in operation `kill_at` (each kind twice over the cases). Survivors that
+    were not waiting on it when it died learn of it from the others' revoke, so every survivor
+    is on the shrunk communicator within seconds, far inside the 30 s deadline."""
+    code, text = _job(4, "1", KILL_AT=str(kill_at), MIXED="1")
+    done = {int(m[1]): m for m in DONE.finditer(text)}
+    assert code == 0 and sorted(done) == [0, 2, 3], text[-3000:]
+    assert all(float(m[6]) < 10 for m in done.values()), text[-2000:]
 
 
 def _mine(name: str) -> bool:

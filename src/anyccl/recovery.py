@@ -5,6 +5,9 @@ of the survivors, ranked in their old order, on the same kinds of transport. The
 in the job's store, never through the broken transport, in rounds (generations) under one
 prefix per communicator:
 
+0. Each survivor first revokes the old communicator (`Backend.revoke`): a survivor still
+   waiting on it there, in an operation that did not involve the lost rank, fails at once
+   instead of at its deadline, and comes to the shrink too.
 1. Each survivor says it is alive (`alive/<rank>`) and publishes every rank its transport's
    liveness checks find gone (`dead/<rank>`: a process that ended, a host that fell silent).
    The error a survivor caught is no proof: across hosts a rank that is alive but closed its
@@ -52,6 +55,7 @@ def shrink(comm: Communicator, timeout_s: float) -> Communicator:
             f"use shm on one host, shm+gloo between hosts")
     deadline = time.monotonic() + timeout_s
     known: dict[int, str] = {}
+    backend.revoke()   # a survivor still waiting on this rank in the old one fails now
     while True:
         comm._shrinks += 1
         name = f"{comm._name}.shrink{comm._shrinks}"

@@ -1,6 +1,7 @@
 """A job that loses ranks and goes on: run by tests/test_recovery.py under
 `anyccl run --keep-going`. Each rank loops on all_reduce; the victims (VICTIMS, comma-separated
-ranks) kill themselves with SIGKILL at iteration KILL_AT; rank DURING (if set) joins the shrink
+ranks) kill themselves with SIGKILL at iteration KILL_AT (MIXED=1: the loop goes through every
+kind of operation, see one_op); rank DURING (if set) joins the shrink
 and dies right after the survivors agreed on it (they must go round again without it). Every
 survivor catches the error, shrinks, checks the new communicator's collectives and messages,
 and prints one line: `rank R of N -> rank r of n: ok lost=[...] seconds=S first=F detect=D`
@@ -27,6 +28,34 @@ during = int(os.environ["DURING"]) if os.environ.get("DURING") else None
 comm = anyccl.init()
 rank, size = comm.rank, comm.size
 x = np.ones(1 << 12, np.float32)
+
+
+def one_op(i: int) -> None:
+    """Operation i of the loop: all_reduce, or with MIXED=1 every kind in turn (collectives, a
+    ring of sendrecvs, neighbour isend/irecv), so that a kill lands in each of them."""
+    kind = i % 8 if os.environ.get("MIXED") == "1" else 0
+    if kind == 0:
+        x[:] = 1.0
+        comm.all_reduce(x)
+    elif kind == 1:
+        comm.broadcast(np.zeros(64), i % size)
+    elif kind == 2:
+        comm.all_gather(np.zeros(16 * size), np.ones(16))
+    elif kind == 3:
+        comm.reduce_scatter(np.zeros(16), np.ones(16 * size))
+    elif kind == 4:
+        comm.all_to_all(np.zeros(8 * size), np.ones(8 * size))
+    elif kind == 5:
+        comm.sendrecv(np.ones(32), (rank + 1) % size, np.zeros(32), (rank - 1) % size)
+    elif kind == 6 and rank ^ 1 < size:
+        peer = rank ^ 1
+        works = [comm.isend(np.ones(1000), peer, tag=i), comm.irecv(np.zeros(1000), peer, tag=i)]
+        for w in works:
+            w.wait()
+    elif kind == 7:
+        comm.barrier()
+
+
 error = None
 for i in range(200):
     if rank in victims and i == kill_at:
@@ -35,8 +64,7 @@ for i in range(200):
                 f.write(f"{time.time()}\n")
         os.kill(os.getpid(), signal.SIGKILL)
     try:
-        x[:] = 1.0
-        comm.all_reduce(x)
+        one_op(i)
     except anyccl.AnycclError as exc:
         error = exc
         break

@@ -147,6 +147,11 @@ class Backend(ABC):
     #: its sub-communicators are built through the store alone, never through the lost rank
     survives_peer_loss = True
 
+    def revoke(self) -> None:  # noqa: B027 - a transport may have no way to tell its peers
+        """Tell the peers that this rank has left this communicator (it is recovering), so
+        that an operation of theirs that waits on it fails now, as on a lost peer, instead of
+        at its deadline; this rank's process stays alive (ULFM's revoke)."""
+
     def departed(self) -> dict[int, str]:
         """Every peer this transport can tell has left: rank -> what happened (what recovery
         asks; `lost_peer` names only the first)."""

@@ -352,6 +352,10 @@ class HierarchicalBackend(Backend):
     def survives_peer_loss(self) -> bool:  # type: ignore[override]
         return self._net.survives_peer_loss
 
+    def revoke(self) -> None:
+        self._local.revoke()
+        self._net.revoke()
+
     def departed(self) -> dict[int, str]:
         gone = {self._members[self._host][j]: why for j, why in self._local.departed().items()}
         for r, why in self._net.departed().items():

@@ -1219,15 +1219,20 @@ class SharedMemoryBackend(Backend):
             f"the message was discarded")
 
     # ---- teardown ----------------------------------------------------------------------------
-    def close(self) -> None:
+    def revoke(self) -> None:
         if self._closed:
             return
-        self._closed = True
-        self._steps.close()   # its addresses are of the mappings closed below
-        self._own.words[_W_CLOSED] = 1
+        self._own.words[_W_CLOSED] = 1   # the peers' waits see it at their next peer check
         for j, bell in enumerate(self._bells):
             if j != self.rank:
                 bell.ring()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self.revoke()
+        self._closed = True
+        self._steps.close()   # its addresses are of the mappings closed below
         self._bells, self._peer_bells, self._peer_ctl, self._typed = [], [], [], {}
         self._staging, self._rings, self._out_rings, self._ctl = [], [], [], []
         for seg in self._segments:
