@@ -18,8 +18,9 @@ prefix per communicator:
    it); every survivor takes that one list, so all agree even when they noticed different
    ranks at different times.
 4. The members build the new transport through the store (the backend's `subgroup`), within
-   `_BUILD_S`. If a member dies meanwhile, that fails on every member; they go round again,
-   one generation up, without it.
+   `_BUILD_S`, then each says so (`built/<rank>`) and waits for the others' word. If a member
+   dies before it said so, every member fails the round (a member's word is read before its
+   liveness) and they go round again, one generation up, without it.
 
 Every step has the caller's deadline; past it the error names the ranks that neither came nor
 were seen to leave. A rank the others declared gone (it came too late) is told so and gets no
@@ -62,7 +63,7 @@ def shrink(comm: Communicator, timeout_s: float) -> Communicator:
         store = PrefixStore(name, comm._store)
         members, gone = _agree(comm, store, known, deadline)
         try:
-            return _build(comm, members, gone, name,
+            return _build(comm, store, members, gone, name,
                           min(deadline, time.monotonic() + _BUILD_S))
         except (PeerLostError, TimeoutError, RendezvousError):   # a member left meanwhile
             if time.monotonic() >= deadline:
@@ -111,12 +112,17 @@ def _agree(comm: Communicator, store: Store, known: dict[int, str],
     return members, {r: why for r, why in gone.items() if r not in members}
 
 
-def _build(comm: Communicator, members: list[int], gone: dict[int, str], name: str,
-           deadline: float) -> Communicator:
+def _build(comm: Communicator, store: Store, members: list[int], gone: dict[int, str],
+           name: str, deadline: float) -> Communicator:
     """The communicator of `members` (ranks of `comm`), its transport built through the
-    store."""
+    store, once every member has built its side (`_all_built`)."""
     timeout_s = max(0.001, deadline - time.monotonic())
     backend = comm._engine.backend.subgroup(members, name, timeout_s)
+    try:
+        _all_built(comm, store, members, deadline)
+    except BaseException:
+        backend.close()
+        raise
     hosts = tuple(comm.hosts[r] for r in members) if comm.hosts else ()
     mine = comm.hosts[comm.rank] if comm.hosts else None
     local_rank = sum(1 for r in members if r < comm.rank and comm.hosts[r] == mine) \
@@ -135,4 +141,30 @@ def _build(comm: Communicator, members: list[int], gone: dict[int, str], name: s
                             f"({comm.backend_reason})")
     child.shrunk_from = {"ranks": members, "lost": dict(sorted(gone.items()))}
     return child
+
+
+def _all_built(comm: Communicator, store: Store, members: list[int], deadline: float) -> None:
+    """Return once every member said it built its side of the round's transport; raise
+    PeerLostError if one was found gone first. A member's word is looked at before its
+    liveness, and it says it before it can die after building: so either every member
+    returns (a member that died later fails the next operation, and the survivors shrink the
+    new communicator) or every member raises (and all go round again): never some of each."""
+    backend, rank = comm._engine.backend, comm.rank
+    store.set(f"built/{rank}", b"1")
+    waiting = [r for r in members if r != rank]
+    pause = _POLL_S[0]
+    while waiting:
+        waiting = [r for r in waiting if not store.check(f"built/{r}")]
+        if not waiting:
+            return
+        gone = backend.departed()
+        for r in waiting:
+            if r in gone and not store.check(f"built/{r}"):
+                raise PeerLostError(f"rank {rank}: shrink: {gone[r]} before it built its side "
+                                    f"of the shrunk communicator", r)
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"rank {rank}: shrink: rank(s) {', '.join(map(str, waiting))} "
+                               f"did not build their side of the shrunk communicator in time")
+        time.sleep(pause)
+        pause = min(pause * 2, _POLL_S[1])
 
