@@ -42,15 +42,16 @@ def _job(nprocs: int, victims: str, during: str = "", timeout_s: float = 120,
     return done.returncode, done.stdout + done.stderr
 
 
-@pytest.mark.parametrize("nprocs, victims, during", [
-    (4, "2", ""),        # one rank
-    (4, "1,3", ""),      # two at once
-    (4, "0", ""),        # rank 0: every survivor's rank moves
-    (3, "0,2", ""),      # all but one: a communicator of one
-    (5, "1", "2"),       # rank 2 dies after the survivors agreed on it: a second round
+@pytest.mark.parametrize("nprocs, victims, during, stage", [
+    (4, "2", "", ""),           # one rank
+    (4, "1,3", "", ""),         # two at once
+    (4, "0", "", ""),           # rank 0: every survivor's rank moves
+    (3, "0,2", "", ""),         # all but one: a communicator of one
+    (5, "1", "2", "agree"),     # rank 2 dies after the survivors agreed on it: a second round
+    (5, "1", "2", "build"),     # ... or once it built its side of the new transport
 ])
-def test_survivors_shrink_and_run_every_collective_on_one_host(nprocs, victims, during):
-    code, text = _job(nprocs, victims, during)
+def test_survivors_shrink_and_run_every_collective_on_one_host(nprocs, victims, during, stage):
+    code, text = _job(nprocs, victims, during, DURING_AT=stage or "agree")
     lost = sorted({int(v) for v in victims.split(",")} | ({int(during)} if during else set()))
     survivors = [r for r in range(nprocs) if r not in lost]
     done = {int(m[1]): m for m in DONE.finditer(text)}

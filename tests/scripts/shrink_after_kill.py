@@ -1,8 +1,9 @@
 """A job that loses ranks and goes on: run by tests/test_recovery.py under
 `anyccl run --keep-going`. Each rank loops on all_reduce; the victims (VICTIMS, comma-separated
 ranks) kill themselves with SIGKILL at iteration KILL_AT (MIXED=1: the loop goes through every
-kind of operation, see one_op); rank DURING (if set) joins the shrink
-and dies right after the survivors agreed on it (they must go round again without it). Every
+kind of operation, see one_op); rank DURING (if set) joins the shrink and dies right after the
+survivors agreed on it, or with DURING_AT=build once it built its side of the new transport
+(they must go round again without it). Every
 survivor catches the error, shrinks, checks the new communicator's collectives and messages,
 and prints one line: `rank R of N -> rank r of n: ok lost=[...] seconds=S first=F detect=D`
 (S: from the error to the new communicator; F: from the error to the end of the first
@@ -71,13 +72,16 @@ for i in range(200):
 if error is None:
     sys.exit(f"rank {rank}: no rank was lost after 200 iterations")
 caught, caught_wall = time.monotonic(), time.time()
-if rank == during:   # join the shrink, then die before its communicator is built
-    real = recovery._agree
+if rank == during:   # join the shrink, then die: after the agreement (DURING_AT=agree), or
+    # after building its side of the new transport, before saying so (DURING_AT=build)
+    stage = os.environ.get("DURING_AT", "agree")
+    real = getattr(recovery, "_agree" if stage == "agree" else "_all_built")
 
-    def agree_then_die(*args):
-        real(*args)
+    def then_die(*args):
+        if stage == "agree":
+            real(*args)
         os.kill(os.getpid(), signal.SIGKILL)
-    recovery._agree = agree_then_die
+    setattr(recovery, "_agree" if stage == "agree" else "_all_built", then_die)
 new = comm.shrink(timeout=60)
 took = time.monotonic() - caught
 comm.close()
