@@ -10,6 +10,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from .backends.base import Backend
+    from .backends.gpu_base import GpuBackend
     from .communicator import Communicator
 
 
@@ -33,14 +35,27 @@ def split(comm: Communicator, color: int | None, key: int | None) -> Communicato
         store=comm._store, group=name)
     if color is None:
         return None
-    backend = comm._engine.subgroup(ranks, name)
-    child = type(comm)(backend, comm._store, rank=ranks.index(comm.rank), size=len(ranks),
-                       local_rank=comm.local_rank, timeout_s=comm.timeout_s, name=name,
-                       job_id=comm.job_id, debug=comm.debug, device=comm._gpu_side.device,
-                       gpu_backend=gpu_child, gpu_kind=comm._gpu_side.kind)
+    return child_of(comm, comm._engine.subgroup(ranks, name), ranks, name,
+                    f"split from {comm._name} ({comm.backend_reason})",
+                    local_rank=comm.local_rank, gpu_backend=gpu_child)
+
+
+def child_of(comm: Communicator, backend: Backend, ranks: list[int], name: str, reason: str,
+             *, local_rank: int, gpu_backend: GpuBackend | None = None) -> Communicator:
+    """The communicator `name` of `ranks` of `comm` (this rank among them) on host backend
+    `backend` (and `gpu_backend`, else one made on its first GPU call): what split and
+    shrink (recovery.py) make. `backend` is closed if the communicator cannot be made."""
+    try:
+        child = type(comm)(backend, comm._store, rank=ranks.index(comm.rank), size=len(ranks),
+                           local_rank=local_rank, timeout_s=comm.timeout_s, name=name,
+                           job_id=comm.job_id, debug=comm.debug, device=comm._gpu_side.device,
+                           gpu_backend=gpu_backend, gpu_kind=comm._gpu_side.kind)
+    except BaseException:
+        backend.close()
+        raise
     if comm.hosts:
         child.hosts = tuple(comm.hosts[r] for r in ranks)
-    child.backend_reason = f"split from {comm._name} ({comm.backend_reason})"
+    child.backend_reason = reason
     return child
 
 

@@ -32,8 +32,10 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+from . import groups
 from .errors import PeerLostError, RendezvousError, TimeoutError, UnsupportedError
 from .store import PrefixStore, Store
 
@@ -41,6 +43,14 @@ if TYPE_CHECKING:
     from .communicator import Communicator
 
 _POLL_S = (0.002, 0.05)   # the store is polled from every 2 ms up to every 50 ms
+
+
+def _pauses() -> Iterator[float]:
+    """The waits between two looks at the store: doubling from _POLL_S[0] to _POLL_S[1]."""
+    pause = _POLL_S[0]
+    while True:
+        yield pause
+        pause = min(pause * 2, _POLL_S[1])
 # a round's transport is given this long (at most) to be built: a member that died after the
 # agreement is then found in the next round instead of at the caller's deadline
 _BUILD_S = 15.0
@@ -78,7 +88,7 @@ def _agree(comm: Communicator, store: Store, known: dict[int, str],
     rank, size, backend = comm.rank, comm.size, comm._engine.backend
     store.set(f"alive/{rank}", b"1")
     alive, gone, told = {rank}, dict(known), set()
-    pause = _POLL_S[0]
+    pauses = _pauses()
     while True:
         gone.update((r, why) for r, why in backend.departed().items() if r not in gone)
         for r in gone.keys() - told:
@@ -100,8 +110,7 @@ def _agree(comm: Communicator, store: Store, known: dict[int, str],
                 f"rank {rank}: shrink: rank{'s' if len(missing) > 1 else ''} "
                 f"{', '.join(map(str, missing))} neither joined the shrink nor were seen to "
                 f"leave before the deadline; {len(alive)} of {size} ranks joined")
-        time.sleep(pause)
-        pause = min(pause * 2, _POLL_S[1])
+        time.sleep(next(pauses))
     if store.add("proposer", 1) == 1:
         store.set("members", json.dumps(sorted(alive - gone.keys())).encode())
     members = json.loads(store.get("members", max(0.0, deadline - time.monotonic())))
@@ -123,22 +132,13 @@ def _build(comm: Communicator, store: Store, members: list[int], gone: dict[int,
     except BaseException:
         backend.close()
         raise
-    hosts = tuple(comm.hosts[r] for r in members) if comm.hosts else ()
     mine = comm.hosts[comm.rank] if comm.hosts else None
     local_rank = sum(1 for r in members if r < comm.rank and comm.hosts[r] == mine) \
         if comm.hosts else members.index(comm.rank)
-    try:
-        child = type(comm)(backend, comm._store, rank=members.index(comm.rank),
-                           size=len(members), local_rank=local_rank, timeout_s=comm.timeout_s,
-                           name=name, job_id=comm.job_id, debug=comm.debug,
-                           device=comm._gpu_side.device, gpu_kind=comm._gpu_side.kind)
-    except BaseException:
-        backend.close()
-        raise
-    child.hosts = hosts
     left = ", ".join(f"{r}" for r in sorted(gone)) or "none"
-    child.backend_reason = (f"shrunk from {comm._name} without rank(s) {left} "
-                            f"({comm.backend_reason})")
+    child = groups.child_of(comm, backend, members, name,
+                            f"shrunk from {comm._name} without rank(s) {left} "
+                            f"({comm.backend_reason})", local_rank=local_rank)
     child.shrunk_from = {"ranks": members, "lost": dict(sorted(gone.items()))}
     return child
 
@@ -152,7 +152,7 @@ def _all_built(comm: Communicator, store: Store, members: list[int], deadline: f
     backend, rank = comm._engine.backend, comm.rank
     store.set(f"built/{rank}", b"1")
     waiting = [r for r in members if r != rank]
-    pause = _POLL_S[0]
+    pauses = _pauses()
     while waiting:
         waiting = [r for r in waiting if not store.check(f"built/{r}")]
         if not waiting:
@@ -165,6 +165,5 @@ def _all_built(comm: Communicator, store: Store, members: list[int], deadline: f
         if time.monotonic() >= deadline:
             raise TimeoutError(f"rank {rank}: shrink: rank(s) {', '.join(map(str, waiting))} "
                                f"did not build their side of the shrunk communicator in time")
-        time.sleep(pause)
-        pause = min(pause * 2, _POLL_S[1])
+        time.sleep(next(pauses))
 

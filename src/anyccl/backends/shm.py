@@ -665,14 +665,11 @@ class SharedMemoryBackend(Backend):
         return PeerLostError(f"rank {self.rank}: {what}", j)
 
     def lost_peer(self) -> tuple[int, str] | None:
-        if self._closed:
-            return None
-        for j in range(self.size):
-            if j != self.rank and not process_alive(self._pids[j]):
-                return j, f"rank {j} (pid {self._pids[j]}) {self._gone(j)}"
-        return None
+        return next(iter(self.departed().items()), None)
 
     def departed(self) -> dict[int, str]:
+        if self._closed:
+            return {}
         return {j: f"rank {j} (pid {self._pids[j]}) {self._gone(j)}" for j in range(self.size)
                 if j != self.rank and not process_alive(self._pids[j])}
 
