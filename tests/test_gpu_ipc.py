@@ -18,15 +18,19 @@ import pytest
 from harness import run_ranks
 from test_gpu import check_timeout, two_gpus, world_sizes
 
+from anyccl import gpu
+
 pytestmark = pytest.mark.gpu
 
-# small buffers: 2 MiB halves (256 KiB-1 MiB slots); data+flag words up to 16 KiB, one shot up
-# to 256 KiB, two shots above, copy engines from 1 MiB (a 1 MiB area: chunks of 64-512 KiB
-# taking turns in its positions); a 4-slot message ring
+# small buffers: 2 MiB halves (256 KiB-1 MiB slots); lines of data and flags up to 16 KiB, in
+# two shots up to 128 KiB on 3 ranks or more, one shot of tiles up to 256 KiB, two shots
+# above, copy engines from 1 MiB (a 1 MiB area: chunks of 64-512 KiB taking turns in its
+# positions); a 4-slot message ring
 IPC_ENV = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", "NCCL_NVLS_ENABLE": "0",
            "ANYCCL_TIMEOUT": "60", "ANYCCL_BACKEND": "cpu:shm,cuda:ipc",
            "ANYCCL_IPC_HALF_MB": "2", "ANYCCL_IPC_CE_MB": "1", "ANYCCL_IPC_RING_MB": "4",
-           "ANYCCL_TUNING": "ipc.ll_max=16K,ipc.one_shot_max=256K,ipc.ce_min=1M"}
+           "ANYCCL_TUNING": "ipc.ll_max=16K,ipc.ll_two_shot_max=128K,ipc.one_shot_max=256K,"
+                            "ipc.ce_min=1M"}
 TOLERANCE = {"float32": 1e-6, "float16": 2e-3, "bfloat16": 1.6e-2}
 COUNTS = [1, 7, 1000, 16387, 65536 * 3 + 5, 1 << 20]   # 4 MiB: several kernels or copy engines
 
@@ -105,7 +109,8 @@ def check_ipc_collectives(comm) -> int:
     return checked
 
 
-@pytest.mark.parametrize("world", world_sizes())
+@pytest.mark.parametrize("world", [*world_sizes(), pytest.param(3, marks=pytest.mark.skipif(
+    gpu.device_count() < 3, reason="needs 3 GPUs"))])
 @pytest.mark.parametrize("takers", [0, 3])
 def test_ipc_collectives_match_a_float64_reference(world, takers):
     # takers 0: every block pushes, then takes; 3: three blocks of each kernel take (copy out,

@@ -16,7 +16,7 @@ from anyccl import ReduceOp, gpu
 from anyccl.backends.gpu_queue import GpuQueue
 from anyccl.backends.ipc import backend as ipc
 from anyccl.backends.ipc import compiler
-from anyccl.backends.ipc.memory import TILE_BYTES, KernelArgs, Layout
+from anyccl.backends.ipc.memory import THREADS, TILE_BYTES, KernelArgs, Layout
 from anyccl.backends.ipc.routes import Routes
 from anyccl.buffers import BFLOAT16, GpuArray
 from anyccl.errors import AnycclError, CommunicatorClosedError
@@ -151,7 +151,8 @@ def test_all_reduce_rounds_cover_every_element_once_within_the_buffers(launches,
 
 
 @pytest.mark.parametrize("size", [2, 3, 4, 8])
-@pytest.mark.parametrize("algorithm", ["low_latency", "one_shot", "two_shot"])
+@pytest.mark.parametrize("algorithm", ["low_latency", "low_latency_two_shot", "one_shot",
+                                       "two_shot"])
 @pytest.mark.parametrize("count", [1, 7, 1023, 65536 + 3, 700_001])
 def test_each_all_reduce_algorithm_a_route_names_covers_every_element_once_on_any_rank_count(
         launches, size, algorithm, count):
@@ -161,17 +162,25 @@ def test_each_all_reduce_algorithm_a_route_names_covers_every_element_once_on_an
     b.all_reduce(x, ReduceOp.SUM)(3)
     slot = b.layout.slot_bytes
     covered = 0
-    fits_ll = 4 * count <= slot // 2
+    lines = -(-4 * count // 8)                          # 8 bytes of data in 16
+    fits_ll = lines * 16 <= slot
+    fits_ll2 = -(-lines // size) * 16 <= slot           # each rank's segment of lines
     for kernel, blocks, on, a in seen:
         assert on == 3 and a["inp"] == a["out"] == x.ptr + covered * 4 and a["scale"] == 1.0
         nbytes = a["count"] * 4
-        if algorithm == "low_latency" and fits_ll:      # one kernel of data+flag words
+        if algorithm == "low_latency" and fits_ll:      # one kernel of lines, a line a thread
             assert kernel == "all_reduce_low_latency_float32_sum" and len(seen) == 1
+            assert blocks == min(b.max_blocks, -(-lines // THREADS))
+        elif algorithm == "low_latency_two_shot" and fits_ll2:
+            assert kernel == "all_reduce_low_latency_two_shot_float32_sum" and len(seen) == 1
+            segment = -(-lines // size)
+            assert blocks == min(b.max_blocks, -(-segment // THREADS))
         elif kernel.startswith("all_reduce_one_shot"):   # the chosen one, or the last piece
             assert algorithm != "two_shot" or nbytes <= min(slot, b.one_shot_bytes)
             assert nbytes <= slot and a["ins"][:size] == [a["inp"]] * size
         else:
-            assert kernel == "all_reduce_two_shot_float32_sum" and algorithm == "two_shot"
+            assert kernel == "all_reduce_two_shot_float32_sum"
+            assert algorithm in ("two_shot", "low_latency_two_shot")
             assert -(-a["count"] // size) * 4 <= slot    # each rank's segment fits a slot
         assert 1 <= blocks <= b.max_blocks
         covered += a["count"]

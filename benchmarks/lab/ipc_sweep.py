@@ -5,7 +5,7 @@ NCCL, rotating the order round by round. Each configuration is first checked (ex
 small integers, the gathered pieces) on every rank.
 
     anyccl run -n 4 benchmarks/lab/ipc_sweep.py [--mib 16 64 256 1024] [--blocks 64 128]
-        [--tiles 256 512] [--takers 0 16] [--algorithms two_shot one_shot]
+        [--tiles 256 512] [--takers 0 16] [--algorithms two_shot one_shot low_latency_two_shot]
         [--ops all_reduce,all_gather,reduce_scatter] [--dtype float32]
 
 (--mib takes fractions: 0.25 is 256 KiB. --takers: blocks of each kernel that take what
@@ -56,7 +56,7 @@ backend = comm.gpu_backend
 default = (backend.max_blocks, backend.layout.tile_bytes, backend.ce_bytes, backend.takers,
            backend.routes)
 NEVER = 1 << 62
-SHORT = {"two_shot": "2s", "one_shot": "1s", "low_latency": "ll"}
+SHORT = {"two_shot": "2s", "one_shot": "1s", "low_latency": "ll", "low_latency_two_shot": "ll2"}
 
 
 def configure(name: str) -> None:
@@ -78,11 +78,11 @@ def configure(name: str) -> None:
             backend.routes = routes
         else:   # the tuning table's algorithms by size, the copy engines never
             backend.routes = Routes.kernels(backend.ll_bytes, backend.one_shot_bytes, NEVER,
-                                            "the SM kernels")
+                                            "the SM kernels", ll_two_shot_max=backend.ll2_bytes)
     elif name == "ce":
         backend.ce_bytes = 1 << 20
         backend.routes = Routes.kernels(backend.ll_bytes, backend.one_shot_bytes, 1 << 20,
-                                        "the copy engines")
+                                        "the copy engines", ll_two_shot_max=backend.ll2_bytes)
     if comm._gpu_side.plans is not None:
         comm._gpu_side.plans.forget()
 

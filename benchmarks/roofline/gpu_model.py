@@ -32,9 +32,9 @@ from anyccl.tools.bench import bus_factor
 
 # the `ipc` policy's routes (the tuning table's thresholds), for runs that recorded none
 IPC_POLICY = Routes.kernels(tuning.value("ipc.ll_max"), tuning.value("ipc.one_shot_max"),
-                            tuning.value("ipc.ce_min"), "policy ipc")
-EGRESS = {"low_latency": "one shot", "one_shot": "one shot", "two_shot": "two shots",
-          "copy_engines": "copy engines"}
+                            tuning.value("ipc.ce_min"), "policy ipc",
+                            ll_two_shot_max=tuning.value("ipc.ll_two_shot_max"))
+EGRESS = {"two_shot": "two shots", "copy_engines": "copy engines"}
 
 
 def recorded_routes(meta: dict) -> dict[str, Routes]:
@@ -52,8 +52,12 @@ def algorithm(library: str, routes: dict[str, Routes], op: str, size: int,
     per_rank = {"all_gather": size // n, "reduce_scatter": size // n}.get(op, size)
     impl = table.pick("send" if op == "sendrecv" else op, per_rank) if table else NCCL
     if op == "all_reduce":
-        if impl in ("low_latency", "one_shot"):
+        if impl == "one_shot":
             return "ipc one shot", n - 1.0
+        if impl == "low_latency":   # lines: 8 bytes of data in 16
+            return "ipc one shot of lines", 2 * (n - 1.0)
+        if impl == "low_latency_two_shot" and n > 2:
+            return "ipc two shots of lines", 4 * f
         if impl != NCCL:
             return f"ipc {EGRESS[impl]}", 2 * f
         return "nccl", 2 * f

@@ -102,6 +102,9 @@ def candidates(op: str, nbytes: int, backend: Any) -> list[str]:
     found = [NCCL]
     if nbytes <= min(slot // 2, 4 << 20):
         found.append("low_latency")
+    lines = -(-nbytes // 8)         # 8 bytes of data (and their flags) in 16
+    if backend.size > 2 and -(-lines // backend.size) * 16 <= slot and nbytes <= 32 << 20:
+        found.append("low_latency_two_shot")
     if nbytes <= min(slot, 32 << 20):
         found.append("one_shot")
     found.append("two_shot")

@@ -70,9 +70,11 @@ class IpcBackend(QueuedGpuBackend):
         self.max_blocks = settings.IPC_BLOCKS.get()
         # of which this many take what arrived (copy it out, reduce it) while the rest push
         self.takers = tuning.value("ipc.takers")
-        # the tuning table (tuning.py): all_reduce's data+flag words up to ll_bytes, one shot
-        # up to one_shot_bytes, else two shots
+        # the tuning table (tuning.py): all_reduce's lines of data and flags up to ll_bytes,
+        # then in two shots up to ll2_bytes (3 ranks or more), one shot of tiles up to
+        # one_shot_bytes, else two shots
         self.ll_bytes = min(tuning.value("ipc.ll_max"), self.layout.slot_bytes // 2)
+        self.ll2_bytes = tuning.value("ipc.ll_two_shot_max") if self.size > 2 else 0
         self.one_shot_bytes = tuning.value("ipc.one_shot_max")
         # copy engines from ce_bytes up (where the layout has their area, and there are peers):
         # the size from which they beat the two-shot kernels in the recorded runs
@@ -87,7 +89,8 @@ class IpcBackend(QueuedGpuBackend):
         # kernels wherever they serve, all_reduce's algorithm by the thresholds above
         self.routes = routes or Routes.kernels(
             self.ll_bytes, self.one_shot_bytes, self.ce_bytes,
-            "policy ipc: the kernels for every op they serve; all_reduce by the tuning table")
+            "policy ipc: the kernels for every op they serve; all_reduce by the tuning table",
+            ll_two_shot_max=self.ll2_bytes)
         self._ce = ce.CopyEngineAllReduce(memory, self.device)
         self._side: list[tuple[int, int]] = []   # (stream, event) for batched messages
         self._fork = gpu.new_event(self.device)
@@ -194,10 +197,19 @@ class IpcBackend(QueuedGpuBackend):
             if self.layout.ce_slot_bytes and n > 1:
                 return self._all_reduce_ce(x, f"reduce_local_{dtype}_{kind}", scale)
             algorithm = "two_shot"   # no copy-engine area (ANYCCL_IPC_CE_MB=0): the SMs
-        if algorithm == "low_latency" and x.nbytes <= self.layout.slot_bytes // 2:
-            words, ll = -(-x.nbytes // 4), f"all_reduce_low_latency_{dtype}_{kind}"
-            blocks = max(1, min(self.max_blocks, -(-words // THREADS)))
-            return self._kernel(ll, blocks, ptr, ptr, total, scale=scale)
+        # lines: 8 bytes of data and their flags in 16, one thread's each
+        lines = -(-x.nbytes // 8)
+        if algorithm == "low_latency" and lines * 16 <= self.layout.slot_bytes:
+            blocks = max(1, min(self.max_blocks, -(-lines // THREADS)))
+            return self._kernel(f"all_reduce_low_latency_{dtype}_{kind}", blocks, ptr, ptr,
+                                total, scale=scale)
+        if algorithm == "low_latency_two_shot":
+            seg = -(-lines // n)     # lines of each rank's segment
+            if seg * 16 <= self.layout.slot_bytes:
+                blocks = max(1, min(self.max_blocks, -(-seg // THREADS)))
+                return self._kernel(f"all_reduce_low_latency_two_shot_{dtype}_{kind}", blocks,
+                                    ptr, ptr, total, scale=scale)
+            algorithm = "two_shot"
         # one shot where chosen (or where the other two do not fit), else two shots; arrays
         # beyond one kernel's slots take several kernels, the last piece one shot when it fits
         # the chosen one-shot size

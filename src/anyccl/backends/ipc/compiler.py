@@ -22,8 +22,9 @@ from .memory import KERNEL_DEFINES
 KERNELS = Path(__file__).with_name("kernels")
 SOURCES = [KERNELS / name for name in ("primitives.cuh", "all_reduce.cu", "movement.cu",
                                        "messages.cu", "copy_engine_flags.cu")]
-KINDS = ("all_reduce_low_latency", "all_reduce_one_shot", "all_reduce_two_shot",
-         "reduce_scatter", "reduce_local")  # typed kernels: <kind>_<dtype>_<op>
+# typed kernels: <kind>_<dtype>_<op>
+KINDS = ("all_reduce_low_latency", "all_reduce_low_latency_two_shot", "all_reduce_one_shot",
+         "all_reduce_two_shot", "reduce_scatter", "reduce_local")
 
 
 def source() -> str:

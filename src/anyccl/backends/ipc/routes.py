@@ -29,9 +29,9 @@ from ..._units import size_text
 from ...errors import InvalidArgumentError, RendezvousError
 
 NCCL = "nccl"
-# the implementations of the kernels for each op they serve; all_reduce has four algorithms
+# the implementations of the kernels for each op they serve; all_reduce has five algorithms
 IMPLEMENTATIONS: dict[str, tuple[str, ...]] = {
-    "all_reduce": ("low_latency", "one_shot", "two_shot", "copy_engines"),
+    "all_reduce": ("low_latency", "low_latency_two_shot", "one_shot", "two_shot", "copy_engines"),
     "reduce_scatter": ("kernels",),
     "all_gather": ("kernels",),
     "broadcast": ("kernels",),
@@ -82,13 +82,18 @@ class Routes:
         return cls({}, source)
 
     @classmethod
-    def kernels(cls, ll_max: int, one_shot_max: int, ce_min: int, source: str) -> Routes:
+    def kernels(cls, ll_max: int, one_shot_max: int, ce_min: int, source: str,
+                ll_two_shot_max: int = 0) -> Routes:
         """The `ipc` policy: every op the kernels serve on them; all_reduce by the tuning
-        table's thresholds (data and flags in one word up to `ll_max`, one shot up to
-        `one_shot_max`, two shots below `ce_min`, the copy engines from it)."""
+        table's thresholds (lines of data and flags, one shot up to `ll_max`, then two shots
+        up to `ll_two_shot_max`; one shot of tiles up to `one_shot_max`, two shots below
+        `ce_min`, the copy engines from it)."""
         ll_max = min(ll_max, one_shot_max)
-        cuts = [(0, ll_max, "low_latency"), (ll_max, one_shot_max, "one_shot"),
-                (one_shot_max, ce_min - 1, "two_shot"), (ce_min - 1, NO_END, "copy_engines")]
+        ll2 = max(ll_max, min(ll_two_shot_max, ce_min - 1))
+        one = max(ll2, one_shot_max)
+        cuts = [(0, ll_max, "low_latency"), (ll_max, ll2, "low_latency_two_shot"),
+                (ll2, one, "one_shot"), (one, ce_min - 1, "two_shot"),
+                (max(one, ce_min - 1), NO_END, "copy_engines")]
         spans = {op: [(0, NO_END, "kernels")] for op in IMPLEMENTATIONS if op != "all_reduce"}
         spans["all_reduce"] = [(lo, hi, impl) for lo, hi, impl in cuts if lo < hi]
         return cls(spans, source)

@@ -7,11 +7,14 @@ extern "C" __global__ void __launch_bounds__(THREADS) all_gather(Args a) {
     const Role me = role(a);
     const char* srcs[MAX_RANKS];
     for (int q = 0; q < a.nranks; ++q) srcs[q] = a.in;
-    if (me.push && !push_tiles(a, me, epoch, r, srcs, a.count)) return;
-    if (me.take) {
-        if (a.outs[r] != a.in) copy_tiles(a, me, a.outs[r], a.in, a.count);
-        if (!take_tiles(a, me, epoch, -1, a.outs, a.count)) return;
-    }
+    if (me.push && !may_write_all(a, r, epoch)) return;
+    const bool copy = a.outs[r] != a.in;
+    auto push = [&](u64 t) { push_tile(a, epoch, r, srcs, a.count, t); };
+    auto take = [&](u64 t) {
+        if (copy) copy_tile(a, a.outs[r], a.in, a.count, t);
+        return take_tile(a, epoch, -1, a.outs, a.count, t);
+    };
+    if (!run_tiles(me, ceil_div(a.count, a.tile_bytes), push, take)) return;
     leave(a, epoch);
 }
 
@@ -19,18 +22,25 @@ extern "C" __global__ void __launch_bounds__(THREADS) all_gather(Args a) {
 extern "C" __global__ void __launch_bounds__(THREADS) broadcast(Args a) {
     const u64 epoch = enter(a);
     const int r = a.rank, root = a.root;
+    const u64 tiles = ceil_div(a.count, a.tile_bytes);
     const Role me = role(a);
     if (r == root) {
         const char* srcs[MAX_RANKS];
         for (int q = 0; q < a.nranks; ++q) srcs[q] = a.in;
-        if (me.push && !push_tiles(a, me, epoch, root, srcs, a.count)) return;
-        if (me.take && a.out != a.in) copy_tiles(a, me, a.out, a.in, a.count);
+        if (me.push && !may_write_all(a, root, epoch)) return;
+        auto push = [&](u64 t) { push_tile(a, epoch, root, srcs, a.count, t); };
+        auto take = [&](u64 t) {
+            if (a.out != a.in) copy_tile(a, a.out, a.in, a.count, t);
+            return true;
+        };
+        run_tiles(me, tiles, push, take);
     } else {
         // nothing to push here: every block takes
         const Role all{(int)blockIdx.x, (int)gridDim.x, false, true};
         char* dsts[MAX_RANKS];
         dsts[root] = a.out;
-        if (!take_tiles(a, all, epoch, root, dsts, a.count)) return;
+        auto take = [&](u64 t) { return take_tile(a, epoch, root, dsts, a.count, t); };
+        if (!run_tiles(all, tiles, [](u64) {}, take)) return;
     }
     leave(a, epoch);
 }

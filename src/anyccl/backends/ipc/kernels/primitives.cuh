@@ -193,6 +193,8 @@ template <> struct Elem<float> {
     }
     __device__ static float get(const char* p) { return *(const float*)p; }
     __device__ static void put(char* p, float f) { *(float*)p = f; }
+    __device__ static float of(u32 bits) { return __uint_as_float(bits); }  // the low SIZE bytes
+    __device__ static u32 bits(float f) { return __float_as_uint(f); }
 };
 template <typename H, float (*TO)(u16), u16 (*FROM)(float)> struct Elem16 {
     static const int N = 8;
@@ -213,6 +215,8 @@ template <typename H, float (*TO)(u16), u16 (*FROM)(float)> struct Elem16 {
     }
     __device__ static float get(const char* p) { return TO(*(const u16*)p); }
     __device__ static void put(char* p, float f) { *(u16*)p = FROM(f); }
+    __device__ static float of(u32 bits) { return TO((u16)(bits & 0xffffu)); }
+    __device__ static u32 bits(float f) { return FROM(f); }
 };
 template <> struct Elem<f16> : Elem16<f16, h2f, f2h> {};
 template <> struct Elem<bf16> : Elem16<bf16, b2f, f2b> {};
@@ -311,59 +315,65 @@ __device__ Role role(const Args& a) {
 }
 
 // ---- tiles pushed to the peers, copied locally, and taken from where peers pushed them -------
-// Push `nbytes` of srcs[q] into every peer q's slot `from` for `epoch`, raising flag A of each
-// tile: tile by tile (this role's share), each tile to every peer, so that tiles complete at
-// the peers in order and their takers can start on the first while later ones travel. This
-// rank's own flag A of the tile (from `from` to itself) says the tile has left, so a taker may
-// overwrite it (an in-place reduction).
-// Returns false if the host aborted. srcs[q] is read for q != from only.
-__device__ bool push_tiles(const Args& a, const Role& me, u64 epoch, int from,
-                           const char* const* srcs, u64 nbytes) {
+// Before pushing anything for `epoch` from rank `from`: every peer may be written to.
+__device__ bool may_write_all(const Args& a, int from, u64 epoch) {
+    for (int i = 1; i < a.nranks; ++i)
+        if (!may_write(a, (from + i) % a.nranks, epoch)) return false;
+    return true;
+}
+// Push tile t of `nbytes` of srcs[q] into every peer q's slot `from` for `epoch` and raise
+// flag A of the tile at each. This rank's own flag A of the tile (from `from` to itself) says
+// the tile has left, so a taker may overwrite it (an in-place reduction). srcs[q] is read for
+// q != from only.
+__device__ void push_tile(const Args& a, u64 epoch, int from, const char* const* srcs,
+                          u64 nbytes, u64 t) {
     const int n = a.nranks;
-    for (int i = 1; i < n; ++i)
-        if (!may_write(a, (from + i) % n, epoch)) return false;
-    const u64 tiles = ceil_div(nbytes, a.tile_bytes);
-    for (u64 t = me.index; t < tiles; t += me.count) {
-        const u64 b0 = t * a.tile_bytes, b1 = umin(b0 + a.tile_bytes, nbytes);
-        for (int i = 1; i < n; ++i) {
+    const u64 b0 = t * a.tile_bytes, b1 = umin(b0 + a.tile_bytes, nbytes);
+    for (int i = 1; i < n; ++i) {
+        const int q = (from + i) % n;
+        block_copy(slot(a, q, epoch, from) + b0, srcs[q] + b0, b1 - b0, false);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence_system();
+        for (int i = 0; i < n; ++i) {   // i = 0: this rank's own flag, that the tile left
             const int q = (from + i) % n;
-            block_copy(slot(a, q, epoch, from) + b0, srcs[q] + b0, b1 - b0, false);
+            st_release(flag_a(a, a.sig[q], t, from), epoch);
         }
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            __threadfence_system();
-            for (int i = 0; i < n; ++i) {   // i = 0: this rank's own flag, that the tile left
-                const int q = (from + i) % n;
-                st_release(flag_a(a, a.sig[q], t, from), epoch);
-            }
-        }
+    }
+}
+// Wait for tile t that each peer q pushed into this rank's slot q (only rank `only`, if it
+// is not -1), the peer that pushed to this rank first, first, and copy it to dsts[q]; false
+// if the host aborted.
+__device__ bool take_tile(const Args& a, u64 epoch, int only, char* const* dsts, u64 nbytes,
+                          u64 t) {
+    const int r = a.rank, n = a.nranks;
+    const u64 b0 = t * a.tile_bytes, b1 = umin(b0 + a.tile_bytes, nbytes);
+    for (int i = 1; i < n; ++i) {
+        const int q = (r + n - i) % n;
+        if (only >= 0 && q != only) continue;
+        if (!block_wait(a, flag_a(a, a.sig[r], t, q), epoch)) return false;
+        block_copy(dsts[q] + b0, slot(a, r, epoch, q) + b0, b1 - b0, true);
     }
     return true;
 }
-// This role's tiles of `nbytes`, from `src` to `dst` (both local).
-__device__ void copy_tiles(const Args& a, const Role& me, char* dst, const char* src,
-                           u64 nbytes) {
-    const u64 tiles = ceil_div(nbytes, a.tile_bytes);
-    for (u64 t = me.index; t < tiles; t += me.count) {
-        const u64 b0 = t * a.tile_bytes, b1 = umin(b0 + a.tile_bytes, nbytes);
-        block_copy(dst + b0, src + b0, b1 - b0, false);
-    }
+// Tile t of `nbytes`, from `src` to `dst` (both local).
+__device__ void copy_tile(const Args& a, char* dst, const char* src, u64 nbytes, u64 t) {
+    const u64 b0 = t * a.tile_bytes, b1 = umin(b0 + a.tile_bytes, nbytes);
+    block_copy(dst + b0, src + b0, b1 - b0, false);
 }
-// Wait for each tile (this role's share) that each peer q pushed into this rank's slot q (only
-// rank `only`, if it is not -1), and copy it to dsts[q]; false if the host aborted. Tile-major,
-// as push_tiles sends them.
-__device__ bool take_tiles(const Args& a, const Role& me, u64 epoch, int only,
-                           char* const* dsts, u64 nbytes) {
-    const int r = a.rank, n = a.nranks;
-    const u64 tiles = ceil_div(nbytes, a.tile_bytes);
-    for (u64 t = me.index; t < tiles; t += me.count) {
-        const u64 b0 = t * a.tile_bytes, b1 = umin(b0 + a.tile_bytes, nbytes);
-        for (int i = 1; i < n; ++i) {
-            const int q = (r + n - i) % n;   // the peer that pushed to this rank first, first
-            if (only >= 0 && q != only) continue;
-            if (!block_wait(a, flag_a(a, a.sig[r], t, q), epoch)) return false;
-            block_copy(dsts[q] + b0, slot(a, r, epoch, q) + b0, b1 - b0, true);
-        }
+// This block's share of `tiles` tiles (its role's: the k-th is me.index + k * me.count) as a
+// pipeline: push(k) of its k-th tile, then take(k - 1) of the one before, so that pushes are
+// in flight while it waits for what the peers pushed; a pusher of a split only pushes, a
+// taker only takes. false if a take saw the host abort.
+template <typename Push, typename Take>
+__device__ bool run_tiles(const Role& me, u64 tiles, Push push, Take take) {
+    const u64 mine = me.index < tiles ? ceil_div(tiles - (u64)me.index, me.count) : 0;
+    const u64 lag = me.push ? 1 : 0;
+    for (u64 k = 0; k < mine + (me.take ? lag : 0); ++k) {
+        if (me.push && k < mine) push(me.index + k * me.count);
+        if (me.take && k >= lag && k - lag < mine && !take(me.index + (k - lag) * me.count))
+            return false;
     }
     return true;
 }
