@@ -83,13 +83,15 @@ TABLE: dict[str, Threshold] = {t.key: t for t in (
               "what one block of an ipc collective moves between two flags"),
     Threshold("ipc.takers", "count", 0,
               "blocks of an ipc collective that copy out or reduce what arrived while the "
-              "others push (0: every block does both, one after the other)", least=0),
+              "others push (0: every block does both, the next tile's pushes before the last "
+              "one's takes)", least=0),
     Threshold("ipc.ll_max", "size", 1 * _M,
               "all_reduce up to this size: lines of data and flags, every rank's to every "
               "rank (one shot)"),
-    Threshold("ipc.ll_two_shot_max", "size", 0,
+    Threshold("ipc.ll_two_shot_max", "size", 4 * _M,
               "all_reduce above ipc.ll_max up to this size, on 3 ranks or more: lines of data "
-              "and flags in two shots (reduce-scatter, then all-gather)", least=0),
+              "and flags in two shots (reduce-scatter, then all-gather; 4 H100s: 1.1-1.4x the "
+              "other kernels at 1-4 MiB)", least=0),
     Threshold("ipc.one_shot_max", "size", 2 * _M,
               "all_reduce up to this size: one shot (every rank pushes everything); two shots "
               "above"),
