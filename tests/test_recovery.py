@@ -34,8 +34,8 @@ def _job(nprocs: int, victims: str, during: str = "", timeout_s: float = 120,
          **more: str) -> tuple[int, str]:
     env = dict(os.environ, VICTIMS=victims, DURING=during, KILL_AT="3", ANYCCL_TIMEOUT="30",
                PYTHONUNBUFFERED="1")
+    env.pop("ANYCCL_BACKEND", None)   # each job picks its own, unless `more` names one
     env.update(more)
-    env.pop("ANYCCL_BACKEND", None)
     done = subprocess.run([sys.executable, "-m", "anyccl", "run", "-n", str(nprocs),
                            "--keep-going", str(SCRIPT)], env=env, capture_output=True,
                           text=True, timeout=timeout_s)
@@ -64,6 +64,15 @@ def test_survivors_shrink_and_run_every_collective_on_one_host(nprocs, victims, 
         assert re.search(rf"rank {r} was killed by SIGKILL; the other ranks keep going", text)
     assert not [f for f in os.listdir("/dev/shm") if f.startswith("anyccl-") and
                 _mine(f)], "shared memory left behind"
+
+
+def test_the_torch_process_group_says_it_errored_and_shrinks_to_the_survivors():
+    """torchft's shape: the group's allreduce fails, errored() names the error, and shrink()
+    gives a group of the survivors that runs (the script checks every collective on it)."""
+    pytest.importorskip("torch")
+    code, text = _job(4, "1", TORCH_PG="1")
+    done = {int(m[1]): m for m in DONE.finditer(text)}
+    assert code == 0 and sorted(done) == [0, 2, 3], text[-3000:]
 
 
 @pytest.mark.parametrize("kill_at", range(16))
@@ -139,3 +148,36 @@ def test_survivors_across_two_hosts_shrink_to_shm_and_gloo_and_go_on():
         assert all(m[5] == "3" and int(m[4]) == 3 for m in done.values()), text[-2000:]
         for i in range(2):
             assert not [f for f in cluster.shm_files(i) if f.startswith("anyccl-")]
+
+
+def check_abort_ends_a_wait_at_once(comm):
+    """Rank 0 waits in an all_reduce that rank 1 joins only 5 s later; a thread of rank 0
+    aborts its communicator after 0.3 s. Rank 0's call fails then, and every later call; rank
+    1's next collective without rank 0 fails at once (its peer left), far inside the 30 s
+    deadline."""
+    import threading
+    import time
+
+    x = np.ones(4)
+    start = time.monotonic()
+    if comm.rank == 0:
+        threading.Timer(0.3, comm.abort).start()
+        with pytest.raises(anyccl.CommunicatorClosedError, match="aborted"):
+            comm.all_reduce(x)
+        took = time.monotonic() - start
+        assert isinstance(comm.failure, anyccl.CommunicatorClosedError)
+        with pytest.raises(anyccl.CommunicatorClosedError):
+            comm.broadcast(x, 0)
+        comm.abort()                        # idempotent, after close too
+        return took
+    time.sleep(5)
+    with pytest.raises(anyccl.PeerLostError, match="rank 0"):
+        comm.all_reduce(x)   # (rank 0 published its part before it aborted: this one may end)
+        comm.barrier()       # ... but rank 0 is gone from this one
+    return time.monotonic() - start - 5
+
+
+def test_abort_ends_this_ranks_wait_at_once_and_its_peers_fail_fast():
+    took = run_ranks(check_abort_ends_a_wait_at_once, 2, backend="shm",
+                     env={"ANYCCL_TIMEOUT": "30"})
+    assert took[0] < 2.0 and took[1] < 2.0, took

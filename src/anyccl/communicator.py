@@ -30,7 +30,7 @@ from .backends.base import Backend
 from .backends.gpu_base import GpuBackend
 from .buffers import Array, lives_on_gpu
 from .engine import HostEngine
-from .errors import AnycclError, InvalidArgumentError, UnsupportedError
+from .errors import AnycclError, CommunicatorClosedError, InvalidArgumentError, UnsupportedError
 from .gpu_dispatch import FULL_PATH, GpuDispatch
 from .messages import MessageCalls
 from .ops import ReduceOp
@@ -506,6 +506,22 @@ class Communicator:
         the process this one was forked from); the hot calls look at `_closed` first."""
         if self._closed:
             raise lifetime.closed_error(self.rank, op, self._owner_pid)
+
+    def abort(self) -> None:
+        """End this communicator on this rank now, from any thread, waiting for nothing: work
+        in progress fails (a thread waiting in an operation gets CommunicatorClosedError within
+        a peer check, a fraction of a second), queued GPU work is cut short (the ipc kernels
+        return, the NCCL communicator is aborted, not destroyed), peers waiting on this rank
+        fail as on a lost peer, and everything is released as by `close()`. For a survivor
+        that gives up on an operation before its deadline, or a watchdog of the caller's own.
+        Idempotent."""
+        if self._closed:
+            return
+        error = CommunicatorClosedError(f"rank {self.rank}: the communicator was aborted on "
+                                        f"this rank")
+        self._engine.abort(error)
+        self._gpu_side.abort(error)
+        self.close()
 
     def close(self) -> None:
         """Finish queued work (briefly), then release shared memory, threads and connections.

@@ -333,6 +333,18 @@ class Engine:
                 f"{self._label}: the communicator broke on an earlier error and cannot be used: "
                 f"{self.failure}") from self.failure
 
+    def abort(self, error: BaseException) -> None:
+        """Fail this engine with `error` now, from any thread: later calls raise it, and the
+        backend is revoked, so that a wait of this rank's (and of its peers' on it) ends at
+        its next check instead of at its deadline (the waiting thread then fails its own
+        work). Waits for nothing."""
+        with self._state:
+            if self.failure is None:
+                self.failure = error
+            self._state.notify_all()
+        self.backend.revoke()
+        self.backend.doorbell.ring()
+
     def close(self, timeout_s: float = 5.0) -> None:
         """Let queued work finish (up to `timeout_s`), stop the worker, close the backend."""
         self.flush()

@@ -130,6 +130,13 @@ class GpuDispatch:
             return None
         return self.gpu.split(color, key, label, store=store, group=group)
 
+    def abort(self, error: BaseException) -> None:
+        """Cut the GPU backend's queued work short, if it exists: its kernels return and its
+        NCCL communicator is aborted (not waited for); every later GPU call raises `error`."""
+        queue = getattr(self.gpu, "queue", None)
+        if queue is not None:
+            queue.abort(error)
+
     def close(self) -> None:
         """Release the GPU backend, if one was created, and a torch group's streams."""
         self.plans = None

@@ -7,7 +7,8 @@ prefix per communicator:
 
 0. Each survivor first revokes the old communicator (`Backend.revoke`): a survivor still
    waiting on it there, in an operation that did not involve the lost rank, fails at once
-   instead of at its deadline, and comes to the shrink too.
+   instead of at its deadline, and comes to the shrink too. Its GPU work on the old one is
+   cut short (the queue aborted: kernels return, the NCCL communicator is aborted).
 1. Each survivor says it is alive (`alive/<rank>`) and publishes every rank its transport's
    liveness checks find gone (`dead/<rank>`: a process that ended, a host that fell silent).
    The error a survivor caught is no proof: across hosts a rank that is alive but closed its
@@ -36,7 +37,13 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from . import groups
-from .errors import PeerLostError, RendezvousError, TimeoutError, UnsupportedError
+from .errors import (
+    CommunicatorClosedError,
+    PeerLostError,
+    RendezvousError,
+    TimeoutError,
+    UnsupportedError,
+)
 from .store import PrefixStore, Store
 
 if TYPE_CHECKING:
@@ -67,6 +74,9 @@ def shrink(comm: Communicator, timeout_s: float) -> Communicator:
     deadline = time.monotonic() + timeout_s
     known: dict[int, str] = {}
     backend.revoke()   # a survivor still waiting on this rank in the old one fails now
+    # and this rank's GPU work on the old one is cut short (kernels return, NCCL aborts)
+    comm._gpu_side.abort(CommunicatorClosedError(
+        f"rank {comm.rank}: the communicator was revoked: its ranks are shrinking it"))
     while True:
         comm._shrinks += 1
         name = f"{comm._name}.shrink{comm._shrinks}"

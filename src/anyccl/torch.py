@@ -395,8 +395,25 @@ class ProcessGroup(dist.ProcessGroup):
     def shutdown(self) -> None:
         self._close()
 
+    # ---- failure as a state (the shape torchft's process groups have) -----------------------
+    def errored(self) -> BaseException | None:
+        """The error that broke this group (a lost rank, a timeout, an abort), else None: what
+        a training loop checks after a failed step before it shrinks."""
+        return self.comm.failure
+
     def abort(self) -> None:
-        self._close()
+        """End this group on this rank now, waiting for no peer and no queued GPU work
+        (`Communicator.abort`)."""
+        self.comm.abort()
+
+    def shrink(self, timeout: float | timedelta | None = None) -> ProcessGroup:
+        """After an error: every surviving rank calls this and gets a new group of the
+        survivors, ranks renumbered in their old order (`Communicator.shrink`); this group is
+        then closed. Pass the new group to what used this one (DDP's process_group=, FSDP's
+        mesh, the data sampler's num_replicas/rank)."""
+        new = self.comm.shrink(timeout)
+        self.comm.close()
+        return ProcessGroup(new)
 
     def _close(self) -> None:
         self.comm.close()   # (the GPU engine lets its streams go)

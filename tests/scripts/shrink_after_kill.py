@@ -8,7 +8,11 @@ survivor catches the error, shrinks, checks the new communicator's collectives a
 and prints one line: `rank R of N -> rank r of n: ok lost=[...] seconds=S first=F detect=D`
 (S: from the error to the new communicator; F: from the error to the end of the first
 all_reduce on it; D: from the first victim's kill to the error, when KILL_FILE names a file the
-victims append their kill times to, else -1)."""
+victims append their kill times to, else -1). DEVICE=cuda: the loop's all_reduce, and the first
+one on the shrunk communicator, are on this rank's GPU (torch tensors), on whatever GPU backend
+ANYCCL_BACKEND names; NBYTES sets the loop's array size (16 KiB). TORCH_PG=1: the loop's
+all_reduce goes through anyccl's torch process group, whose errored(), and shrink() give the
+shrunk communicator."""
 
 from __future__ import annotations
 
@@ -28,16 +32,36 @@ during = int(os.environ["DURING"]) if os.environ.get("DURING") else None
 
 comm = anyccl.init()
 rank, size = comm.rank, comm.size
-x = np.ones(1 << 12, np.float32)
+on_gpu = os.environ.get("DEVICE") == "cuda"
+group = None
+if os.environ.get("TORCH_PG") == "1":
+    import torch
+
+    from anyccl.torch import ProcessGroup
+
+    group = ProcessGroup(comm)
+if on_gpu:
+    import torch
+
+    torch.cuda.set_device(comm.device)
+    x = torch.ones(int(os.environ.get("NBYTES", 1 << 14)) // 4, device=f"cuda:{comm.device}")
+else:
+    x = np.ones(int(os.environ.get("NBYTES", 1 << 14)) // 4, np.float32)
 
 
 def one_op(i: int) -> None:
     """Operation i of the loop: all_reduce, or with MIXED=1 every kind in turn (collectives, a
     ring of sendrecvs, neighbour isend/irecv), so that a kill lands in each of them."""
     kind = i % 8 if os.environ.get("MIXED") == "1" else 0
-    if kind == 0:
+    if kind == 0 and group is not None:
+        t = torch.ones(64)
+        group.allreduce([t]).wait()
+        assert bool((t == size).all())
+    elif kind == 0:
         x[:] = 1.0
         comm.all_reduce(x)
+        if on_gpu:
+            torch.cuda.synchronize()
     elif kind == 1:
         comm.broadcast(np.zeros(64), i % size)
     elif kind == 2:
@@ -82,16 +106,30 @@ if rank == during:   # join the shrink, then die: after the agreement (DURING_AT
             real(*args)
         os.kill(os.getpid(), signal.SIGKILL)
     setattr(recovery, "_agree" if stage == "agree" else "_all_built", then_die)
-new = comm.shrink(timeout=60)
-took = time.monotonic() - caught
-comm.close()
+if group is not None:
+    assert group.errored() is not None
+    new_group = group.shrink(timeout=60)
+    new = new_group.comm
+    assert (new_group.rank(), new_group.size()) == (new.rank, new.size)
+    took = time.monotonic() - caught
+else:
+    new = comm.shrink(timeout=60)
+    took = time.monotonic() - caught
+    comm.close()
 n, r = new.size, new.rank
 lost = victims | ({during} if during is not None else set())
 assert n == size - len(lost), (n, size, lost)
 assert sorted(new.shrunk_from["lost"]) == sorted(lost), new.shrunk_from
+if on_gpu:   # the survivors' GPU communicator, made on this first GPU call
+    g = torch.full((1000,), float(r + 1), device=f"cuda:{new.device}")
+    new.all_reduce(g)
+    torch.cuda.synchronize()
+    first = time.monotonic() - caught
+    assert bool((g == n * (n + 1) / 2).all()), g[:4]
 y = np.full(1000, float(r + 1))
 new.all_reduce(y)
-first = time.monotonic() - caught
+if not on_gpu:
+    first = time.monotonic() - caught
 assert np.all(y == n * (n + 1) / 2)
 b = np.full(10, float(r))
 new.broadcast(b, n - 1)

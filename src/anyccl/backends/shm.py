@@ -43,6 +43,7 @@ from .. import agreement, settings, tuning
 from ..algorithms import direct, symmetric
 from ..buffers import SUPPORTED_DTYPES
 from ..errors import (
+    CommunicatorClosedError,
     InvalidArgumentError,
     PeerLostError,
     RendezvousError,
@@ -625,6 +626,9 @@ class SharedMemoryBackend(Backend):
         return error
 
     def _check_peers(self) -> None:
+        if self._own.words[_W_CLOSED]:   # this rank revoked it (abort, shrink): wait no more
+            raise CommunicatorClosedError(f"rank {self.rank}: {self._record} was cut short: "
+                                          f"this rank aborted or revoked the communicator")
         # a death first: a peer that closed may only have reacted to that death
         lost = self.lost_peer()
         if lost is not None:
