@@ -181,3 +181,18 @@ def test_abort_ends_this_ranks_wait_at_once_and_its_peers_fail_fast():
     took = run_ranks(check_abort_ends_a_wait_at_once, 2, backend="shm",
                      env={"ANYCCL_TIMEOUT": "30"})
     assert took[0] < 2.0 and took[1] < 2.0, took
+
+
+def check_a_child_outlives_its_parents_store(comm):
+    child = comm.split(0, comm.rank)
+    comm.close()                            # the parent owned the store the child meets in
+    child._store.set(f"still/{child.rank}", b"1")
+    assert child._store.get(f"still/{1 - child.rank}", 10.0) == b"1"
+    x = np.ones(3)
+    child.all_reduce(x)
+    child.close()
+    return bool(np.all(x == 2))
+
+
+def test_a_communicator_split_or_shrunk_from_another_keeps_the_store_when_that_one_closes():
+    assert all(run_ranks(check_a_child_outlives_its_parents_store, 2, backend="shm"))

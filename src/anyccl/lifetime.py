@@ -27,7 +27,9 @@ def closed_error(rank: int, op: str, owner_pid: int) -> CommunicatorClosedError:
 
 def close(comm: Any, gpu_side: Any, engine: Any, store: Any) -> None:
     """Close `comm` once: its GPU engine (and GPU backend), then its host engine (its worker
-    and host backend), then `store` (None: the store is a parent communicator's)."""
+    and host backend), then `store` (None: the store is a parent communicator's) -- unless
+    a communicator still open uses it (one split or shrunk from `comm`, which may still meet
+    its peers there, to make its GPU backend say): that one then owns it."""
     if comm._closed:
         return
     comm._closed = True
@@ -39,7 +41,11 @@ def close(comm: Any, gpu_side: Any, engine: Any, store: Any) -> None:
             engine.close()
         finally:
             if store is not None:
-                store.close()
+                heir = next((c for c in live if c._store is store and not c._closed), None)
+                if heir is None:
+                    store.close()
+                else:
+                    heir._owns_store = True
 
 
 def _after_fork_in_child() -> None:
