@@ -150,6 +150,54 @@ def test_survivors_across_two_hosts_shrink_to_shm_and_gloo_and_go_on():
             assert not [f for f in cluster.shm_files(i) if f.startswith("anyccl-")]
 
 
+@pytest.mark.skipif(bool(WHY_NOT), reason=WHY_NOT or "")
+def test_when_a_host_is_cut_off_the_other_hosts_ranks_shrink_and_go_on(tmp_path):
+    """h1 runs ranks 0 and 1, h2 ranks 2 and 3, looping on all_reduce; h2's link goes down.
+    h1's ranks see h2's ranks fall silent (3 s of heartbeat), shrink to the two of them (shared
+    memory on h1) and go on; h2's ranks can reach neither h1 nor the store (on h1) and fail
+    within their deadlines: nobody hangs, and no shared memory is left on either host."""
+    import time
+
+    key, port = "6f" * 32, 29470
+    ready = tmp_path / "ready"
+    ready.mkdir()
+    with Cluster(2) as cluster:
+        env = dict(os.environ, ANYCCL_JOB_KEY=key, ANYCCL_TIMEOUT="20", PYTHONUNBUFFERED="1",
+                   OMP_NUM_THREADS="1", LOOP_S="60", EXPECT_LOST="2,3", SHRINK_S="20",
+                   ANYCCL_PEER_SILENCE="3", READY_DIR=str(ready))
+        env.pop("ANYCCL_BACKEND", None)
+        procs = [cluster.run(i, [sys.executable, "-m", "anyccl", "run", "-n", "2", "--nnodes",
+                                 "2", "--node-rank", str(i), "--master-addr", "h1",
+                                 "--master-port", str(port), "--keep-going", str(SCRIPT)],
+                             env=env) for i in range(2)]
+        until = time.monotonic() + 60
+        while len(list(ready.iterdir())) < 4 and time.monotonic() < until:
+            time.sleep(0.1)
+        assert len(list(ready.iterdir())) == 4, "the job did not start"
+        cut_at = time.monotonic()
+        cluster.cut(1)
+        results = []
+        for i, proc in enumerate(procs):
+            try:
+                out, err = proc.communicate(timeout=max(1.0, 90 - (time.monotonic() - cut_at)))
+            except subprocess.TimeoutExpired:   # a hang: end the host, then report it
+                cluster.kill_host(i)
+                proc.kill()
+                out, err = proc.communicate(timeout=10)
+                err += f"\n(host h{i + 1} still running 90 s after the cut)"
+            results.append((proc.returncode, out + err))
+        took = time.monotonic() - cut_at
+        (h1_code, h1), (h2_code, h2) = results
+        done = {int(m[1]): m for m in DONE.finditer(h1)}
+        assert h1_code == 0 and sorted(done) == [0, 1], h1[-4000:] + h2[-2000:]
+        assert all(m[5].replace(" ", "") == "2,3" and int(m[4]) == 2 for m in done.values())
+        assert h2_code != 0 and "-> rank" not in h2, h2[-3000:]   # h2's ranks failed
+        assert took < 60, f"took {took:.1f} s"
+        assert "did not answer within" in h2, h2[-2000:]         # and said why
+        for i in range(2):
+            assert not [f for f in cluster.shm_files(i) if f.startswith("anyccl-")]
+
+
 def check_abort_ends_a_wait_at_once(comm):
     """Rank 0 waits in an all_reduce that rank 1 joins only 5 s later; a thread of rank 0
     aborts its communicator after 0.3 s. Rank 0's call fails then, and every later call; rank

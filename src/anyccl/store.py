@@ -281,6 +281,11 @@ def _peer_identity(peer: tuple) -> object:
     return host
 
 
+# a store server answers at once: one silent this long (past what a get asked it to wait) is
+# out of reach
+_REPLY_S = 10.0
+
+
 class TCPStore(Store):
     """Client of a StoreServer. Connects with retries until `timeout_s` (the server may start
     after the client)."""
@@ -288,6 +293,7 @@ class TCPStore(Store):
     def __init__(self, host: str, port: int, job_key: bytes, timeout_s: float) -> None:
         self.host, self.port = host, port
         self._lock = threading.Lock()
+        self._lost: str | None = None    # why the store cannot be used any more
         deadline = time.monotonic() + timeout_s
         delay = 0.01
         while True:
@@ -318,19 +324,31 @@ class TCPStore(Store):
             raise RendezvousError(
                 f"the rendezvous store at {host}:{port} refused this rank: the job key differs "
                 f"(ANYCCL_JOB_KEY must be the same on every rank)") from exc
-        self._sock.settimeout(None)
 
-    def _request(self, op: bytes, key: str, value: bytes = b"") -> tuple[bytes, bytes]:
+    def _request(self, op: bytes, key: str, value: bytes = b"",
+                 wait_s: float = 0.0) -> tuple[bytes, bytes]:
+        """Send one request and read its reply, within `wait_s` (what the server may wait
+        itself: a get's timeout) + _REPLY_S; RendezvousError if the store is lost or silent
+        (then every later request fails at once: the stream is out of step)."""
         kb = key.encode()
         with self._lock:
+            if self._lost is not None:
+                raise RendezvousError(self._lost)
             try:
+                self._sock.settimeout(wait_s + _REPLY_S)
                 self._sock.sendall(_HEADER.pack(op, len(kb), len(value)) + kb + value)
                 status, n = _REPLY.unpack(_recv_exact(self._sock, _REPLY.size))
                 reply = _recv_exact(self._sock, n) if n else b""
+            except socket.timeout as exc:
+                self._lost = (f"the rendezvous store at {self.host}:{self.port} did not answer "
+                              f"within {wait_s + _REPLY_S:g} s: this host may be cut off from "
+                              f"it, or the process hosting it is stuck")
+                raise RendezvousError(self._lost) from exc
             except (OSError, ConnectionError) as exc:
-                raise RendezvousError(
-                    f"lost the rendezvous store at {self.host}:{self.port} ({exc}); the process "
-                    f"hosting it (the launcher or rank 0) has probably exited") from exc
+                self._lost = (f"lost the rendezvous store at {self.host}:{self.port} ({exc}); "
+                              f"the process hosting it (the launcher or rank 0) has probably "
+                              f"exited")
+                raise RendezvousError(self._lost) from exc
         if status == _BAD:
             raise RendezvousError(f"the rendezvous store at {self.host}:{self.port} refused a "
                                   f"request on key {key!r}: {reply.decode(errors='replace')}")
@@ -340,7 +358,7 @@ class TCPStore(Store):
         self._request(_SET, key, value)
 
     def get(self, key: str, timeout_s: float) -> bytes:
-        status, value = self._request(_GET, key, struct.pack("!d", timeout_s))
+        status, value = self._request(_GET, key, struct.pack("!d", timeout_s), timeout_s)
         if status != _OK:
             raise TimeoutError(f"rendezvous: key {key!r} was not set within {timeout_s:g} s; "
                                f"not every rank has started, or ranks disagree on world_size")

@@ -20,15 +20,25 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
 import anyccl
 from anyccl import recovery
 
-victims = {int(r) for r in os.environ["VICTIMS"].split(",")}
+victims = {int(r) for r in os.environ.get("VICTIMS", "").split(",") if r}
 kill_at = int(os.environ.get("KILL_AT", "5"))
 during = int(os.environ["DURING"]) if os.environ.get("DURING") else None
+# KILL_WITHIN_S: a victim dies a random time (up to this many seconds) after iteration
+# KILL_AT starts, inside whatever operation it is in; ONLY=k: the loop runs kind k alone (see
+# one_op); LOOP_S: the loop runs until an error, at most this long (no victim: something
+# outside the job breaks it, e.g. a host's link cut); EXPECT_LOST: the ranks the survivors
+# must have lost (default: the victims and DURING); SHRINK_S: shrink's deadline (60);
+# READY_DIR: each rank touches a file named after its rank there once its loop runs
+kill_within = float(os.environ.get("KILL_WITHIN_S", "0"))
+only = int(os.environ["ONLY"]) if os.environ.get("ONLY") else None
+loop_s = float(os.environ.get("LOOP_S", "0"))
 
 comm = anyccl.init()
 rank, size = comm.rank, comm.size
@@ -52,7 +62,7 @@ else:
 def one_op(i: int) -> None:
     """Operation i of the loop: all_reduce, or with MIXED=1 every kind in turn (collectives, a
     ring of sendrecvs, neighbour isend/irecv), so that a kill lands in each of them."""
-    kind = i % 8 if os.environ.get("MIXED") == "1" else 0
+    kind = only if only is not None else i % 8 if os.environ.get("MIXED") == "1" else 0
     if kind == 0 and group is not None:
         t = torch.ones(64)
         group.allreduce([t]).wait()
@@ -81,20 +91,36 @@ def one_op(i: int) -> None:
         comm.barrier()
 
 
+def die() -> None:
+    if os.environ.get("KILL_FILE"):
+        with open(os.environ["KILL_FILE"], "a") as f:
+            f.write(f"{time.time()}\n")
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 error = None
-for i in range(200):
+until = time.monotonic() + (loop_s or 60.0)
+limit = 200 if not (kill_within or loop_s) else 10**7   # the timer or the clock ends these
+i = 0
+while i < limit and time.monotonic() < until:
     if rank in victims and i == kill_at:
-        if os.environ.get("KILL_FILE"):
-            with open(os.environ["KILL_FILE"], "a") as f:
-                f.write(f"{time.time()}\n")
-        os.kill(os.getpid(), signal.SIGKILL)
+        if kill_within:
+            import random
+            import threading
+
+            threading.Timer(random.uniform(0, kill_within), die).start()
+        else:
+            die()
     try:
         one_op(i)
     except anyccl.AnycclError as exc:
         error = exc
         break
+    if i == 0 and os.environ.get("READY_DIR"):   # tell whoever breaks the job that it runs
+        Path(os.environ["READY_DIR"], str(rank)).touch()
+    i += 1
 if error is None:
-    sys.exit(f"rank {rank}: no rank was lost after 200 iterations")
+    sys.exit(f"rank {rank}: no rank was lost after {i} iterations")
 caught, caught_wall = time.monotonic(), time.time()
 if rank == during:   # join the shrink, then die: after the agreement (DURING_AT=agree), or
     # after building its side of the new transport, before saying so (DURING_AT=build)
@@ -108,16 +134,18 @@ if rank == during:   # join the shrink, then die: after the agreement (DURING_AT
     setattr(recovery, "_agree" if stage == "agree" else "_all_built", then_die)
 if group is not None:
     assert group.errored() is not None
-    new_group = group.shrink(timeout=60)
+    new_group = group.shrink(timeout=float(os.environ.get("SHRINK_S", "60")))
     new = new_group.comm
     assert (new_group.rank(), new_group.size()) == (new.rank, new.size)
     took = time.monotonic() - caught
 else:
-    new = comm.shrink(timeout=60)
+    new = comm.shrink(timeout=float(os.environ.get("SHRINK_S", "60")))
     took = time.monotonic() - caught
     comm.close()
 n, r = new.size, new.rank
 lost = victims | ({during} if during is not None else set())
+if os.environ.get("EXPECT_LOST"):
+    lost = {int(r) for r in os.environ["EXPECT_LOST"].split(",")}
 assert n == size - len(lost), (n, size, lost)
 assert sorted(new.shrunk_from["lost"]) == sorted(lost), new.shrunk_from
 if on_gpu:   # the survivors' GPU communicator, made on this first GPU call

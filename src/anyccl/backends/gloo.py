@@ -223,6 +223,7 @@ class GlooBackend(PolledMessages, Backend):
         self.doorbell = PollingBell(spin_s=_SPIN_S)
         self._subgroups = 0
         self._closed = False
+        self._broken = False   # a peer was lost, or this rank revoked it: close waits for none
         # set by a composite backend that starts the agreement itself (start_agreement)
         self.defer_agreement = False
         self._torch = sys.modules["torch"]
@@ -580,6 +581,15 @@ class GlooBackend(PolledMessages, Backend):
                            len(ranks), timeout_s, self.peers,
                            [self._job_ranks[r] for r in ranks], self._address, self._interface)
 
+    def abort(self, error: BaseException) -> None:
+        self._broken = True
+        super().abort(error)
+
+    def revoke(self) -> None:
+        # Gloo cannot tell its peers; they learn from their own checks (the heartbeat, the
+        # other backends the survivors revoke). This rank's close then waits for nothing.
+        self._broken = True
+
     def close(self) -> None:
         if self._closed:
             return
@@ -601,7 +611,9 @@ class GlooBackend(PolledMessages, Backend):
                                   name="anyccl-gloo-close")
         del pg
         closer.start()
-        closer.join(timeout=5.0)
+        # Gloo's shutdown can wait on a peer that is gone or cut off: a broken group's is
+        # left to finish (or not) in the background
+        closer.join(timeout=0.2 if self._broken else 5.0)
 
 
 def _shut_down(pg: Any) -> None:
