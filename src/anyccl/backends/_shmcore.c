@@ -500,11 +500,12 @@ static PyObject *staging_sync(Staging *self, PyObject *agree) {
 }
 
 static PyObject *staging_one_shot(Staging *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 7) {
+    if (nargs != 7 && nargs != 8) {
         PyErr_SetString(PyExc_TypeError, "one_shot(x, doing, agree, dtype, op, reduce_here, "
-                                         "source)");
+                                         "source[, gathered])");
         return NULL;
     }
+    PyObject *gathered = nargs == 8 && args[7] != Py_None ? args[7] : NULL;
     if (staging_open(self, "one_shot") < 0) return NULL;
     PyObject *agree = args[2] == Py_None ? NULL : args[2];
     unsigned long long doing = PyLong_AsUnsignedLongLong(args[1]);
@@ -527,6 +528,19 @@ static PyObject *staging_one_shot(Staging *self, PyObject *const *args, Py_ssize
         PyErr_SetString(PyExc_ValueError, "one_shot: the array is larger than a staging half");
         return NULL;
     }
+    Py_buffer g = {0};
+    if (gathered != NULL) {
+        if (PyObject_GetBuffer(gathered, &g, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+            PyBuffer_Release(&x);
+            return NULL;
+        }
+        if (g.len != x.len * size) {
+            PyBuffer_Release(&g);
+            PyBuffer_Release(&x);
+            PyErr_SetString(PyExc_ValueError, "one_shot: gathered must hold size x the array");
+            return NULL;
+        }
+    }
     int half = self->half ^ 1;
     self->half = half;
     self->epoch = epoch;
@@ -534,7 +548,12 @@ static PyObject *staging_one_shot(Staging *self, PyObject *const *args, Py_ssize
     __atomic_store_n(self->doing, (uint64_t)doing, __ATOMIC_RELAXED);
     if (source < 0 || source == rank) memcpy(at[rank], x.buf, (size_t)x.len);
     long status = arrive_and_spin(self, epoch, agree == NULL ? NULL : w);
-    if (status == 1 && source >= 0) {
+    if (status == 1 && gathered != NULL) {   /* every rank's piece, in rank order */
+        for (Py_ssize_t j = 0; j < size; j++) {
+            char *to = (char *)g.buf + j * x.len;
+            if (to != (char *)x.buf) memcpy(to, at[j], (size_t)x.len);
+        }
+    } else if (status == 1 && source >= 0) {
         if (source != rank) memcpy(x.buf, at[source], (size_t)x.len);
     } else if (status == 1 && reduce_here
                && !reduce_into(x.buf, at, size, x.len / (x.itemsize ? x.itemsize : 1), dtype, op,
@@ -542,6 +561,7 @@ static PyObject *staging_one_shot(Staging *self, PyObject *const *args, Py_ssize
         PyErr_SetString(PyExc_ValueError, "one_shot: a dtype and op the core does not reduce");
     }
     PyBuffer_Release(&x);
+    if (gathered != NULL) PyBuffer_Release(&g);
     if (PyErr_Occurred()) return NULL;
     if (status == 1) __atomic_store_n(self->doing, (uint64_t)(doing & ~1ull), __ATOMIC_RELAXED);
     return PyLong_FromLong(status);
@@ -549,8 +569,9 @@ static PyObject *staging_one_shot(Staging *self, PyObject *const *args, Py_ssize
 
 static PyMethodDef staging_methods[] = {
     {"one_shot", (PyCFunction)(void (*)(void))staging_one_shot, METH_FASTCALL,
-     "one_shot(x, doing, agree, dtype, op, reduce_here, source) -> 1 done, 0 peers not there "
-     "yet, -1 signatures differ."},
+     "one_shot(x, doing, agree, dtype, op, reduce_here, source[, gathered]) -> 1 done, 0 peers "
+     "not there yet, -1 signatures differ. gathered: a buffer of size x the array that "
+     "receives every rank's piece in rank order (all_gather) once done."},
     {"sync", (PyCFunction)staging_sync, METH_O,
      "sync(agree) -> 1 every rank arrived, 0 not within the spin, -1 signatures differ."},
     {"close", (PyCFunction)staging_close, METH_NOARGS,

@@ -110,7 +110,8 @@ _CORE_REDUCTIONS = {(np.dtype(d), op): (i, k) for i, d in enumerate(_CORE_DTYPES
                     for k, op in enumerate(_CORE_OPS) if _defined(op, np.dtype(d))}
 _NAMES = ("an operation", *COLLECTIVES, "barrier", "send", "recv", "batch", "sendrecv")
 _NAME_CODE = {name: i for i, name in enumerate(_NAMES)}
-_ALL_REDUCE_DOING = _NAME_CODE["all_reduce"] << 1 | 1   # the hot path's "doing" word, less seq
+# the hot path's "doing" word of each operation, less its sequence number
+_DOING = {name: code << 1 | 1 for name, code in _NAME_CODE.items()}
 
 
 class _Steps:
@@ -840,18 +841,35 @@ class SharedMemoryBackend(Backend):
         return self.direct and self.size > 1 and nbytes >= self._direct_min[op]
 
     # ---- collectives -------------------------------------------------------------------------
+    def _hot(self, record: OpRecord, nbytes: int) -> bool:
+        """Whether `record` takes the hot path (`_core_step`): a new operation (not a later
+        call of a composite backend's), with the compiled core, that fits one staging half,
+        on a rank that did not refuse it (a refusal's reason is written by `_enter`)."""
+        agree = record.agree
+        return self._core_steps and nbytes <= self._core_max_bytes and \
+            record is not self._record and (agree is None or len(agree) == 2)
+
+    def _core_step(self, x: np.ndarray, record: OpRecord, doing: int, codes: tuple[int, int],
+                   reduce_here: bool, source: int, gathered: np.ndarray | None = None) -> int:
+        """The hot path of a new operation whose one-shot step the core runs whole (`_enter`,
+        `_one_shot` and `_idle` in one): this rank marked in it (`doing`: the operation's
+        word, less its sequence number), the step run, finished here where the peers were not
+        there within the core's spin. Returns the core's status: 1 where it finished the step
+        itself (and filled `gathered`)."""
+        self._record, self._agree = record, None
+        self._doing = doing = (record.seq << 24) | doing
+        status = self._steps.one_shot(x, doing, record.agree, codes[0], codes[1], reduce_here,
+                                      source, gathered)
+        if status != 1:
+            self._deadline, self._half_before = record.deadline, self._steps.half ^ 1
+            self._one_shot_rest(x, codes, reduce_here, source, record.agree, status)
+            self._idle()
+        return status
+
     def all_reduce(self, x: np.ndarray, op: ReduceOp, record: OpRecord) -> None:
         codes = _CORE_REDUCTIONS.get((x.dtype, op))
-        if codes is not None and x.nbytes <= self._core_max_bytes and record is not self._record:
-            # the hot path, `_enter` and `_core_one_shot` inline: a new operation whose one-shot
-            # step the core runs whole, marking this rank in it, then idle
-            self._record, self._agree = record, None
-            self._doing = doing = (record.seq << 24) | _ALL_REDUCE_DOING
-            status = self._steps.one_shot(x, doing, record.agree, codes[0], codes[1], True, -1)
-            if status != 1:
-                self._deadline, self._half_before = record.deadline, self._steps.half ^ 1
-                self._one_shot_rest(x, codes, True, -1, record.agree, status)
-                self._idle()
+        if codes is not None and self._hot(record, x.nbytes):
+            self._core_step(x, record, _DOING["all_reduce"], codes, True, -1)
             return
         self._enter(record)
         if not self._core_one_shot(x, op, None):
@@ -907,6 +925,9 @@ class SharedMemoryBackend(Backend):
                               self.size)
 
     def broadcast(self, x: np.ndarray, root: int, record: OpRecord) -> None:
+        if not self._direct_for("broadcast", x.nbytes) and self._hot(record, x.nbytes):
+            self._core_step(x.view(np.uint8), record, _DOING["broadcast"], (0, 0), False, root)
+            return
         self._enter(record)
         if self._direct_for("broadcast", x.nbytes):
             direct.broadcast(self, x, root)
@@ -918,18 +939,24 @@ class SharedMemoryBackend(Backend):
         self._idle()
 
     def all_gather(self, outs: list[np.ndarray], x: np.ndarray, record: OpRecord) -> None:
+        if not self._direct_for("all_gather", x.nbytes) and self._hot(record, x.nbytes):
+            # one chunk: every rank stages its piece and arrives (the core's one-shot step),
+            # then reads every piece from the staging halves (safe until the next operation's
+            # barrier, which no rank passes before reading); the core copies them into one
+            # contiguous output itself, once every rank arrived within its spin
+            whole = getattr(outs, "whole", None)
+            into = whole.view(np.uint8) if isinstance(whole, np.ndarray) and \
+                whole.flags.c_contiguous else None
+            if self._core_step(x.view(np.uint8), record, _DOING["all_gather"], (0, 0), False,
+                               -1, into) != 1 or into is None:
+                half, n = self._steps.half, x.nbytes
+                for j, out in enumerate(outs):
+                    if j != self.rank or not np.may_share_memory(out, x):
+                        out.view(np.uint8)[...] = self._staging[j][half][:n]
+            return
         self._enter(record)
         if self._direct_for("all_gather", x.nbytes):
             direct.all_gather(self, outs, x)
-        elif self._core_steps and x.nbytes <= self._core_max_bytes:
-            # one chunk: every rank stages its piece and arrives (the core's one-shot step,
-            # neither reducing nor copying), then reads every piece from the staging halves
-            # (safe until the next operation's barrier, which no rank passes before reading)
-            self._one_shot(x.view(np.uint8), (0, 0), False, -1)
-            half, n = self._steps.half, x.nbytes
-            for j, out in enumerate(outs):
-                if j != self.rank or not np.may_share_memory(out, x):
-                    out.view(np.uint8)[...] = self._staging[j][half][:n]
         else:
             symmetric.all_gather(self, outs, x)
         self._idle()
