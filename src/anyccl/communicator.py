@@ -142,8 +142,9 @@ class Communicator:
     @property
     def failure(self) -> BaseException | None:
         """The error that broke this communicator (a timeout, a lost peer, an error halfway
-        through an operation): every later call raises naming it. None while none has."""
-        return self._engine.failure
+        through an operation, an abort), on host or GPU arrays: every later call raises naming
+        it. None while none has."""
+        return self._engine.failure or self._gpu_side.failure
 
     @property
     def closed(self) -> bool:

@@ -130,6 +130,12 @@ class GpuDispatch:
             return None
         return self.gpu.split(color, key, label, store=store, group=group)
 
+    @property
+    def failure(self) -> BaseException | None:
+        """The error that aborted the GPU backend's queue (a lost peer, a deadline, an abort),
+        else None."""
+        return None if self.gpu is None else self.gpu.failure
+
     def abort(self, error: BaseException) -> None:
         """Cut the GPU backend's queued work short, if it exists: its kernels return and its
         NCCL communicator is aborted (not waited for); every later GPU call raises `error`."""

@@ -29,7 +29,7 @@ def close(comm: Any, gpu_side: Any, engine: Any, store: Any) -> None:
     """Close `comm` once: its GPU engine (and GPU backend), then its host engine (its worker
     and host backend), then `store` (None: the store is a parent communicator's) -- unless
     a communicator still open uses it (one split or shrunk from `comm`, which may still meet
-    its peers there, to make its GPU backend say): that one then owns it."""
+    its peers there, to make its GPU backend, say): that one then owns it."""
     if comm._closed:
         return
     comm._closed = True

@@ -122,6 +122,7 @@ while i < limit and time.monotonic() < until:
 if error is None:
     sys.exit(f"rank {rank}: no rank was lost after {i} iterations")
 caught, caught_wall = time.monotonic(), time.time()
+assert comm.failure is not None, "the communicator does not say it broke"   # host or GPU
 if rank == during:   # join the shrink, then die: after the agreement (DURING_AT=agree), or
     # after building its side of the new transport, before saying so (DURING_AT=build)
     stage = os.environ.get("DURING_AT", "agree")
