@@ -939,27 +939,36 @@ class SharedMemoryBackend(Backend):
         self._idle()
 
     def all_gather(self, outs: list[np.ndarray], x: np.ndarray, record: OpRecord) -> None:
-        if not self._direct_for("all_gather", x.nbytes) and self._hot(record, x.nbytes):
-            # one chunk: every rank stages its piece and arrives (the core's one-shot step),
-            # then reads every piece from the staging halves (safe until the next operation's
-            # barrier, which no rank passes before reading); the core copies them into one
-            # contiguous output itself, once every rank arrived within its spin
+        # one chunk: every rank stages its piece and arrives (the core's one-shot step), then
+        # reads every piece from the staging halves (safe until the next operation's barrier,
+        # which no rank passes before reading); on the hot path the core copies them into one
+        # contiguous output itself, once every rank arrived within its spin
+        one_chunk = not self._direct_for("all_gather", x.nbytes)
+        if one_chunk and self._hot(record, x.nbytes):
             whole = getattr(outs, "whole", None)
             into = whole.view(np.uint8) if isinstance(whole, np.ndarray) and \
                 whole.flags.c_contiguous else None
             if self._core_step(x.view(np.uint8), record, _DOING["all_gather"], (0, 0), False,
                                -1, into) != 1 or into is None:
-                half, n = self._steps.half, x.nbytes
-                for j, out in enumerate(outs):
-                    if j != self.rank or not np.may_share_memory(out, x):
-                        out.view(np.uint8)[...] = self._staging[j][half][:n]
+                self._gathered(outs, x)
             return
         self._enter(record)
-        if self._direct_for("all_gather", x.nbytes):
+        if not one_chunk:
             direct.all_gather(self, outs, x)
+        elif self._core_steps and x.nbytes <= self._core_max_bytes:
+            self._one_shot(x.view(np.uint8), (0, 0), False, -1)
+            self._gathered(outs, x)
         else:
             symmetric.all_gather(self, outs, x)
         self._idle()
+
+    def _gathered(self, outs: list[np.ndarray], x: np.ndarray) -> None:
+        """Every rank's piece of the one-shot step just done, from the staging halves into
+        `outs` (this rank's own left where it is `x`, in place)."""
+        half, n = self._steps.half, x.nbytes
+        for j, out in enumerate(outs):
+            if j != self.rank or not np.may_share_memory(out, x):
+                out.view(np.uint8)[...] = self._staging[j][half][:n]
 
     def gather(self, x: np.ndarray, outs: list[np.ndarray] | None, root: int,
                record: OpRecord) -> None:

@@ -100,10 +100,10 @@ def candidates(op: str, nbytes: int, backend: Any) -> list[str]:
         return [NCCL, *IMPLEMENTATIONS[op]]
     slot = backend.layout.slot_bytes
     found = [NCCL]
-    if nbytes <= min(slot // 2, 4 << 20):
+    if nbytes <= 4 << 20 and backend.lines_per_slot("low_latency", nbytes):
         found.append("low_latency")
-    lines = -(-nbytes // 8)         # 8 bytes of data (and their flags) in 16
-    if backend.size > 2 and -(-lines // backend.size) * 16 <= slot and nbytes <= 32 << 20:
+    if backend.size > 2 and nbytes <= 32 << 20 and \
+            backend.lines_per_slot("low_latency_two_shot", nbytes):
         found.append("low_latency_two_shot")
     if nbytes <= min(slot, 32 << 20):
         found.append("one_shot")

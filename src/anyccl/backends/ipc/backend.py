@@ -47,6 +47,9 @@ _TAG_BITS = 24  # the part of a tag a message carries (kernels.cu: meta_of)
 POLICIES = ("ipc", "auto")
 
 
+# all_reduce's algorithms of lines (data and flags together: primitives.cuh, all_reduce.cu)
+_LINES = ("low_latency", "low_latency_two_shot")
+
 class IpcBackend(QueuedGpuBackend):
     """anyccl's peer-memory kernels on one GPU per rank, with an NCCL communicator for the rest;
     both queue through the NCCL backend's `GpuQueue`, so operations stay in issue order."""
@@ -163,6 +166,15 @@ class IpcBackend(QueuedGpuBackend):
         blocks, self._args.tile_bytes, self._args.takers = self._tiling(nbytes)
         return blocks
 
+    def lines_per_slot(self, algorithm: str, nbytes: int) -> int:
+        """The lines (8 bytes of data and their flags in 16) that all_reduce `algorithm` of
+        _LINES pushes into each slot for an array of `nbytes`: the whole array's (one shot)
+        or one rank's segment's (two shots); 0 where they do not fit a slot."""
+        lines = -(-nbytes // 8)
+        if algorithm == "low_latency_two_shot":
+            lines = -(-lines // self.size)
+        return max(lines, 1) if lines * 16 <= self.layout.slot_bytes else 0
+
     def _launch(self, kernel: str, blocks: int, stream: int) -> None:
         gpu.launch(self._kernels[kernel], blocks, THREADS, stream, self._params_address)
 
@@ -197,19 +209,14 @@ class IpcBackend(QueuedGpuBackend):
             if self.layout.ce_slot_bytes and n > 1:
                 return self._all_reduce_ce(x, f"reduce_local_{dtype}_{kind}", scale)
             algorithm = "two_shot"   # no copy-engine area (ANYCCL_IPC_CE_MB=0): the SMs
-        # lines: 8 bytes of data and their flags in 16, one thread's each
-        lines = -(-x.nbytes // 8)
-        if algorithm == "low_latency" and lines * 16 <= self.layout.slot_bytes:
-            blocks = max(1, min(self.max_blocks, -(-lines // THREADS)))
-            return self._kernel(f"all_reduce_low_latency_{dtype}_{kind}", blocks, ptr, ptr,
-                                total, scale=scale)
-        if algorithm == "low_latency_two_shot":
-            seg = -(-lines // n)     # lines of each rank's segment
-            if seg * 16 <= self.layout.slot_bytes:
-                blocks = max(1, min(self.max_blocks, -(-seg // THREADS)))
-                return self._kernel(f"all_reduce_low_latency_two_shot_{dtype}_{kind}", blocks,
-                                    ptr, ptr, total, scale=scale)
-            algorithm = "two_shot"
+        if algorithm in _LINES:
+            lines = self.lines_per_slot(algorithm, x.nbytes)
+            if lines:   # a thread a line
+                blocks = max(1, min(self.max_blocks, -(-lines // THREADS)))
+                return self._kernel(f"all_reduce_{algorithm}_{dtype}_{kind}", blocks, ptr, ptr,
+                                    total, scale=scale)
+            if algorithm == "low_latency_two_shot":
+                algorithm = "two_shot"
         # one shot where chosen (or where the other two do not fit), else two shots; arrays
         # beyond one kernel's slots take several kernels, the last piece one shot when it fits
         # the chosen one-shot size
