@@ -47,6 +47,9 @@ record_so=src/anyccl/_recordcore${core_so##*_shmcore}
 cuda_so=src/anyccl/_cudacore${core_so##*_shmcore}
 [ -e "$cuda_so" ] || gcc -O2 -shared -fPIC -I"$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["include"])')" \
     src/anyccl/_cudacore.c -o "$cuda_so" -ldl 2>/dev/null || echo "CUDA core not built: cuda-bindings path"
+# the torch process group's compiled part, built once here rather than inside a timed step
+python3 -c "from anyccl import torch_core; torch_core.load(); print('torch group:', torch_core.status())" \
+    2>/dev/null || echo "torch group: its Python code (torch not importable)"
 anyccl() { python3 -m anyccl "$@"; }
 { nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv
   nvidia-smi topo -m; anyccl info; python3 -c 'import torch; print("torch", torch.__version__, "nccl", torch.cuda.nccl.version())'

@@ -172,11 +172,11 @@ def rank_main(rank: int, args: argparse.Namespace, port: int, out: str) -> None:
 class _HostTime:
     """Inside the block: the host time spent in anyccl's torch process group (its operations,
     on whichever thread issues them: autograd's, under DDP), how many it ran, and how much of
-    it went to anyccl's own calls and to torch's Work and CUDA future."""
+    it went to anyccl's own calls (the rest: the group's streams, torch Work and future)."""
 
     def __init__(self) -> None:
         self.calls, self.seconds = 0, 0.0
-        self.parts = {"anyccl call": 0.0, "torch Work + future": 0.0}
+        self.parts = {"anyccl call": 0.0}
 
     def _timing(self, fn: Any, into: str | None) -> Any:
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -195,13 +195,11 @@ class _HostTime:
         import anyccl.torch as pg
         from anyccl.communicator import Communicator
 
-        self._saved = [(pg.ProcessGroup, "_run", pg.ProcessGroup._run),
-                       (pg, "_completed", pg._completed)] + [
+        self._saved = [(pg.ProcessGroup, "_run", pg.ProcessGroup._run)] + [
             (Communicator, name, getattr(Communicator, name))
             for name in ("all_reduce", "all_gather", "reduce_scatter", "broadcast")]
         pg.ProcessGroup._run = self._timing(pg.ProcessGroup._run, None)
-        pg._completed = self._timing(pg._completed, "torch Work + future")
-        for owner, name, fn in self._saved[2:]:
+        for owner, name, fn in self._saved[1:]:
             setattr(owner, name, self._timing(fn, "anyccl call"))
         return self
 
@@ -216,14 +214,16 @@ class _HostTime:
                           self.parts.items())
         rest = (self.seconds - sum(self.parts.values())) / self.calls * 1e6
         return (f"\nanyccl process group: {self.calls / steps:.0f} operations per step, "
-                f"{self.seconds / self.calls * 1e6:.1f} us of host time each ({parts}, streams "
-                f"and the rest {rest:.1f} us), {self.seconds / steps * 1e3:.2f} ms per step\n")
+                f"{self.seconds / self.calls * 1e6:.1f} us of host time each ({parts}, streams, "
+                f"torch Work and future {rest:.1f} us), {self.seconds / steps * 1e3:.2f} ms per "
+                f"step\n")
 
 
 def profile(trainers: dict[str, Trainer], x: torch.Tensor, sync: Any, directory: str,
             rank: int) -> dict[str, str]:
     """Three more steps of each variant on every rank, rank 0's under torch.profiler: its
-    tables (by variant, also written under `directory`)."""
+    tables (by variant, also written under `directory`, each beside its timeline as a Chrome
+    trace)."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -242,8 +242,10 @@ def profile(trainers: dict[str, Trainer], x: torch.Tensor, sync: Any, directory:
         if prof is not None:
             tables[v] = prof.key_averages().table(sort_by=key, row_limit=15) + spent.report(3)
             os.makedirs(directory, exist_ok=True)
-            with open(os.path.join(directory, v.replace(":", "-") + ".txt"), "w") as f:
+            stem = os.path.join(directory, v.replace(":", "-"))
+            with open(stem + ".txt", "w") as f:
                 f.write(tables[v])
+            prof.export_chrome_trace(stem + ".json")   # the timeline: streams, overlap
     return tables
 
 

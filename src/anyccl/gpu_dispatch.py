@@ -3,12 +3,11 @@ GPU (and that their arrays are on this rank's device), the backend's creation on
 through the registry, the stream policy of every queued operation (a blocking call runs right
 on the caller's stream; an async one on the backend's stream after the caller's, its Work
 waiting on the GPU; a torch process group's on the group's own stream after the caller's,
-`SideStreams`), the plans that replay a repeated call, and batches of messages."""
+torch_streams.py), the plans that replay a repeated call, and batches of messages."""
 
 from __future__ import annotations
 
 import functools
-import sys
 import time
 from collections.abc import Sequence
 from typing import Any, Callable
@@ -19,7 +18,7 @@ from .backends import registry
 from .backends.base import Backend
 from .backends.gpu_base import GpuBackend
 from .backends.gpu_queue import Enqueue
-from .buffers import Array, GpuArray, Pieces, current_stream, torch_stream_function
+from .buffers import Array, GpuArray, Pieces, current_stream
 from .errors import AnycclError, UnsupportedError
 from .plans import Plans
 from .store import Store
@@ -48,7 +47,6 @@ class GpuDispatch:
         self.plans: Plans | None = None     # blocking calls' plans, once a GPU call ran
         self.batched: list[tuple] | None = None   # GPU messages of an open comm.batch()
         self._batch = _Batch(self)
-        self._side_streams: SideStreams | None = None
 
     def device_if_any(self) -> int | None:
         """This rank's device, or None where no GPU is visible."""
@@ -104,13 +102,6 @@ class GpuDispatch:
         assert self.gpu is not None
         return self.gpu
 
-    def side_streams(self) -> SideStreams:
-        """Where a torch process group over this communicator queues its operations (made on
-        first use: it needs torch)."""
-        if self._side_streams is None:
-            self._side_streams = SideStreams()
-        return self._side_streams
-
     def prepare(self, op: str, operands: tuple,
                 call: Callable[[GpuBackend], Enqueue] | None = None) -> Enqueue:
         """The function that queues collective `op` on a stream: from the GPU backend's method
@@ -144,9 +135,8 @@ class GpuDispatch:
             queue.abort(error)
 
     def close(self) -> None:
-        """Release the GPU backend, if one was created, and a torch group's streams."""
+        """Release the GPU backend, if one was created."""
         self.plans = None
-        self._side_streams = None
         if self.gpu is not None:
             self.gpu.close()
 
@@ -347,69 +337,3 @@ def _bare(operand: Any) -> Any:
     if isinstance(operand, list):
         return [_bare(o) for o in operand]
     return operand
-
-
-# ---- a torch process group's stream ---------------------------------------------------------
-class _SideStream:
-    """A communicator's own stream on one device, for a torch process group, with what each
-    operation uses: the torch stream, torch's (id, device index, device type) for it, its raw
-    handle, an event to order it after the caller's stream, the device list of torch futures,
-    and torch's lookup of the current raw stream."""
-
-    __slots__ = ("stream", "ids", "handle", "_event", "event", "devices", "caller")
-
-    def __init__(self, torch: Any, index: int) -> None:
-        self.stream = torch.cuda.Stream(index)
-        self.ids = (self.stream.stream_id, self.stream.device_index, self.stream.device_type)
-        self.handle = self.stream.cuda_stream
-        self._event = torch.cuda.Event()  # torch owns it; made on this device by a record
-        self._event.record(self.stream)
-        self.event = self._event.cuda_event
-        self.devices = [torch.device("cuda", index)]
-        self.caller = torch_stream_function()
-
-
-class SideStreams:
-    """Where a torch process group's operations are queued: on the communicator's own stream
-    for the tensors' device, after the work already on the caller's current stream, with no
-    host synchronisation (the caller's later kernels overlap them, as with NCCL's process
-    group). While `run` runs its calls, that stream is torch's current one, so that anyccl's
-    blocking calls queue on it and a torch future made there records it. Streams are switched
-    through their raw handles: torch's `wait_stream` and stream context cost more host time
-    than the operation itself (this runs once per DDP bucket, on autograd's thread)."""
-
-    def __init__(self) -> None:
-        self._sides: dict[int, _SideStream] = {}
-        torch = self._torch = sys.modules["torch"]
-        self._set = getattr(torch._C, "_cuda_setStream", None)
-        self._get = getattr(torch._C, "_cuda_getCurrentStream", None)
-
-    def run(self, index: int, call: Callable[[_SideStream], Any]) -> Any:
-        """`call(side)` on CUDA device `index`, with the side stream current and queued after
-        the caller's current stream; the caller's device and stream are restored after."""
-        torch = self._torch
-        restore = _use_device(torch, index)
-        side = self._sides.get(index)
-        if side is None:
-            side = self._sides[index] = _SideStream(torch, index)
-        gpu.follow(side.handle, side.event, side.caller(index))  # after the caller's work so far
-        previous = self._get(index)
-        self._set(*side.ids)
-        try:
-            return call(side)
-        finally:
-            self._set(*previous)
-            if restore is not None:
-                gpu.set_device(restore)
-
-
-def _use_device(torch: Any, index: int) -> int | None:
-    """Make CUDA device `index` current on this thread for one operation, as torch's own groups
-    do with a device guard: the device to restore afterwards, or None when it was current (a
-    thread new to CUDA also gets the device's context: the driver calls need one)."""
-    current = torch._C._cuda_getDevice()
-    if current == index:
-        gpu.ensure_context(index)
-        return None
-    gpu.set_device(index)
-    return current

@@ -201,6 +201,10 @@ ROUTES_FILE = _declare("ROUTES_FILE", "path", None,
                        "Where `anyccl tune` writes the measured routes of the ipc `auto` policy "
                        "and where `auto` looks for them first. Default: "
                        "~/.cache/anyccl/routes.json.")
+TORCH_CORE = _declare("TORCH_CORE", "bool", True,
+                      "The torch process group's compiled part (streams, Work and future of each "
+                      "operation), built against the installed torch on first use and kept in "
+                      "the cache directory; off: the group's Python code alone.")
 IPC_BLOCKS = _declare("IPC_BLOCKS", "int", 128, "Thread blocks per ipc kernel, at most.",
                       minimum=1)
 IPC_HALF_MB = _declare("IPC_HALF_MB", "size", 256 << 20,

@@ -16,11 +16,11 @@ default; ipc, auto). Every rank of a group meets through the store torch hands t
 
 Each operation runs as anyccl's blocking call and returns a torch Work whose future is already
 complete: on CPU the result is in place when the call returns. On CUDA, as with NCCL's process
-group, the GPU engine queues the operation on the group's own stream for the device
-(gpu_dispatch.SideStreams), after the work already on the caller's current stream, with no
-host synchronisation: the caller's later kernels (the rest
-of backward, under DDP) overlap it, and the future's CUDA event orders whoever waits on the Work
-after the result. CPU tensors are read through views built from their data pointers, never
+group, the operation is queued on the group's own stream for the device, after the work already
+on the caller's current stream, with no host synchronisation: the caller's later kernels (the
+rest of backward, under DDP) overlap it, and the future's CUDA event orders whoever waits on the
+Work after the result (torch_streams.py; the group's compiled part, torch_core.py, does this
+where it is built). CPU tensors are read through views built from their data pointers, never
 ``Tensor.numpy()`` (which would mark the caller's storage non-resizable for good).
 """
 
@@ -32,7 +32,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import _create_work_from_future
 
 from . import settings
 from .algorithms.uneven import split_elements
@@ -40,10 +39,9 @@ from .bootstrap import C10dStore, join
 from .communicator import Communicator
 from .errors import TimeoutError, UnsupportedError
 from .ops import ReduceOp
+from .torch_streams import GroupStreams
 
 NAME = "anyccl"
-_Future = torch._C.Future
-_NO_DEVICES: list[torch.device] = []
 
 _OPS = {"SUM": ReduceOp.SUM, "AVG": ReduceOp.AVG, "PRODUCT": ReduceOp.PROD,
         "MIN": ReduceOp.MIN, "MAX": ReduceOp.MAX, "BAND": ReduceOp.BAND, "BOR": ReduceOp.BOR,
@@ -65,15 +63,6 @@ def _reduce_op(opts: Any) -> ReduceOp:
                                f"{name} is refused by name; use SUM, AVG, PRODUCT, MIN, MAX or "
                                f"a bitwise op)")
     return found
-
-
-def _completed(devices: list[torch.device], result: Any) -> Any:
-    """A Work whose future, for `devices` (none: a CPU future), is complete with `result` (its
-    events record the devices' current streams). torch's own future type, without the Python
-    subclass's constructor: this runs once per operation."""
-    future = _Future(devices)
-    future.set_result(result)
-    return _create_work_from_future(future)
 
 
 def _flat(tensors: list[list[torch.Tensor]]) -> list[torch.Tensor]:
@@ -143,17 +132,15 @@ class ProcessGroup(dist.ProcessGroup):
         self.comm = comm
         self._group_name = ""
         self._group_desc = ""
-        self._gpu = comm._gpu_side   # the GPU engine: where this group's CUDA work is queued
+        self._streams = GroupStreams()   # where its CUDA operations run; its Works
         _declare_devices(self)
 
 
     def _run(self, call: Callable[[], object], result: Any, tensors: list[torch.Tensor]) -> Any:
-        """Run `call` (anyccl's blocking calls on `tensors`) and return its torch Work. With a
-        CUDA tensor among them, the calls are queued where the GPU engine puts a process
-        group's operations (`GpuDispatch.side_streams`: the group's own stream for the device,
-        after the work on the caller's current stream); every CUDA tensor is marked as used
-        there (the caching allocator then keeps its memory until the operation is done), and
-        the Work's future records that stream."""
+        """Run `call` (anyccl's blocking calls on `tensors`) and return its torch Work, whose
+        future holds `result`. With a CUDA tensor among them, the calls are queued on the
+        group's own stream for the device after the work on the caller's current stream
+        (torch_streams.py)."""
         index = -1
         for t in tensors:
             if t.is_cuda:
@@ -164,16 +151,8 @@ class ProcessGroup(dist.ProcessGroup):
                 call()
             except TimeoutError as exc:
                 raise self._in_torch_words(exc) from None
-            return _completed(_NO_DEVICES, result)
-
-        def on_side(side: Any) -> Any:
-            call()   # (refuses tensors on another device than this rank's)
-            stream = side.stream
-            for t in tensors:
-                if t.is_cuda:
-                    t.record_stream(stream)
-            return _completed(side.devices, result)
-        return self._gpu.side_streams().run(index, on_side)
+            return self._streams.done(result)
+        return self._streams.run(index, call, tensors, result)   # (refuses another device)
 
     def _get_backend(self, device: Any) -> _BackendView:
         return _BackendView()
@@ -353,7 +332,7 @@ class ProcessGroup(dist.ProcessGroup):
             self.comm.barrier()
         except TimeoutError as exc:
             raise self._in_torch_words(exc) from None
-        return _completed(_NO_DEVICES, None)
+        return self._streams.done(None)
 
     def _in_torch_words(self, exc: TimeoutError) -> TimeoutError:
         """anyccl's timeout, which names the rank, the op and what it waited for, with the
@@ -390,7 +369,7 @@ class ProcessGroup(dist.ProcessGroup):
         pass
 
     def _end_coalescing(self, device: torch.device) -> Any:
-        return _completed(_NO_DEVICES, None)
+        return self._streams.done(None)
 
     def shutdown(self) -> None:
         self._close()

@@ -179,6 +179,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  address other hosts reach this one at: {_try(_address, 'none found')}")
     print(f"operation records: {records()}")
     print(f"\ntorch.distributed backend: {torch_backend()}")
+    if importlib.util.find_spec("torch") is not None:
+        from .. import torch_core
+
+        print(f"  its operations' streams, Work and future: {torch_core.status()}")
     print("\n" + tuning_table())
     return 0
 
