@@ -5,6 +5,7 @@ GPU, answering every call as NVIDIA's bindings do (gpu.py uses it in their place
 from __future__ import annotations
 
 import ctypes
+import itertools
 import threading
 import time
 
@@ -30,6 +31,8 @@ def test_wrong_argument_counts_are_refused_by_name():
         _cudacore.record(1)
     with pytest.raises(TypeError, match=r"follow\(\) takes 3 arguments \(2 given\)"):
         _cudacore.follow(1, 2)
+    with pytest.raises(TypeError, match=r"queue_nccl\(\) takes 11 arguments \(7 given\)"):
+        _cudacore.queue_nccl(1, 2, 3, 4, 5, 6, 7)
 
 
 def test_without_the_core_follow_records_then_waits(monkeypatch):
@@ -41,6 +44,57 @@ def test_without_the_core_follow_records_then_waits(monkeypatch):
                                                                                 event)))
     gpu.follow(stream=11, event=22, after=33)
     assert calls == [("record", 22, 33), ("wait", 11, 22)]
+
+
+def test_a_replayed_nccl_collective_is_queued_in_one_compiled_call(monkeypatch):
+    """What the nccl backend hands a plan where NCCL's entry point is known (gpu.NcclCall): a
+    replay on the caller's stream gives the compiled core the stream, NCCL's function, its
+    arguments (with_op 0 and no op for ncclAllGather), the event to record and the queue's
+    previous event to wait for, in one call; NCCL's failure there is NCCL's error, named with
+    the operation; on a stream being captured nothing is queued there and the call goes
+    through the bindings into the graph."""
+    from anyccl.backends.gpu_queue import GpuQueue
+    from anyccl.errors import AnycclError
+    from anyccl.trace import OpRecord
+
+    class NcclError(Exception):
+        pass
+
+    def check(code):
+        raise NcclError(f"ncclResult_t {code}")
+
+    class Core:
+        status, calls = 0, []
+
+        def queue_nccl(self, *args):
+            self.calls.append(args)
+            return self.status
+
+    counter = itertools.count(100)
+    monkeypatch.setattr(gpu, "new_stream", lambda d: next(counter))
+    monkeypatch.setattr(gpu, "new_event", lambda d: next(counter))
+    monkeypatch.setattr(gpu, "ensure_context", lambda device: None)
+    monkeypatch.setattr(gpu, "is_capturing", lambda stream: stream == 9)
+    core = Core()
+    monkeypatch.setattr(gpu, "_core", core)
+    queue = GpuQueue(0, "rank 0", lambda: None, rank=0, enqueue_errors=(NcclError,),
+                     describe_error=lambda record, exc: AnycclError(f"{record}: {exc}"))
+    queue._wake_watchdog = lambda: None
+    through_bindings = []
+    reduce = gpu.NcclCall(0xF00, (11, 11, 4, 7, 0, 0xC0), through_bindings.append, check)
+    gather = gpu.NcclCall(0xF01, (11, 12, 4, 9, None, 0xC0), through_bindings.append, check)
+    deadline = time.monotonic() + 60
+    first = queue.run(OpRecord("all_reduce", 1), [7], deadline, reduce, None, [], on=7)
+    second = queue.run(OpRecord("all_gather", 2), [8], deadline, gather, None, [], on=8)
+    assert core.calls == [(7, 0xF00, 1, 11, 11, 4, 7, 0, 0xC0, first, 0),
+                          (8, 0xF01, 0, 11, 12, 4, 9, 0, 0xC0, second, first)]
+    assert through_bindings == [] and first != second
+    core.status = -(5 * 4 + 2)   # NCCL said ncclInvalidArgument
+    with pytest.raises(AnycclError, match=r"all_reduce.*ncclResult_t 5"):
+        queue.run(OpRecord("all_reduce", 3), [7], deadline, reduce, None, [], on=7)
+    core.status = 1              # the stream is being captured: nothing queued
+    assert queue.run(OpRecord("all_reduce", 4), [9], deadline, reduce, None, [], on=9) == 0
+    assert through_bindings == [9]
 
 
 @pytest.fixture

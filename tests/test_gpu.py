@@ -551,10 +551,10 @@ def test_order_dependent_sums_are_bit_identical_on_every_gpu(backend, count, dty
 
 
 # ---- repeated blocking calls: cached plans ----------------------------------------------------
-def check_repeated_calls(comm) -> tuple[int, bool]:
+def check_repeated_calls(comm) -> tuple[list[bool], bool, set[str]]:
     """A training loop's calls: the same torch tensors, new values each step. From the second
     call on, each op replays its plan (plans.py); results stay right, and a plan does not keep
-    the tensors alive."""
+    the tensors alive. Also: what the plans queue (the kinds of their enqueue functions)."""
     import gc
     import weakref
 
@@ -582,18 +582,19 @@ def check_repeated_calls(comm) -> tuple[int, bool]:
             assert (x == n - 1 + 10 * step).all(), (count, step)
     calls = comm.flight_recorder.entries()[-32:]   # 2 sizes x 4 steps x 4 operations
     replayed = [e["replayed"] for e in calls]
+    kinds = {type(plan.enqueue).__name__ for plan in comm._gpu_side.plans._plans.values()}
     gone = weakref.ref(x)
     del x
     torch.cuda.synchronize()
     # the watchdog lets finished operations go (and their hold on x) soon after
-    return replayed, eventually(lambda: gc.collect() >= 0 and gone() is None)
+    return replayed, eventually(lambda: gc.collect() >= 0 and gone() is None), kinds
 
 
 @two_gpus()
 @pytest.mark.parametrize("backend", ["nccl", "ipc"])
 def test_repeated_blocking_calls_on_the_same_tensors_stay_right_and_free_them(backend):
     env = {**GPU_ENV, "ANYCCL_BACKEND": f"cpu:shm,cuda:{backend}"}
-    for replayed, freed in run_ranks(check_repeated_calls, gpu.device_count(), env=env):
+    for replayed, freed, kinds in run_ranks(check_repeated_calls, gpu.device_count(), env=env):
         # each (size, op): steps of 4 ops each; once a call replays, the later ones do too, and
         # the last two steps replay (the first GPU call leaves no plan, so the op after it in
         # the same position plans one step later)
@@ -602,6 +603,8 @@ def test_repeated_blocking_calls_on_the_same_tensors_stay_right_and_free_them(ba
                 steps = replayed[size + op:size + 16:4]
                 assert steps == sorted(steps) and steps[2:] == [True, True], (size, op, steps)
         assert freed, "a cached plan kept the user's tensor alive"
+        # each replay is one compiled call: an ipc kernel's launch, or NCCL's call itself
+        assert ("KernelLaunch" if backend == "ipc" else "NcclCall") in kinds, kinds
 
 
 def check_repeated_async_calls(comm) -> tuple[list[bool], int, bool]:

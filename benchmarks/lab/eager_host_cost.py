@@ -8,7 +8,7 @@ retiring finished operations every 64 calls (gpu_queue.py) against the watchdog 
 without the garbage collector. Host time only: batches of 400 calls with the GPU drained between
 them (fewer than the launch queue holds), medians of 5 alternating rounds. A one-kernel operation
 (what a cached plan replays) is also timed with one compiled driver call per step instead of one
-call for all (`gpu.queue_kernel_in_steps`). Last, the GPU's own time per call: calls captured
+call for all (`gpu.queue_in_steps`). Last, the GPU's own time per call: calls captured
 into a CUDA graph and replayed.
 
     python3 benchmarks/lab/eager_host_cost.py
@@ -88,7 +88,7 @@ def main() -> None:
     core = gpu._core
     rows: dict[tuple[str, bool | str | None], list[float]] = {}
 
-    one_call = gpu.queue_kernel
+    one_call = gpu.ONE_CALL[gpu.KernelLaunch]
 
     def both_ways(name: str, fn, steps: bool = False) -> None:
         """Rounds of `fn` with the compiled calls and with the bindings (and, with `steps`, a
@@ -97,9 +97,10 @@ def main() -> None:
         for _ in range(ROUNDS):
             for way in ways:
                 gpu._core = core if way else None
-                gpu.queue_kernel = gpu.queue_kernel_in_steps if way == "steps" else one_call
+                gpu.ONE_CALL[gpu.KernelLaunch] = gpu.queue_in_steps if way == "steps" \
+                    else one_call
                 rows.setdefault((name, way), []).append(per_call(fn))
-        gpu._core, gpu.queue_kernel = core, one_call
+        gpu._core, gpu.ONE_CALL[gpu.KernelLaunch] = core, one_call
 
     stream, event, side = torch_stream(0), gpu.new_event(0), gpu.new_stream(0)
     both_ways("gpu.record", lambda: gpu.record(event, stream))

@@ -32,10 +32,17 @@
  *                                           it; 0 on success, else minus (CUresult * 4 + the
  *                                           failed step: 0 capture query, 1 wait, 2 launch,
  *                                           3 record)
+ *   queue_nccl(stream, function, with_op, send, recv, count, dtype, op, comm, event, after)
+ *                                           the same for one NCCL collective: `function` is
+ *                                           NCCL's entry point (ncclAllReduce and its like),
+ *                                           called with the arguments after it (`op`, the op
+ *                                           or root, only where with_op); returns as
+ *                                           queue_kernel, the failed step 2 with NCCL's
+ *                                           ncclResult_t
  *
- * Every call but `follow`, `capturing`, `context`, `device` and `queue_kernel` returns the CUresult (0:
- * success); the caller turns a failure into an error that names the call. Handles and addresses
- * are Python ints.
+ * Every call but `follow`, `capturing`, `context`, `device`, `queue_kernel` and `queue_nccl`
+ * returns the CUresult (0: success); the caller turns a failure into an error that names the
+ * call. Handles and addresses are Python ints.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -153,24 +160,60 @@ static PyObject *device(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     return PyLong_FromLong(rc ? -(long)rc : (long)ordinal);
 }
 
+/* What every replayed operation does first on `stream`: 2 where the thread has no current
+ * context, 1 where the stream is being captured (nothing queued either way), minus (CUresult *
+ * 4 + step) on a failure, else 0 once the stream waits for event `after` (unless 0). */
+static long start_replay(Handle stream, Handle after) {
+    Handle context = NULL;
+    if (cu_context(&context) || context == NULL) return 2;
+    int capture = 0;
+    CUresult rc = cu_capturing(stream, &capture);
+    if (rc) return -((long)rc * 4 + 0);
+    if (capture) return 1;
+    if (after != NULL && (rc = cu_wait(stream, after, 0))) return -((long)rc * 4 + 1);
+    return 0;
+}
+
 static PyObject *queue_kernel(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     Handle h[7];
     if (handles(args, nargs, 7, "queue_kernel", h) < 0) return NULL;
     Handle stream = h[0], function = h[1], params = h[4], event = h[5], after = h[6];
     unsigned blocks = (unsigned)(uintptr_t)h[2], threads = (unsigned)(uintptr_t)h[3];
-    Handle context = NULL;
-    if (cu_context(&context) || context == NULL) return PyLong_FromLong(2);
-    int capture = 0;
-    CUresult rc = cu_capturing(stream, &capture);
-    if (rc) return PyLong_FromLong(-((long)rc * 4 + 0));
-    if (capture) return PyLong_FromLong(1);
-    if (after != NULL && (rc = cu_wait(stream, after, 0)))
-        return PyLong_FromLong(-((long)rc * 4 + 1));
+    long started = start_replay(stream, after);
+    if (started) return PyLong_FromLong(started);
+    CUresult rc;
     Py_BEGIN_ALLOW_THREADS
     rc = cu_launch(function, blocks, 1, 1, threads, 1, 1, 0, stream, (void **)params, NULL);
     Py_END_ALLOW_THREADS
     if (rc) return PyLong_FromLong(-((long)rc * 4 + 2));
     if ((rc = cu_record(event, stream))) return PyLong_FromLong(-((long)rc * 4 + 3));
+    return PyLong_FromLong(0);
+}
+
+/* NCCL's collectives, by the shape of their arguments: ncclAllReduce, ncclReduceScatter and
+ * ncclBroadcast take an op (or the root) before the communicator; ncclAllGather does not. */
+typedef int (*NcclWithOp)(const void *, void *, size_t, int, int, Handle, Handle);
+typedef int (*NcclWithoutOp)(const void *, void *, size_t, int, Handle, Handle);
+
+static PyObject *queue_nccl(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    Handle h[11];
+    if (handles(args, nargs, 11, "queue_nccl", h) < 0) return NULL;
+    Handle stream = h[0], function = h[1], send = h[3], recv = h[4], comm = h[8];
+    Handle event = h[9], after = h[10];
+    int with_op = h[2] != NULL, dtype = (int)(intptr_t)h[6], op = (int)(intptr_t)h[7];
+    size_t count = (size_t)(uintptr_t)h[5];
+    long started = start_replay(stream, after);
+    if (started) return PyLong_FromLong(started);
+    int status;
+    Py_BEGIN_ALLOW_THREADS
+    if (with_op)
+        status = ((NcclWithOp)function)(send, recv, count, dtype, op, comm, stream);
+    else
+        status = ((NcclWithoutOp)function)(send, recv, count, dtype, comm, stream);
+    Py_END_ALLOW_THREADS
+    if (status) return PyLong_FromLong(-((long)status * 4 + 2));
+    CUresult rc = cu_record(event, stream);
+    if (rc) return PyLong_FromLong(-((long)rc * 4 + 3));
     return PyLong_FromLong(0);
 }
 
@@ -195,6 +238,9 @@ static PyMethodDef methods[] = {
      "queue_kernel(stream, function, blocks, threads, params, event, after) -> 0, 1 (the "
      "stream is being captured: nothing queued), 2 (no current context: nothing queued), or "
      "minus (CUresult * 4 + failed step)"},
+    {"queue_nccl", (PyCFunction)(void (*)(void))queue_nccl, METH_FASTCALL,
+     "queue_nccl(stream, function, with_op, send, recv, count, dtype, op, comm, event, after) "
+     "-> as queue_kernel (step 2: the ncclResult_t)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -12,7 +12,7 @@ import functools
 import os
 import sys
 import threading
-from typing import Any
+from typing import Any, Callable
 
 from .errors import AnycclError, InvalidArgumentError, UnsupportedError
 
@@ -407,8 +407,28 @@ class KernelLaunch:
         launch(self.function, self.blocks, self.threads, stream, self.params)
 
 
-_QUEUE_KERNEL_STEPS = ("cuStreamIsCapturing", "cuStreamWaitEvent", "cuLaunchKernel",
-                       "cuEventRecord")
+class NcclCall:
+    """One NCCL collective whose arguments are fixed (a cached plan's): `function`, NCCL's entry
+    point (ncclAllReduce and its like), its arguments (send, recv, count, datatype, the op or
+    root or None, the communicator's handle), `fallback`, the same call through nccl4py's
+    bindings, which calling it runs (async operations, CUDA graph capture, no compiled core),
+    and `check`, which raises NCCL's error for a failed ncclResult_t. A replay queues it in one
+    compiled call (`queue_nccl`)."""
+
+    __slots__ = ("function", "args", "fallback", "check")
+
+    def __init__(self, function: int, args: tuple[int, int, int, int, int | None, int],
+                 fallback: Callable[[int], None], check: Callable[[int], None]) -> None:
+        send, recv, count, dtype, op, comm = args
+        self.function, self.fallback, self.check = function, fallback, check
+        self.args = (int(op is not None), send, recv, count, dtype, op or 0, comm)
+
+    def __call__(self, stream: int) -> None:
+        self.fallback(stream)
+
+
+_REPLAY_STEPS = ("cuStreamIsCapturing", "cuStreamWaitEvent", "cuLaunchKernel",
+                 "cuEventRecord")
 
 
 def queue_kernel(call: KernelLaunch, stream: int, event: int, after: int, device: int) -> bool:
@@ -417,21 +437,44 @@ def queue_kernel(call: KernelLaunch, stream: int, event: int, after: int, device
     no current context gets `device`'s first (`ensure_context`). One compiled call where the
     CUDA core loaded."""
     if _core is None:
-        return queue_kernel_in_steps(call, stream, event, after, device)
+        return queue_in_steps(call, stream, event, after, device)
     status = _core.queue_kernel(stream, call.function, call.blocks, call.threads, call.params,
                                 event, after)
+    return _replayed(status, call, stream, event, after, device)
+
+
+def queue_nccl(call: NcclCall, stream: int, event: int, after: int, device: int) -> bool:
+    """`queue_kernel` for one NCCL collective: the stream's wait, NCCL's call and the event's
+    record in one compiled call where the CUDA core loaded; NCCL's own error if it fails."""
+    if _core is None:
+        return queue_in_steps(call, stream, event, after, device)
+    status = _core.queue_nccl(stream, call.function, *call.args, event, after)
+    if status < 0 and -status % 4 == 2:
+        call.check(-status // 4)   # NCCL's error
+        raise CudaError(f"NCCL returned ncclResult_t {-status // 4} on stream {stream:#x}")
+    return _replayed(status, call, stream, event, after, device)
+
+
+def _replayed(status: int, call: Callable[[int], None], stream: int, event: int, after: int,
+              device: int) -> bool:
+    """What a compiled replay's `status` means (see _cudacore.c): True once queued, False where
+    the stream is being captured; CudaError naming the driver call that failed."""
     if status <= 0:
         if status:
             code, step = divmod(-status, 4)
-            _check_driver(_drv().CUresult(code), _QUEUE_KERNEL_STEPS[step])
+            _check_driver(_drv().CUresult(code), _REPLAY_STEPS[step])
         return True
     if status == 2:   # a thread new to CUDA: its first operation the long way, which gives it one
-        return queue_kernel_in_steps(call, stream, event, after, device)
+        return queue_in_steps(call, stream, event, after, device)
     return False
 
 
-def queue_kernel_in_steps(call: KernelLaunch, stream: int, event: int, after: int,
-                          device: int) -> bool:
+# what queues each kind of replayed operation in one compiled call
+ONE_CALL: dict[type, Callable[..., bool]] = {KernelLaunch: queue_kernel, NcclCall: queue_nccl}
+
+
+def queue_in_steps(call: Callable[[int], None], stream: int, event: int, after: int,
+                   device: int) -> bool:
     """`queue_kernel` as one driver call after another (where the CUDA core is not built)."""
     ensure_context(device)
     if is_capturing(stream):

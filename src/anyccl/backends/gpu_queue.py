@@ -119,8 +119,10 @@ class GpuQueue:
         if self.failure is not None or alarm is not None and alarm[0][alarm[1]]:
             self.raise_if_failed()
         event = 0
-        if on is not None and type(enqueue) is gpu.KernelLaunch:  # its driver calls in one
-            event = self._queue_kernel(enqueue, on)
+        if on is not None:
+            one_call = gpu.ONE_CALL.get(type(enqueue))   # its driver calls in one
+            if one_call is not None:
+                event = self._queue_one_call(one_call, enqueue, on, record)
         if not event:
             event = self._queue(record, after, enqueue, entries, on)
             if not event:
@@ -176,17 +178,23 @@ class GpuQueue:
             self._last_stream, self._last_event = stream, event
         return event
 
-    def _queue_kernel(self, call: gpu.KernelLaunch, stream: int) -> int:
-        """`_queue` of one kernel right on `stream`, in one driver call: its event, or 0 when
-        the stream is being captured (nothing was queued; `_queue` captures it)."""
+    def _queue_one_call(self, one_call: Callable[..., bool], enqueue: Enqueue, stream: int,
+                        record: OpRecord) -> int:
+        """`_queue` of one kernel or one NCCL call right on `stream`, in one compiled call
+        (`one_call`, from gpu.ONE_CALL): its event, or 0 when the stream is being captured
+        (nothing was queued; `_queue` captures it)."""
         with self.lock:
             if stream in gpu.NULL_STREAMS:
                 gpu.use_device(self.device)  # a null stream is the current device's
             event = self._events[self._next_event]
             last = self._last_stream
             after = self._last_event if last is not None and last != stream else 0
-            if not gpu.queue_kernel(call, stream, event, after, self.device):
-                return 0
+            try:
+                if not one_call(enqueue, stream, event, after, self.device):
+                    return 0
+            except self._enqueue_errors as exc:
+                assert self._describe_error is not None
+                raise self._describe_error(record, exc) from None
             self._next_event = (self._next_event + 1) % _EVENT_RING
             self._last_stream, self._last_event = stream, event
         return event

@@ -38,6 +38,25 @@ def _nccl() -> tuple[Any, Any]:
     return core, bindings
 
 
+_ENTRY_POINTS: dict[str, int] = {}
+
+
+def _entry_point(name: str) -> int | None:
+    """The address of NCCL's function `"nccl" + name` in the library nccl4py loaded (known once
+    a communicator exists), or None where nccl4py does not say it."""
+    found = _ENTRY_POINTS.get(name)
+    if found is None:
+        try:
+            from nccl.bindings._internal import nccl as loaded
+            found = int(loaded._inspect_function_pointer(f"__nccl{name}"))
+        except Exception:  # noqa: BLE001 - another nccl4py: its bindings serve the call
+            return None
+        if not found:
+            return None
+        _ENTRY_POINTS[name] = found
+    return found
+
+
 # NCCL's ncclDataType_t and ncclRedOp_t values (nccl.h)
 _NCCL_TYPES: dict[np.dtype, int] = {
     np.dtype(np.int8): 0, np.dtype(np.uint8): 1, np.dtype(np.int32): 2, np.dtype(np.uint32): 3,
@@ -155,9 +174,22 @@ class NcclBackend(QueuedGpuBackend):
         return None
 
     # enqueue functions: each takes the stream and issues NCCL calls on it
+    def _one(self, name: str, args: tuple[int, int, int, int, int | None],
+             fallback: Enqueue) -> Enqueue:
+        """NCCL collective `name` (ncclAllReduce's name without "nccl") with `args` (send, recv,
+        count, datatype, the op or root or None): a `gpu.NcclCall`, which a replay queues in
+        one compiled call, where NCCL's entry point is known; else `fallback`, the same call
+        through the bindings."""
+        function = _entry_point(name)
+        if function is None:
+            return fallback
+        return gpu.NcclCall(function, (*args, int(self._comm)), fallback, self._b.check_status)
+
     def all_reduce(self, x: GpuArray, op: ReduceOp) -> Enqueue:
         count, dtype, nop = reduction_view(x, op, self.size)
-        return lambda s: self._b.all_reduce(x.ptr, x.ptr, count, dtype, nop, self._comm, s)
+        return self._one("AllReduce", (x.ptr, x.ptr, count, dtype, nop),
+                         lambda s: self._b.all_reduce(x.ptr, x.ptr, count, dtype, nop,
+                                                      self._comm, s))
 
     def reduce(self, x: GpuArray, root: int, op: ReduceOp) -> Enqueue:
         count, dtype, nop = reduction_view(x, op, self.size)
@@ -165,20 +197,25 @@ class NcclBackend(QueuedGpuBackend):
 
     def broadcast(self, x: GpuArray, root: int) -> Enqueue:
         count, dtype = data_view(x)
-        return lambda s: self._b.broadcast(x.ptr, x.ptr, count, dtype, root, self._comm, s)
+        return self._one("Broadcast", (x.ptr, x.ptr, count, dtype, root),
+                         lambda s: self._b.broadcast(x.ptr, x.ptr, count, dtype, root,
+                                                     self._comm, s))
 
     def all_gather(self, outs: list[GpuArray], x: GpuArray) -> Enqueue:
         if _consecutive(outs):
             count, dtype = data_view(x)
-            return lambda s: self._b.all_gather(x.ptr, outs[0].ptr, count, dtype, self._comm, s)
+            return self._one("AllGather", (x.ptr, outs[0].ptr, count, dtype, None),
+                             lambda s: self._b.all_gather(x.ptr, outs[0].ptr, count, dtype,
+                                                          self._comm, s))
         return self.exchange(sends=[x] * self.size, recvs=outs)
 
     def reduce_scatter(self, out: GpuArray, inputs: list[GpuArray],
                        op: ReduceOp) -> Enqueue:
         count, dtype, nop = reduction_view(out, op, self.size)
         if _consecutive(inputs):
-            return lambda s: self._b.reduce_scatter(inputs[0].ptr, out.ptr, count, dtype, nop,
-                                                    self._comm, s)
+            return self._one("ReduceScatter", (inputs[0].ptr, out.ptr, count, dtype, nop),
+                             lambda s: self._b.reduce_scatter(inputs[0].ptr, out.ptr, count,
+                                                              dtype, nop, self._comm, s))
 
         def staged(s: int) -> None:  # separate pieces: gather them into one scratch array
             whole = _scratch_copy(inputs, s)
