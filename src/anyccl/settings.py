@@ -195,8 +195,8 @@ MPI_STAGING_CHUNK = _declare("MPI_STAGING_CHUNK", "size", 4 << 20,
 
 # ---- GPUs ------------------------------------------------------------------------------------
 CACHE_DIR = _declare("CACHE_DIR", "path", None,
-                     "Where the ipc kernels compiled by NVRTC are kept. Default: "
-                     "~/.cache/anyccl.")
+                     "Where compiled parts are kept: the ipc kernels (NVRTC) and the torch "
+                     "process group's part (torch_core.py). Default: ~/.cache/anyccl.")
 ROUTES_FILE = _declare("ROUTES_FILE", "path", None,
                        "Where `anyccl tune` writes the measured routes of the ipc `auto` policy "
                        "and where `auto` looks for them first. Default: "
