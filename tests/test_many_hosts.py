@@ -242,6 +242,24 @@ def test_a_host_cut_off_the_network_fails_every_rank_within_its_deadline():
             assert not [f for f in cluster.shm_files(i) if f.startswith("anyccl-")]
 
 
+def test_every_survivor_names_the_cut_off_host_whichever_deadline_fires_first():
+    """With the default silence limit (10 s) as long as the timeout, a survivor's own deadline
+    can fire before its heartbeat watch has seen a peer silent that long. Its timeout then
+    consults the heartbeats before it raises (the peers whose counters stood still all the
+    time it watched), so every one of h1's ranks names h2's ranks and host, in every run."""
+    for attempt in range(3):
+        with Cluster(2) as cluster:
+            procs = launch(cluster, "anyccl run", 2, ["loop"], _env(ANYCCL_TIMEOUT="10"))
+            _wait_for(procs, 4, r"running", 60)
+            cluster.cut(1)
+            results = finish(procs, 60)
+            h1 = results[0][1]
+            survivors = _lines([(0, h1)], r"rank [01] failed after")
+            assert len(survivors) == 2, (attempt, h1[-3000:])
+            for line in survivors:
+                assert "ranks 2, 3 on host h2" in line, (attempt, line)
+
+
 def test_a_rank_that_raises_on_one_host_ends_the_job_on_every_node():
     with Cluster(2) as cluster:
         started = time.monotonic()

@@ -17,6 +17,7 @@ import time
 from .store import Store
 
 PERIOD_S = 0.5
+QUIET_S = 3 * PERIOD_S   # at a deadline: a counter still for this long, while watched, is lost
 
 
 class Heartbeat:
@@ -32,6 +33,7 @@ class Heartbeat:
         self._store_error = ""
         self._watch_until = 0.0
         self._window = False   # the peers' counters were read in the current watch
+        self._window_opened_at = now
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="anyccl-heartbeat")
         self._thread.start()
@@ -49,6 +51,8 @@ class Heartbeat:
                 if time.monotonic() < self._watch_until:
                     # a new watch knows nothing of the time before it: counting starts now
                     fresh = not self._window
+                    if fresh:
+                        self._window_opened_at = time.monotonic()
                     for r in list(self._seen):
                         count = self._store.add(f"beat/{r}", 0)
                         if fresh or count != self._seen[r][0]:
@@ -63,14 +67,45 @@ class Heartbeat:
                     return
         del beat
 
-    def silent(self, ranks: list[int]) -> list[int]:
-        """Those of `ranks` (job ranks) whose counter has not moved for the silence limit while
-        the store answered: lost. Empty while the store itself is silent (then it is this rank
-        that cannot tell)."""
+    def silent(self, ranks: list[int], limit_s: float | None = None) -> list[int]:
+        """Those of `ranks` (job ranks) whose counter has not moved for `limit_s` (default: the
+        silence limit) while watched and while the store answered: lost. Empty while the store
+        itself is silent (then it is this rank that cannot tell)."""
         now = time.monotonic()
         if not self._window or now - self._store_answered_at > 2 * PERIOD_S + 1.0:
             return []
-        return [r for r in ranks if r in self._seen and now - self._seen[r][1] >= self.silence_s]
+        limit = self.silence_s if limit_s is None else limit_s
+        return [r for r in ranks if r in self._seen and now - self._seen[r][1] >= limit]
+
+    def lost(self, ranks: list[int]) -> list[int]:
+        """Those of `ranks` that are lost: silent for the silence limit, with the ranks of the
+        same hosts whose counters also stood still while watched for QUIET_S or more (a host
+        that drops off takes all its ranks at once; their last beats differ by up to a
+        period)."""
+        silent = self.silent(ranks)
+        if not silent:
+            return []
+        hosts = {self.hosts[r] for r in silent}
+        quiet = set(self.silent(ranks, QUIET_S))
+        return [r for r in ranks if r in silent or r in quiet and self.hosts[r] in hosts]
+
+    def at_deadline(self, ranks: list[int]) -> str:
+        """What a timeout of this rank says of its peers `ranks`, whatever deadline fired and
+        however long this rank watched before it: the peers whose counters did not move in all
+        the time it watched, once that was at least QUIET_S (it watches that long first if it
+        had not: the caller waits at most about two seconds); else whether the store stopped
+        answering this rank; else ''."""
+        give_up = time.monotonic() + QUIET_S + 2 * PERIOD_S
+        while True:
+            self.watch()
+            quiet = self.silent(ranks, QUIET_S)
+            if quiet:
+                return self.describe(quiet)
+            now = time.monotonic()
+            if self._window and now - self._window_opened_at >= QUIET_S or now >= give_up \
+                    or self.store_silence():
+                return self.store_silence()
+            time.sleep(PERIOD_S / 5)
 
     def describe(self, ranks: list[int]) -> str:
         """'ranks 2, 3 on host h2 gave no sign of life for 10.5 s' for lost `ranks`, grouped

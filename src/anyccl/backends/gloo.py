@@ -281,47 +281,50 @@ class GlooBackend(PolledMessages, Backend):
     def _timed_out(self, what: str, now: float) -> TimeoutError:
         record = self._record
         waited = now - record.issued_at if record is not None else self._timeout_s
-        more = ""
         heartbeat = self.peers.heartbeat
-        if heartbeat is not None:
-            silent = heartbeat.silent([r for r in self._job_ranks if r != self._me()])
-            cut = heartbeat.store_silence()
-            if silent:
-                more = f"; {heartbeat.describe(silent)}"
-            elif cut:
-                more = f"; {cut}"
+        note = "" if heartbeat is None else heartbeat.at_deadline(self._others(heartbeat))
+        more = f"; {note}" if note else ""
         return TimeoutError(f"rank {self._said_rank}: {record} timed out after {waited:.3g} s "
                             f"waiting for {what} (gloo between hosts){more}")
 
     def _me(self) -> int:
         return self._job_ranks[self.rank]
 
+    def _others(self, heartbeat: Any) -> list[int]:
+        """Every job rank but this one: what a report of lost peers names (this engine may
+        serve a subgroup, a hierarchical collective's column, while a whole host is gone)."""
+        me = self._me()
+        return [r for r in range(len(heartbeat.hosts)) if r != me]
+
+    def _lost(self) -> tuple[list[int], str]:
+        """The lost ranks of this engine's group (job ranks) and what to say of every lost
+        rank of the job ('' and [] while none of this group's is lost)."""
+        heartbeat = self.peers.heartbeat
+        if heartbeat is None:
+            return [], ""
+        everyone = heartbeat.lost(self._others(heartbeat))
+        mine = [r for r in everyone if r in self._job_ranks]
+        return mine, heartbeat.describe(everyone) if mine else ""
+
     def _check_peers(self, what: str) -> None:
         heartbeat = self.peers.heartbeat
         if heartbeat is None:
             return
         heartbeat.watch()
-        silent = heartbeat.silent([r for r in self._job_ranks if r != self._me()])
-        if silent:
-            raise PeerLostError(f"rank {self._said_rank}: {heartbeat.describe(silent)}, while this "
-                                f"rank was in {self._record} waiting for {what} (gloo between "
-                                f"hosts)", self._job_ranks.index(silent[0]))
+        mine, said = self._lost()
+        if mine:
+            raise PeerLostError(f"rank {self._said_rank}: {said}, while this rank was in "
+                                f"{self._record} waiting for {what} (gloo between hosts)",
+                                self._job_ranks.index(mine[0]))
 
     def lost_peer(self) -> tuple[int, str] | None:
-        heartbeat = self.peers.heartbeat
-        if heartbeat is None:
-            return None
-        silent = heartbeat.silent([r for r in self._job_ranks if r != self._me()])
-        if not silent:
-            return None
-        return self._job_ranks.index(silent[0]), heartbeat.describe(silent)
+        mine, said = self._lost()
+        return (self._job_ranks.index(mine[0]), said) if mine else None
 
     def departed(self) -> dict[int, str]:
         heartbeat = self.peers.heartbeat
-        if heartbeat is None:
-            return {}
-        silent = heartbeat.silent([r for r in self._job_ranks if r != self._me()])
-        return {self._job_ranks.index(r): heartbeat.describe([r]) for r in silent}
+        mine, _ = self._lost()
+        return {self._job_ranks.index(r): heartbeat.describe([r]) for r in mine}
 
     def _translated(self, exc: BaseException, record: OpRecord | None,
                     what: str) -> AnycclError:

@@ -145,8 +145,8 @@ class HierarchicalBackend(Backend):
         heartbeat = self._heartbeat
         if heartbeat is None:
             return exc
-        silent = heartbeat.silent([r for r in range(len(heartbeat.hosts)) if r != heartbeat.rank])
-        note = heartbeat.describe(silent) if silent else heartbeat.store_silence()
+        note = heartbeat.at_deadline([r for r in range(len(heartbeat.hosts))
+                                      if r != heartbeat.rank])
         if not note:
             return exc
         error = TimeoutError(f"{exc}; {note}")
