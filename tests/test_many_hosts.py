@@ -114,6 +114,7 @@ def _lines(results: list[tuple[int, str]], pattern: str) -> list[str]:
 @pytest.mark.parametrize("launcher, hosts, per_host, engine, debug", [
     ("anyccl run", 2, 2, "shm+gloo", "0"),
     ("anyccl run", 3, 2, "shm+gloo", "0"),
+    ("anyccl run", 8, 1, "shm+gloo", "0"),     # (a host per rank: every step crosses)
     ("anyccl run", 2, 2, "shm+gloo", "1"),
     ("torchrun", 2, 2, "shm+gloo", "0"),
     ("mpiexec", 2, 2, "shm+mpi", "0"),
