@@ -158,3 +158,56 @@ def test_ranks_started_by_torchrun_meet_through_its_agent_store(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sorted(line.split() for line in proc.stdout.splitlines() if line.strip()) == \
         [["0", "2", "0", "3"], ["1", "2", "1", "3"]]
+
+
+def test_the_host_map_is_read_once_by_rank_0_and_its_failures_say_who(tmp_path):
+    """Every rank leaves its host in the store; rank 0 reads them all and publishes the map,
+    which the others read in one request. A rank that never arrived, a rank 0 that never
+    published and a world size that differs are each said by name."""
+    import threading
+
+    from anyccl import bootstrap
+    from anyccl.errors import AnycclError, TimeoutError
+    from anyccl.store import FileStore
+
+    store = FileStore(tmp_path / "store")
+    got: dict[int, object] = {}
+
+    def rank(r: int, size: int, timeout_s: float = 20.0) -> None:
+        try:
+            got[r] = bootstrap._hosts(store, r, size, timeout_s)
+        except Exception as exc:  # noqa: BLE001 - what each rank raised is the result
+            got[r] = exc
+
+    threads = [threading.Thread(target=rank, args=(r, 3)) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    names = got[0][0]
+    assert got[1] == got[2] == got[0] and len(names) == 3 and names[0] == socket.gethostname()
+    gets = []
+    store = FileStore(tmp_path / "counted")
+    real_get = store.get
+    store.get = lambda key, timeout_s: gets.append(key) or real_get(key, timeout_s)
+    threads = [threading.Thread(target=rank, args=(r, 3)) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert sorted(gets) == ["host/0", "host/1", "host/2", "hosts", "hosts"]
+
+    store = FileStore(tmp_path / "missing")
+    rank(1, 3, timeout_s=1.0)       # rank 2 never comes (and neither does rank 0)
+    assert isinstance(got[1], TimeoutError) and "ranks 0, 2 never arrived" in str(got[1])
+    store = FileStore(tmp_path / "unpublished")
+    for r in (0, 2):
+        store.set(f"host/{r}", b"h\n")
+    rank(1, 3, timeout_s=1.0)       # every rank arrived; rank 0 published nothing
+    assert isinstance(got[1], TimeoutError) and "rank 0 did not publish" in str(got[1])
+    store = FileStore(tmp_path / "sizes")
+    first = threading.Thread(target=rank, args=(0, 2))
+    first.start()
+    rank(1, 3, timeout_s=5.0)      # started for 3 ranks where rank 0 was started for 2
+    first.join(30)
+    assert isinstance(got[1], AnycclError) and "world size differs" in str(got[1]), got[1]

@@ -325,18 +325,27 @@ def _hosts(store: Store, rank: int, size: int,
         address = ""
     store.set(f"host/{rank}", f"{socket.gethostname()}\n{address}".encode())
     deadline = time.monotonic() + timeout_s
-    said = []
-    for r in range(size):
-        try:
-            said.append(store.get(f"host/{r}", max(0.0, deadline - time.monotonic()))
-                        .decode().partition("\n"))
-        except BuiltinTimeoutError:
-            missing = [m for m in range(size) if not store.check(f"host/{m}")]
-            raise TimeoutError(
-                f"rank {rank}: the rendezvous of {size} ranks did not complete within "
-                f"{timeout_s:g} s: rank{'s' if len(missing) > 1 else ''} "
-                f"{_ranges(missing)} never arrived (a node or launcher that did not start, or a "
-                f"world size that differs between ranks)") from None
+    try:   # rank 0 reads every rank's entry and publishes the map: O(n) requests at the store
+        if rank == 0:
+            entries = [store.get(f"host/{r}", max(0.0, deadline - time.monotonic())).decode()
+                       for r in range(size)]
+            store.set("hosts", "\0".join(entries).encode())
+        else:
+            entries = store.get("hosts", max(0.0, deadline - time.monotonic())).decode() \
+                .split("\0")
+    except BuiltinTimeoutError:
+        missing = [m for m in range(size) if not store.check(f"host/{m}")]
+        who = (f"rank{'s' if len(missing) > 1 else ''} {_ranges(missing)} never arrived (a node "
+               f"or launcher that did not start, or a world size that differs between ranks)"
+               if missing else "every rank arrived, but rank 0 did not publish the host map "
+               "(it stopped or lost the store)")
+        raise TimeoutError(f"rank {rank}: the rendezvous of {size} ranks did not complete within "
+                           f"{timeout_s:g} s: {who}") from None
+    if len(entries) != size:
+        raise AnycclError(f"rank {rank}: rank 0 published the hosts of {len(entries)} ranks, "
+                          f"this rank was started for {size}: the world size differs between "
+                          f"ranks")
+    said = [entry.partition("\n") for entry in entries]
     return tuple(name for name, _, _ in said), tuple(address for _, _, address in said)
 
 
