@@ -50,9 +50,11 @@ def _env(**more: str) -> dict[str, str]:
 
 
 def launch(cluster: Cluster, launcher: str, per_host: int, args: list[str],
-           env: dict[str, str], nodes: list[int] | None = None) -> list[subprocess.Popen]:
+           env: dict[str, str], nodes: list[int] | None = None,
+           keep_going: bool = False) -> list[subprocess.Popen]:
     """Start a job of `per_host` ranks on each host (or only on `nodes`) with `launcher`; one
-    process per host (mpiexec: one in all, on h1)."""
+    process per host (mpiexec: one in all, on h1). keep_going: `anyccl run --keep-going` (a
+    rank that fails does not stop the others)."""
     hosts = cluster.size
     nodes = list(range(hosts)) if nodes is None else nodes
     script = [str(SCRIPT), *args]
@@ -66,7 +68,8 @@ def launch(cluster: Cluster, launcher: str, per_host: int, args: list[str],
         if launcher == "anyccl run":
             argv = [sys.executable, "-m", "anyccl", "run", "-n", str(per_host), "--nnodes",
                     str(hosts), "--node-rank", str(i), "--master-addr", "h1", "--master-port",
-                    str(PORT), "--tag-output", *script]
+                    str(PORT), "--tag-output", *(["--keep-going"] if keep_going else []),
+                    *script]
         elif launcher == "torchrun":
             argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(hosts),
                     "--nproc-per-node", str(per_host), "--node-rank", str(i), "--master-addr",
@@ -247,10 +250,13 @@ def test_every_survivor_names_the_cut_off_host_whichever_deadline_fires_first():
     """With the default silence limit (10 s) as long as the timeout, a survivor's own deadline
     can fire before its heartbeat watch has seen a peer silent that long. Its timeout then
     consults the heartbeats before it raises (the peers whose counters stood still all the
-    time it watched), so every one of h1's ranks names h2's ranks and host, in every run."""
+    time it watched), so every one of h1's ranks names h2's ranks and host, in every run.
+    (--keep-going: each survivor lives to raise its own error; by default the first to fail
+    has its launcher stop the other.)"""
     for attempt in range(3):
         with Cluster(2) as cluster:
-            procs = launch(cluster, "anyccl run", 2, ["loop"], _env(ANYCCL_TIMEOUT="10"))
+            procs = launch(cluster, "anyccl run", 2, ["loop"], _env(ANYCCL_TIMEOUT="10"),
+                           keep_going=True)
             _wait_for(procs, 4, r"running", 60)
             cluster.cut(1)
             results = finish(procs, 60)
