@@ -16,7 +16,9 @@
 # lab/cuda_call_cost.py), eager (8 B - 1 MiB eager calls: all_reduce on ipc beside nccl, torch
 # and torch's symmetric memory; the other ipc ops beside nccl and torch; every op on nccl beside
 # torch), graph (the four ipc ops as CUDA graph replays), replay (each step of a repeated call's
-# host time: lab/replay_cost.py), torchtests (the torch backend's GPU tests), torchsmoke (the
+# host time: lab/replay_cost.py), pace (eager all_reduce loops of anyccl ipc, torch symm_mem
+# and torch NCCL timed as host issue, eager and graph replay time per call: lab/eager_pace.py
+# $PACE_SIZES), torchtests (the torch backend's GPU tests), torchsmoke (the
 # torch backend's collectives and DDP/FSDP2/averager on a small model, on however many GPUs), torchddp (torch DDP,
 # FSDP2 and the GradientAverager on anyccl groups vs DDP on NCCL: float32 and bfloat16, 201M
 # parameters; PROFILE=1 adds rank 0's torch.profiler tables), tune (anyccl tune: the auto
@@ -141,11 +143,14 @@ for what in "$@"; do
         | tee "$RESULTS_DIR/ipc-p2p.txt" | tail -12 ;;
   replay) step replay
     for b in ${REPLAY_BACKENDS:-ipc nccl}; do
-      timeout 120 python3 -m anyccl run -n 2 benchmarks/lab/replay_cost.py "$b" 2>&1 \
+      timeout 120 python3 -m anyccl run -n "$n" benchmarks/lab/replay_cost.py "$b" 2>&1 \
           | grep -v Warning | tee "$RESULTS_DIR/replay-cost-$b.txt" | head -60
     done ;;
   calls) step calls
     timeout 60 python3 benchmarks/lab/cuda_call_cost.py 2>&1 | tee "$RESULTS_DIR/cuda-call-cost.txt" | tail -8 ;;
+  pace) step pace  # what sets an eager loop's pace: host, eager and graph time per call
+    timeout 240 python3 -m anyccl run -n "$n" benchmarks/lab/eager_pace.py ${PACE_SIZES:-} 2>&1 \
+        | grep -v Warning | tee "$RESULTS_DIR/eager-pace.txt" | tail -90 ;;
   probe) step probe
     timeout 150 python3 -m anyccl run -n 2 benchmarks/lab/host_probe.py 2>&1 | grep -v Warning \
         | tee "$RESULTS_DIR/host-probe.txt" | tail -16 ;;

@@ -31,7 +31,7 @@ def test_wrong_argument_counts_are_refused_by_name():
         _cudacore.record(1)
     with pytest.raises(TypeError, match=r"follow\(\) takes 3 arguments \(2 given\)"):
         _cudacore.follow(1, 2)
-    with pytest.raises(TypeError, match=r"queue_nccl\(\) takes 11 arguments \(7 given\)"):
+    with pytest.raises(TypeError, match=r"queue_nccl\(\) takes 12 arguments \(7 given\)"):
         _cudacore.queue_nccl(1, 2, 3, 4, 5, 6, 7)
 
 
@@ -86,8 +86,8 @@ def test_a_replayed_nccl_collective_is_queued_in_one_compiled_call(monkeypatch):
     deadline = time.monotonic() + 60
     first = queue.run(OpRecord("all_reduce", 1), [7], deadline, reduce, None, [], on=7)
     second = queue.run(OpRecord("all_gather", 2), [8], deadline, gather, None, [], on=8)
-    assert core.calls == [(7, 0xF00, 1, 11, 11, 4, 7, 0, 0xC0, first, 0),
-                          (8, 0xF01, 0, 11, 12, 4, 9, 0, 0xC0, second, first)]
+    assert core.calls == [(7, 0xF00, 1, 11, 11, 4, 7, 0, 0xC0, first, 0, 0),
+                          (8, 0xF01, 0, 11, 12, 4, 9, 0, 0xC0, second, first, 0)]
     assert through_bindings == [] and first != second
     core.status = -(5 * 4 + 2)   # NCCL said ncclInvalidArgument
     with pytest.raises(AnycclError, match=r"all_reduce.*ncclResult_t 5"):
@@ -204,6 +204,13 @@ def test_on_a_gpu_a_kernel_is_queued_after_an_event_and_recorded_in_one_call(tor
         thread.join()
         gpu.synchronize_stream(stream)
         assert queued == [True] and out.value == 7
+        # a null stream is the device's named, even where another device is current
+        out.value = 0
+        other = 1 if gpu.device_count() > 1 else 0
+        gpu.set_device(other)
+        assert gpu.queue_kernel(call, 0, done, 0, 0)
+        gpu.synchronize_stream(0)
+        assert out.value == 7 and gpu.current_device() == 0
         # a captured stream: nothing queued, the caller captures it its own way
         side = torch.cuda.Stream()
         graph = torch.cuda.CUDAGraph()

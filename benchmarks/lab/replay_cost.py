@@ -1,11 +1,9 @@
-"""Where the host time of a repeated eager GPU call goes (2 ranks, one GPU each): each step of a
+"""Where the host time of a repeated eager GPU call goes (one rank per GPU): each step of a
 plan's replay timed alone on a loop (the tensor key, the plan lookup, torch's stream lookup, the
 op record and flight-recorder entry, the capture query, an event record, the queue's run with an
-empty operation, the kernel's launch), then whole calls, then a profile of the whole calls.
-
-Also the same operation queued two other ways: as one launch of a CUDA graph that captured it
-(cuGraphLaunch through ctypes), and with the kernel launched through ctypes.PyDLL (the call keeps
-the GIL, so no other thread can take it in between).
+empty operation, the plan's one compiled call), then whole calls, then a profile of the whole
+calls. Also the same operation queued as one launch of a CUDA graph that captured it
+(cuGraphLaunch through ctypes).
 
     anyccl run -n 2 benchmarks/lab/replay_cost.py [ipc|nccl]
 """
@@ -39,8 +37,9 @@ queue = b.queue
 stream = torch_stream(comm.device)
 event = gpu.new_event(comm.device)
 raw = b.all_reduce(gpu_array(tiny, "x"), ReduceOp.SUM)
-plans = comm._plans
+plans = comm._gpu_side.plans
 tag = ("all_reduce", ReduceOp.SUM)
+one_call = gpu.ONE_CALL.get(type(raw))
 
 
 def per_call(fn, n=20000) -> float:
@@ -91,16 +90,8 @@ graph_launch = libcuda.cuGraphLaunch
 graph_launch.argtypes, graph_launch.restype = [ctypes.c_void_p, ctypes.c_void_p], ctypes.c_int
 exec_handle = int(graph_exec)
 joint["CUDA graph launch (ctypes)"] = lambda: graph_launch(exec_handle, stream or None)
-if backend == "ipc":
-    kept = ctypes.PyDLL("libcuda.so.1").cuLaunchKernel
-    kept.argtypes, kept.restype = gpu._libcuda_launch().argtypes, ctypes.c_int
-    function = b._kernels["all_reduce_low_latency_float32_sum"]
-    a = b._args
-
-    def launch_keeping_gil() -> None:
-        a.scale, a.inp, a.out, a.count = 1.0, tiny.data_ptr(), tiny.data_ptr(), 2
-        kept(function, 1, 1, 1, 512, 1, 1, 0, stream or None, b._params_address, None)
-    joint["launch, GIL kept (PyDLL)"] = launch_keeping_gil
+if one_call is not None:
+    joint["one compiled call"] = lambda: one_call(raw, stream, event, 0, comm.device)
 joint["queue.run (kernel)"] = lambda: queue.run(OpRecord("x", 1, "", 8), (stream,),
                                                  time.monotonic() + 60, raw, None, [], stream)
 

@@ -22,17 +22,20 @@
  *                                           (0: none), or minus the error code
  *   device()                                cuCtxGetDevice: the current context's device, or
  *                                           minus the error code (no current context: 201)
- *   queue_kernel(stream, function, blocks, threads, params, event, after)
+ *   queue_kernel(stream, function, blocks, threads, params, event, after, device)
  *                                           a replayed operation's driver calls in one: unless
- *                                           the thread has no current context (then it queues
- *                                           nothing and returns 2) or `stream` is being
- *                                           captured (nothing queued, returns 1), the stream
+ *                                           the thread has no current context, or `stream` is
+ *                                           a null stream and `device` not the current one
+ *                                           (then it queues nothing and returns 2), or `stream`
+ *                                           is being captured (nothing queued, returns 1), the
+ *                                           stream
  *                                           waits for event `after` (unless 0), the kernel is
  *                                           launched as by launch() and `event` recorded after
  *                                           it; 0 on success, else minus (CUresult * 4 + the
  *                                           failed step: 0 capture query, 1 wait, 2 launch,
  *                                           3 record)
- *   queue_nccl(stream, function, with_op, send, recv, count, dtype, op, comm, event, after)
+ *   queue_nccl(stream, function, with_op, send, recv, count, dtype, op, comm, event, after,
+ *              device)
  *                                           the same for one NCCL collective: `function` is
  *                                           NCCL's entry point (ncclAllReduce and its like),
  *                                           called with the arguments after it (`op`, the op
@@ -161,11 +164,17 @@ static PyObject *device(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 }
 
 /* What every replayed operation does first on `stream`: 2 where the thread has no current
- * context, 1 where the stream is being captured (nothing queued either way), minus (CUresult *
- * 4 + step) on a failure, else 0 once the stream waits for event `after` (unless 0). */
-static long start_replay(Handle stream, Handle after) {
+ * context, or where `stream` is a null stream (0, 1, 2: the current device's) and the current
+ * device is not `device`; 1 where the stream is being captured (nothing queued either way),
+ * minus (CUresult * 4 + step) on a failure, else 0 once the stream waits for event `after`
+ * (unless 0). */
+static long start_replay(Handle stream, Handle after, Handle device) {
     Handle context = NULL;
     if (cu_context(&context) || context == NULL) return 2;
+    if ((uintptr_t)stream <= 2) {
+        int ordinal = -1;
+        if (cu_device(&ordinal) || ordinal != (int)(intptr_t)device) return 2;
+    }
     int capture = 0;
     CUresult rc = cu_capturing(stream, &capture);
     if (rc) return -((long)rc * 4 + 0);
@@ -175,11 +184,11 @@ static long start_replay(Handle stream, Handle after) {
 }
 
 static PyObject *queue_kernel(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    Handle h[7];
-    if (handles(args, nargs, 7, "queue_kernel", h) < 0) return NULL;
+    Handle h[8];
+    if (handles(args, nargs, 8, "queue_kernel", h) < 0) return NULL;
     Handle stream = h[0], function = h[1], params = h[4], event = h[5], after = h[6];
     unsigned blocks = (unsigned)(uintptr_t)h[2], threads = (unsigned)(uintptr_t)h[3];
-    long started = start_replay(stream, after);
+    long started = start_replay(stream, after, h[7]);
     if (started) return PyLong_FromLong(started);
     CUresult rc;
     Py_BEGIN_ALLOW_THREADS
@@ -196,13 +205,13 @@ typedef int (*NcclWithOp)(const void *, void *, size_t, int, int, Handle, Handle
 typedef int (*NcclWithoutOp)(const void *, void *, size_t, int, Handle, Handle);
 
 static PyObject *queue_nccl(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    Handle h[11];
-    if (handles(args, nargs, 11, "queue_nccl", h) < 0) return NULL;
+    Handle h[12];
+    if (handles(args, nargs, 12, "queue_nccl", h) < 0) return NULL;
     Handle stream = h[0], function = h[1], send = h[3], recv = h[4], comm = h[8];
     Handle event = h[9], after = h[10];
     int with_op = h[2] != NULL, dtype = (int)(intptr_t)h[6], op = (int)(intptr_t)h[7];
     size_t count = (size_t)(uintptr_t)h[5];
-    long started = start_replay(stream, after);
+    long started = start_replay(stream, after, h[11]);
     if (started) return PyLong_FromLong(started);
     int status;
     Py_BEGIN_ALLOW_THREADS
@@ -235,11 +244,13 @@ static PyMethodDef methods[] = {
     {"device", (PyCFunction)(void (*)(void))device, METH_FASTCALL,
      "device() -> the current context's device ordinal, or minus the CUresult"},
     {"queue_kernel", (PyCFunction)(void (*)(void))queue_kernel, METH_FASTCALL,
-     "queue_kernel(stream, function, blocks, threads, params, event, after) -> 0, 1 (the "
-     "stream is being captured: nothing queued), 2 (no current context: nothing queued), or "
+     "queue_kernel(stream, function, blocks, threads, params, event, after, device) -> 0, 1 (the "
+     "stream is being captured: nothing queued), 2 (no current context, or a null stream of "
+     "another device: nothing queued), or "
      "minus (CUresult * 4 + failed step)"},
     {"queue_nccl", (PyCFunction)(void (*)(void))queue_nccl, METH_FASTCALL,
-     "queue_nccl(stream, function, with_op, send, recv, count, dtype, op, comm, event, after) "
+     "queue_nccl(stream, function, with_op, send, recv, count, dtype, op, comm, event, after, "
+     "device) "
      "-> as queue_kernel (step 2: the ncclResult_t)"},
     {NULL, NULL, 0, NULL},
 };

@@ -434,13 +434,13 @@ _REPLAY_STEPS = ("cuStreamIsCapturing", "cuStreamWaitEvent", "cuLaunchKernel",
 def queue_kernel(call: KernelLaunch, stream: int, event: int, after: int, device: int) -> bool:
     """Queue `call` on `stream` after event `after` (0: no wait) and record `event` after it;
     False, with nothing queued, if `stream` is being captured into a CUDA graph. A thread with
-    no current context gets `device`'s first (`ensure_context`). One compiled call where the
-    CUDA core loaded."""
+    no current context gets `device`'s first (`ensure_context`), and a null stream is taken
+    as `device`'s (made current if it is not). One compiled call where the CUDA core loaded."""
     if _core is None:
         return queue_in_steps(call, stream, event, after, device)
     status = _core.queue_kernel(stream, call.function, call.blocks, call.threads, call.params,
-                                event, after)
-    return _replayed(status, call, stream, event, after, device)
+                                event, after, device)
+    return not status or _replayed(status, call, stream, event, after, device)
 
 
 def queue_nccl(call: NcclCall, stream: int, event: int, after: int, device: int) -> bool:
@@ -448,7 +448,9 @@ def queue_nccl(call: NcclCall, stream: int, event: int, after: int, device: int)
     record in one compiled call where the CUDA core loaded; NCCL's own error if it fails."""
     if _core is None:
         return queue_in_steps(call, stream, event, after, device)
-    status = _core.queue_nccl(stream, call.function, *call.args, event, after)
+    status = _core.queue_nccl(stream, call.function, *call.args, event, after, device)
+    if not status:
+        return True
     if status < 0 and -status % 4 == 2:
         call.check(-status // 4)   # NCCL's error
         raise CudaError(f"NCCL returned ncclResult_t {-status // 4} on stream {stream:#x}")
@@ -464,7 +466,7 @@ def _replayed(status: int, call: Callable[[int], None], stream: int, event: int,
             code, step = divmod(-status, 4)
             _check_driver(_drv().CUresult(code), _REPLAY_STEPS[step])
         return True
-    if status == 2:   # a thread new to CUDA: its first operation the long way, which gives it one
+    if status == 2:   # a thread new to CUDA, or a null stream of another device: the long way
         return queue_in_steps(call, stream, event, after, device)
     return False
 
@@ -477,6 +479,8 @@ def queue_in_steps(call: Callable[[int], None], stream: int, event: int, after: 
                    device: int) -> bool:
     """`queue_kernel` as one driver call after another (where the CUDA core is not built)."""
     ensure_context(device)
+    if stream in NULL_STREAMS:
+        use_device(device)  # a null stream is the current device's
     if is_capturing(stream):
         return False
     if after:

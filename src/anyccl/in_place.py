@@ -20,10 +20,15 @@ if TYPE_CHECKING:
 def early(comm: Communicator, tag: tuple, tensor: Any, async_op: bool, stream: Any,
           again: Callable[[np.ndarray], Any]) -> Any:
     """What collective `tag[0]` (`tag`: its name and arguments) of `comm` answers before its
-    full path: for an input that cannot be written in place, `again(copy)` on a writable copy,
-    and the result as a new array of the input's kind (blocking only: an async call is refused,
-    on every rank, as any refused argument is); a replayed plan's outcome (GPU); else
+    full path: a replayed plan's outcome (GPU); for an input that cannot be written in place,
+    `again(copy)` on a writable copy, and the result as a new array of the input's kind
+    (blocking only: an async call is refused, on every rank, as any refused argument is); else
     FULL_PATH."""
+    gpu_side = comm._gpu_side
+    if gpu_side.plans is not None:   # (a plan is only ever made for a GPU array)
+        replayed = gpu_side.replay(tag, (tensor,), async_op, stream)
+        if replayed is not FULL_PATH:
+            return tensor if replayed is None else replayed
     staged = immutable_copy(tensor)
     if staged is not None:
         copy, back = staged
@@ -38,9 +43,4 @@ def early(comm: Communicator, tag: tuple, tensor: Any, async_op: bool, stream: A
             raise exc
         again(copy)
         return back(copy)
-    gpu_side = comm._gpu_side
-    if gpu_side.plans is not None:
-        replayed = gpu_side.replay(tag, (tensor,), async_op, stream)
-        if replayed is not FULL_PATH:
-            return tensor if replayed is None else replayed
     return FULL_PATH

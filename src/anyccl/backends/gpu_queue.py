@@ -183,9 +183,7 @@ class GpuQueue:
         """`_queue` of one kernel or one NCCL call right on `stream`, in one compiled call
         (`one_call`, from gpu.ONE_CALL): its event, or 0 when the stream is being captured
         (nothing was queued; `_queue` captures it)."""
-        with self.lock:
-            if stream in gpu.NULL_STREAMS:
-                gpu.use_device(self.device)  # a null stream is the current device's
+        with self.lock:   # (a null stream is the current device's: one_call makes it ours)
             event = self._events[self._next_event]
             last = self._last_stream
             after = self._last_event if last is not None and last != stream else 0
