@@ -270,7 +270,8 @@ def test_a_one_kernel_operation_is_queued_in_one_step_after_the_queues_last_oper
     """A blocking operation of one kernel (what a cached plan replays) carries its own
     argument block, so the queue issues its driver calls as one (gpu.queue_kernel): wait for
     the queue's previous operation if that ran on another stream, launch, record its event; on
-    a stream being captured it is captured whole, with no event."""
+    a stream being captured it is captured whole, with no event. A cached plan's blocking
+    replay (`replay_one`) takes the same steps."""
     seen, names, events = launches
     monkeypatch.setattr(gpu, "_core", None)   # the per-call path: each driver call is seen
     record_launch = gpu.launch
@@ -300,11 +301,20 @@ def test_a_one_kernel_operation_is_queued_in_one_step_after_the_queues_last_oper
     for kernel, _, stream, a in seen:     # ...but not this one's
         assert kernel == "all_reduce_low_latency_float32_sum" and stream == 7
         assert (a["inp"], a["out"], a["count"], a["scale"]) == (x.ptr, x.ptr, 2, 0.5)
+    replayed = OpRecord("all_reduce", 5)   # a cached plan's blocking replay: the same steps
+    events.clear()
+    queue.replay_one(replayed, call, gpu.queue_kernel, 7, deadline)
+    third = queue._queued[-1][1]
+    assert events == [("launch", 7), ("record", third, 7)] and third not in (first, second)
+    assert queue._queued[-1][0] is replayed and replayed.state == "started"
     capturing.add(9)
     events.clear()
     assert queue.run(OpRecord("all_reduce", 4), [9], deadline, call, None, [], on=9) == 0
     assert events == [("launch", 9)]      # in the graph; the queue follows nothing of it
-    assert len(queue._queued) == 3
+    events.clear()
+    queue.replay_one(OpRecord("all_reduce", 6), call, gpu.queue_kernel, 9, deadline)
+    assert events == [("launch", 9)]
+    assert len(queue._queued) == 4
 
 
 def test_a_kernel_that_ended_early_fails_the_next_call_before_it_queues(launches, monkeypatch):

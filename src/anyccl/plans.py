@@ -27,6 +27,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from . import gpu
 from .backends.gpu_queue import Enqueue
 from .buffers import GpuArray, cuda_tensor_key, torch_stream_function
 from .ops import ReduceOp
@@ -39,17 +40,23 @@ _TAG_TYPES = (int, str, ReduceOp)   # the plain values an argument may be to tak
 class Plan:
     """What the first call of a key built: the operation's name, argument text and size for
     its op record, the function that queues it on a stream, its device, the GPU backend (an
-    async replay's Work asks it), and the functions a replay calls: `run` (the backend's) and
-    `current_stream` (torch's current stream on a device, as a handle)."""
+    async replay's Work asks it), and the functions a replay calls: `run` (the backend's),
+    `current_stream` (torch's current stream on a device, as a handle), and, where the
+    function is one compiled call (gpu.ONE_CALL) the backend replays on a shorter way,
+    `one_call` and `replay_one` (the backend's `replayer()`; else both None)."""
 
     __slots__ = ("name", "args", "nbytes", "enqueue", "device", "backend", "run",
-                 "current_stream")
+                 "current_stream", "one_call", "replay_one")
 
     def __init__(self, name: str, args: ArgsText, nbytes: int, enqueue: Enqueue,
                  device: int, backend: Any, run: Callable[..., int]) -> None:
         self.name, self.args, self.nbytes = name, args, nbytes
         self.enqueue, self.device, self.backend, self.run = enqueue, device, backend, run
         self.current_stream = torch_stream_function()
+        self.one_call = gpu.ONE_CALL.get(type(enqueue))
+        self.replay_one = backend.replayer() if self.one_call is not None else None
+        if self.replay_one is None:
+            self.one_call = None
 
 
 class Plans:

@@ -97,6 +97,12 @@ class GpuBackend(ABC):
         the function `run` hands its calls to, where it only hands them on."""
         return self.run
 
+    def replayer(self) -> Callable[..., None] | None:
+        """Where `runner()` hands its blocking operations of one compiled call (a cached
+        plan's replay, gpu.ONE_CALL) on a shorter way: a function (record, call, one_call,
+        stream, deadline) as GpuQueue.replay_one; None where there is none."""
+        return None
+
     @abstractmethod
     def host_wait(self, event: int, record: OpRecord, deadline: float) -> None:
         """Block the host until `event`; TimeoutError at `deadline`, or the backend's error."""
@@ -139,6 +145,9 @@ class QueuedGpuBackend(GpuBackend):
 
     def runner(self) -> Callable[..., int]:
         return self.queue.run
+
+    def replayer(self) -> Callable[..., None] | None:
+        return self.queue.replay_one
 
     def host_wait(self, event: int, record: OpRecord, deadline: float) -> None:
         self.queue.host_wait(event, record, deadline)

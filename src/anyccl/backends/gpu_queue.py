@@ -127,12 +127,32 @@ class GpuQueue:
             event = self._queue(record, after, enqueue, entries, on)
             if not event:
                 return 0   # captured into a CUDA graph: nothing to follow
-        # the watchdog follows it from here; every so often the caller retires finished ones
         for entry in entries:
             FlightRecorder.started(entry)
+        self._follow((record, event, deadline, keep, entries))
+        return event
+
+    def replay_one(self, record: OpRecord, call: Enqueue, one_call: Callable[..., bool],
+                   stream: int, deadline: float) -> None:
+        """`run(record, [stream], deadline, call, None, [record], on=stream)` for an operation
+        of one compiled call (`one_call`, from gpu.ONE_CALL; a cached plan's blocking replay),
+        without run's general cases: the same checks, ordering, event and following."""
+        alarm = self._alarm
+        if self.failure is not None or alarm is not None and alarm[0][alarm[1]]:
+            self.raise_if_failed()
+        event = self._queue_one_call(one_call, call, stream, record)
+        if not event:   # the stream is being captured: run captures it
+            self.run(record, (stream,), deadline, call, None, [record], stream)
+            return
+        FlightRecorder.started(record)
+        self._follow((record, event, deadline, None, (record,)))
+
+    def _follow(self, queued_op: Queued) -> None:
+        """The watchdog follows `queued_op` from here; every so often the caller retires the
+        finished ones itself."""
         queued = self._queued
         was_empty = not queued
-        queued.append((record, event, deadline, keep, entries))
+        queued.append(queued_op)
         if was_empty:
             self._wake_watchdog()
         elif not len(queued) % _RETIRE_EVERY and self._retiring.acquire(False):
@@ -142,7 +162,6 @@ class GpuQueue:
                 pass   # the operation is queued; the error fails the watchdog's look or a call
             finally:
                 self._retiring.release()
-        return event
 
     def _queue(self, record: OpRecord, after: Sequence[int], enqueue: Enqueue,
                entries: list[Entry], on: int | None) -> int:
