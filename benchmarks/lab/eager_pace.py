@@ -86,11 +86,11 @@ for nbytes in sizes:
     t = symm_mem.empty(max(1, nbytes // 4), dtype=torch.float32, device=dev)
     t.zero_()
     symm_mem.rendezvous(t, group)
-    two_shot = torch.ops.symm_mem.two_shot_all_reduce_
     libraries: dict[str, Callable[[], object]] = {
-        "anyccl ipc": lambda: comm.all_reduce(t),
-        "torch symm two_shot": lambda: two_shot(t, "sum", group),
-        "torch nccl": lambda: dist.all_reduce(t),
+        "anyccl ipc": lambda t=t: comm.all_reduce(t),
+        "torch symm two_shot": lambda t=t, f=torch.ops.symm_mem.two_shot_all_reduce_: f(
+            t, "sum", group),
+        "torch nccl": lambda t=t: dist.all_reduce(t),
     }
     for call in libraries.values():
         for _ in range(50):
