@@ -37,7 +37,7 @@ import numpy as np
 
 from .. import agreement, settings, tuning
 from .._console import say
-from ..buffers import SUPPORTED_DTYPES
+from ..buffers import SUPPORTED_DTYPES, Pieces
 from ..errors import (
     InvalidArgumentError,
     PeerLostError,
@@ -460,11 +460,8 @@ class MpiBackend(PolledMessages, Backend):
                        for r in others)
 
     # ---- types and reductions ----------------------------------------------------------------
-    @staticmethod
-    def _bytes(x: np.ndarray) -> list[Any]:
-        from mpi4py import MPI
-
-        return [x.reshape(-1).view(np.uint8), MPI.BYTE]
+    def _bytes(self, x: np.ndarray) -> list[Any]:
+        return [x.reshape(-1).view(np.uint8), self.MPI.BYTE]
 
     def _reduction(self, op: ReduceOp, dtype: np.dtype) -> tuple[Any, Any]:
         """(MPI datatype, MPI op) computing anyccl's `op` on `dtype` (AVG as SUM)."""
@@ -807,6 +804,8 @@ def _joined(outs: list[np.ndarray]) -> tuple[np.ndarray, Callable[[], None] | No
     """One contiguous array over `outs`: their own memory when they lie back to back (the
     communicator's pieces of one array), else a scratch array and the function that copies it
     back into them."""
+    if isinstance(outs, Pieces):   # pieces of one array: that array
+        return outs.whole.reshape(-1), None
     flat = [o.reshape(-1) for o in outs]
     if len(flat) == 1:
         return flat[0], None
