@@ -35,6 +35,16 @@ def test_wrong_argument_counts_are_refused_by_name():
         _cudacore.queue_nccl(1, 2, 3, 4, 5, 6, 7)
 
 
+def test_the_compiled_replay_takes_only_its_context_and_declines_where_no_driver_loaded():
+    with pytest.raises(TypeError, match=r"replay\(\) takes 3 arguments \(2 given\)"):
+        _cudacore.replay(1, 2)
+    with pytest.raises(TypeError, match="a context tuple"):
+        _cudacore.replay((), ("all_reduce",), object())
+    if gpu._core is None:   # nothing is looked at: the Python way takes every call
+        context = ({},) + (None,) * 10
+        assert _cudacore.replay(context, ("all_reduce",), object()) is False
+
+
 def test_without_the_core_follow_records_then_waits(monkeypatch):
     calls = []
     monkeypatch.setattr(gpu, "_core", None)

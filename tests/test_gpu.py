@@ -551,17 +551,30 @@ def test_order_dependent_sums_are_bit_identical_on_every_gpu(backend, count, dty
 
 
 # ---- repeated blocking calls: cached plans ----------------------------------------------------
-def check_repeated_calls(comm) -> tuple[list[bool], bool, set[str]]:
+def check_repeated_calls(comm) -> tuple[list[bool], bool, set[str], dict, bool]:
     """A training loop's calls: the same torch tensors, new values each step. From the second
     call on, each op replays its plan (plans.py); results stay right, and a plan does not keep
-    the tensors alive. Also: what the plans queue (the kinds of their enqueue functions)."""
+    the tensors alive. Also: what the plans queue (the kinds of their enqueue functions), and
+    how many all_reduce and broadcast replays took the Python way (the others ran whole in
+    compiled code), per size."""
     import gc
     import weakref
 
     import torch
 
+    from anyccl.gpu_dispatch import FULL_PATH
+
     d, n, r = comm.device, comm.size, comm.rank
     dev = f"cuda:{d}"
+    side, python_replays = comm._gpu_side, {}
+    replay = side.replay
+
+    def counted(tag, *rest):
+        got = replay(tag, *rest)
+        if got is not FULL_PATH and tag[0] in ("all_reduce", "broadcast"):
+            python_replays[count] = python_replays.get(count, 0) + 1
+        return got
+    side.replay = counted
     for count in (2, 70_000):   # ipc: the low-latency kernel and the one-shot one
         x = torch.zeros(count, device=dev)
         out = torch.zeros(count * n, device=dev)
@@ -587,14 +600,16 @@ def check_repeated_calls(comm) -> tuple[list[bool], bool, set[str]]:
     del x
     torch.cuda.synchronize()
     # the watchdog lets finished operations go (and their hold on x) soon after
-    return replayed, eventually(lambda: gc.collect() >= 0 and gone() is None), kinds
+    return (replayed, eventually(lambda: gc.collect() >= 0 and gone() is None), kinds,
+            python_replays, side.compiled_replay is not None)
 
 
 @two_gpus()
 @pytest.mark.parametrize("backend", ["nccl", "ipc"])
 def test_repeated_blocking_calls_on_the_same_tensors_stay_right_and_free_them(backend):
     env = {**GPU_ENV, "ANYCCL_BACKEND": f"cpu:shm,cuda:{backend}"}
-    for replayed, freed, kinds in run_ranks(check_repeated_calls, gpu.device_count(), env=env):
+    for replayed, freed, kinds, python_replays, compiled in run_ranks(
+            check_repeated_calls, gpu.device_count(), env=env):
         # each (size, op): steps of 4 ops each; once a call replays, the later ones do too, and
         # the last two steps replay (the first GPU call leaves no plan, so the op after it in
         # the same position plans one step later)
@@ -605,6 +620,11 @@ def test_repeated_blocking_calls_on_the_same_tensors_stay_right_and_free_them(ba
         assert freed, "a cached plan kept the user's tensor alive"
         # each replay is one compiled call: an ipc kernel's launch, or NCCL's call itself
         assert ("KernelLaunch" if backend == "ipc" else "NcclCall") in kinds, kinds
+        # the small all_reduce and broadcast (one compiled call each) replay whole in compiled
+        # code where the CUDA core loaded: none of them took the Python way
+        assert compiled == (gpu._core is not None)
+        if compiled:
+            assert python_replays.get(2, 0) == 0, python_replays
 
 
 def check_repeated_async_calls(comm) -> tuple[list[bool], int, bool]:

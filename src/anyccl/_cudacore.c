@@ -183,20 +183,25 @@ static long start_replay(Handle stream, Handle after, Handle device) {
     return 0;
 }
 
-static PyObject *queue_kernel(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    Handle h[8];
-    if (handles(args, nargs, 8, "queue_kernel", h) < 0) return NULL;
-    Handle stream = h[0], function = h[1], params = h[4], event = h[5], after = h[6];
-    unsigned blocks = (unsigned)(uintptr_t)h[2], threads = (unsigned)(uintptr_t)h[3];
-    long started = start_replay(stream, after, h[7]);
-    if (started) return PyLong_FromLong(started);
+/* queue_kernel's driver calls: its status (see the module's comment). */
+static long kernel_steps(Handle stream, Handle function, unsigned blocks, unsigned threads,
+                         Handle params, Handle event, Handle after, Handle device) {
+    long started = start_replay(stream, after, device);
+    if (started) return started;
     CUresult rc;
     Py_BEGIN_ALLOW_THREADS
     rc = cu_launch(function, blocks, 1, 1, threads, 1, 1, 0, stream, (void **)params, NULL);
     Py_END_ALLOW_THREADS
-    if (rc) return PyLong_FromLong(-((long)rc * 4 + 2));
-    if ((rc = cu_record(event, stream))) return PyLong_FromLong(-((long)rc * 4 + 3));
-    return PyLong_FromLong(0);
+    if (rc) return -((long)rc * 4 + 2);
+    if ((rc = cu_record(event, stream))) return -((long)rc * 4 + 3);
+    return 0;
+}
+
+static PyObject *queue_kernel(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    Handle h[8];
+    if (handles(args, nargs, 8, "queue_kernel", h) < 0) return NULL;
+    return PyLong_FromLong(kernel_steps(h[0], h[1], (unsigned)(uintptr_t)h[2],
+                                        (unsigned)(uintptr_t)h[3], h[4], h[5], h[6], h[7]));
 }
 
 /* NCCL's collectives, by the shape of their arguments: ncclAllReduce, ncclReduceScatter and
@@ -204,15 +209,14 @@ static PyObject *queue_kernel(PyObject *self, PyObject *const *args, Py_ssize_t 
 typedef int (*NcclWithOp)(const void *, void *, size_t, int, int, Handle, Handle);
 typedef int (*NcclWithoutOp)(const void *, void *, size_t, int, Handle, Handle);
 
-static PyObject *queue_nccl(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    Handle h[12];
-    if (handles(args, nargs, 12, "queue_nccl", h) < 0) return NULL;
+/* queue_nccl's calls, h as its arguments: its status. */
+static long nccl_steps(Handle *h) {
     Handle stream = h[0], function = h[1], send = h[3], recv = h[4], comm = h[8];
     Handle event = h[9], after = h[10];
     int with_op = h[2] != NULL, dtype = (int)(intptr_t)h[6], op = (int)(intptr_t)h[7];
     size_t count = (size_t)(uintptr_t)h[5];
     long started = start_replay(stream, after, h[11]);
-    if (started) return PyLong_FromLong(started);
+    if (started) return started;
     int status;
     Py_BEGIN_ALLOW_THREADS
     if (with_op)
@@ -220,10 +224,252 @@ static PyObject *queue_nccl(PyObject *self, PyObject *const *args, Py_ssize_t na
     else
         status = ((NcclWithoutOp)function)(send, recv, count, dtype, comm, stream);
     Py_END_ALLOW_THREADS
-    if (status) return PyLong_FromLong(-((long)status * 4 + 2));
+    if (status) return -((long)status * 4 + 2);
     CUresult rc = cu_record(event, stream);
-    if (rc) return PyLong_FromLong(-((long)rc * 4 + 3));
-    return PyLong_FromLong(0);
+    if (rc) return -((long)rc * 4 + 3);
+    return 0;
+}
+
+static PyObject *queue_nccl(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    Handle h[12];
+    if (handles(args, nargs, 12, "queue_nccl", h) < 0) return NULL;
+    return PyLong_FromLong(nccl_steps(h));
+}
+
+/* ---- a cached plan's blocking replay, whole (gpu_dispatch.py's `compiled_replay`) ---------- */
+static PyObject *s_is_neg, *s_is_contiguous, *s_data_ptr, *s_numel, *s_dtype, *s_one_call,
+    *s_queue, *s_enqueue, *s_device, *s_name, *s_args, *s_nbytes, *s_failure, *s_alarm,
+    *s_lock, *s_acquire, *s_release, *s_events, *s_next_event, *s_last_stream, *s_last_event,
+    *s_follow, *s_replayed, *s_issued_at, *s_timeout_s, *s_function, *s_blocks, *s_threads,
+    *s_params;
+
+enum { CTX_PLANS, CTX_TENSOR, CTX_OP, CTX_KERNEL, CTX_NCCL, CTX_STREAM, CTX_NUMBER, CTX_RECORD,
+       CTX_RECORDER_ADD, CTX_STARTED, CTX_DISPATCH, CTX_SIZE };
+
+/* The plan of `tag` on `tensor` (a new reference), Py_None where there is none (the call takes
+ * the Python way, which finds the same answer, and says why), NULL on an error to raise. */
+static PyObject *find_plan(PyObject *ctx, PyObject *tag, PyObject *tensor) {
+    if (!PyObject_TypeCheck(tensor, (PyTypeObject *)PyTuple_GET_ITEM(ctx, CTX_TENSOR)))
+        Py_RETURN_NONE;
+    Py_ssize_t n = PyTuple_GET_SIZE(tag);
+    PyTypeObject *op_type = (PyTypeObject *)PyTuple_GET_ITEM(ctx, CTX_OP);
+    for (Py_ssize_t i = 0; i < n; i++) {   /* plans.py's _TAG_TYPES, exactly */
+        PyObject *v = PyTuple_GET_ITEM(tag, i);
+        if (!PyLong_CheckExact(v) && !PyUnicode_CheckExact(v) && Py_TYPE(v) != op_type)
+            Py_RETURN_NONE;
+    }
+    PyObject *key = PyTuple_New(n + 3);
+    if (key == NULL) return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_INCREF(PyTuple_GET_ITEM(tag, i));
+        PyTuple_SET_ITEM(key, i, PyTuple_GET_ITEM(tag, i));
+    }
+    PyObject *names[3] = {s_data_ptr, s_numel, NULL};
+    int neg = -1, contiguous = -1;
+    PyObject *r = PyObject_CallMethodNoArgs(tensor, s_is_neg);
+    if (r != NULL) { neg = PyObject_IsTrue(r); Py_DECREF(r); }
+    if (neg == 0 && (r = PyObject_CallMethodNoArgs(tensor, s_is_contiguous)) != NULL) {
+        contiguous = PyObject_IsTrue(r);
+        Py_DECREF(r);
+    }
+    if (neg != 0 || contiguous != 1) goto miss;
+    for (int i = 0; names[i] != NULL; i++) {
+        if ((r = PyObject_CallMethodNoArgs(tensor, names[i])) == NULL) goto miss;
+        PyTuple_SET_ITEM(key, n + i, r);
+    }
+    if ((r = PyObject_GetAttr(tensor, s_dtype)) == NULL) goto miss;
+    PyTuple_SET_ITEM(key, n + 2, r);
+    PyObject *plan = PyDict_GetItemWithError(PyTuple_GET_ITEM(ctx, CTX_PLANS), key);
+    Py_DECREF(key);
+    if (plan == NULL) {
+        if (PyErr_Occurred()) return NULL;
+        Py_RETURN_NONE;
+    }
+    Py_INCREF(plan);
+    return plan;
+miss:   /* sparse and other layouts without a data pointer raise RuntimeError: no plan */
+    Py_DECREF(key);
+    if (PyErr_Occurred()) {
+        if (!PyErr_ExceptionMatches(PyExc_RuntimeError)) return NULL;
+        PyErr_Clear();
+    }
+    Py_RETURN_NONE;
+}
+
+static int long_attr(PyObject *o, PyObject *name, long *out) {
+    PyObject *v = PyObject_GetAttr(o, name);
+    if (v == NULL) return -1;
+    *out = PyLong_AsLong(v);
+    Py_DECREF(v);
+    return (*out == -1 && PyErr_Occurred()) ? -1 : 0;
+}
+
+static int handle_of(PyObject *v, Handle *out) {
+    *out = PyLong_AsVoidPtr(v);
+    return (*out == NULL && PyErr_Occurred()) ? -1 : 0;
+}
+
+/* Queue `plan`'s one compiled call on the current stream under its queue's lock, the queue's
+ * ordering state updated as GpuQueue._queue_one_call does: 1 once queued (*event_out: its
+ * event, a new reference), 0 where the Python way must do it (the queue failed or its alarm is
+ * up, its lock is held, the stream is being captured, a thread or device without its context,
+ * a failed call: nothing of this call is left queued but maybe a wait, which orders nothing
+ * new), -1 on an error to raise. */
+static int queue_plan(PyObject *ctx, PyObject *plan, PyObject *queue, PyObject **event_out) {
+    int done = -1, locked = 0;
+    PyObject *enqueue = NULL, *failure = NULL, *alarm = NULL, *lock = NULL, *device = NULL,
+             *stream = NULL, *events = NULL, *event = NULL, *last = NULL, *last_event = NULL,
+             *r = NULL;
+    if ((failure = PyObject_GetAttr(queue, s_failure)) == NULL ||
+        (alarm = PyObject_GetAttr(queue, s_alarm)) == NULL ||
+        (enqueue = PyObject_GetAttr(plan, s_enqueue)) == NULL) goto out;
+    done = 0;
+    if (failure != Py_None) goto out;
+    if (alarm != Py_None) {   /* (words, index): a kernel that ended its operation early */
+        if (!PyTuple_Check(alarm) || PyTuple_GET_SIZE(alarm) != 2) goto out;
+        PyObject *word = PyObject_GetItem(PyTuple_GET_ITEM(alarm, 0), PyTuple_GET_ITEM(alarm, 1));
+        if (word == NULL) { done = -1; goto out; }
+        int up = PyObject_IsTrue(word);
+        Py_DECREF(word);
+        if (up != 0) { done = up < 0 ? -1 : 0; goto out; }
+    }
+    done = -1;
+    if ((lock = PyObject_GetAttr(queue, s_lock)) == NULL ||
+        (r = PyObject_CallMethodOneArg(lock, s_acquire, Py_False)) == NULL) goto out;
+    locked = r == Py_True;
+    Py_CLEAR(r);
+    done = 0;
+    if (!locked) goto out;   /* another thread queues or aborts: the Python way waits */
+    done = -1;
+    long next, ring;
+    Handle h[12];
+    if ((device = PyObject_GetAttr(plan, s_device)) == NULL ||
+        (stream = PyObject_CallOneArg(PyTuple_GET_ITEM(ctx, CTX_STREAM), device)) == NULL ||
+        (events = PyObject_GetAttr(queue, s_events)) == NULL ||
+        long_attr(queue, s_next_event, &next) < 0 ||
+        (ring = PyObject_Length(events)) < 0 ||
+        (event = PySequence_GetItem(events, next)) == NULL ||
+        (last = PyObject_GetAttr(queue, s_last_stream)) == NULL ||
+        (last_event = PyObject_GetAttr(queue, s_last_event)) == NULL) goto out;
+    Handle stream_h, event_h, after_h = NULL, device_h, last_h = NULL;
+    if (handle_of(stream, &stream_h) < 0 || handle_of(event, &event_h) < 0 ||
+        handle_of(device, &device_h) < 0 ||
+        (last != Py_None && handle_of(last, &last_h) < 0)) goto out;
+    if (last != Py_None && last_h != stream_h && handle_of(last_event, &after_h) < 0) goto out;
+    long status;
+    if (Py_TYPE(enqueue) == (PyTypeObject *)PyTuple_GET_ITEM(ctx, CTX_KERNEL)) {
+        long blocks, threads;
+        PyObject *function = NULL, *params = NULL;
+        Handle function_h = NULL, params_h = NULL;
+        int bad = (function = PyObject_GetAttr(enqueue, s_function)) == NULL ||
+                  (params = PyObject_GetAttr(enqueue, s_params)) == NULL ||
+                  handle_of(function, &function_h) < 0 || handle_of(params, &params_h) < 0 ||
+                  long_attr(enqueue, s_blocks, &blocks) < 0 ||
+                  long_attr(enqueue, s_threads, &threads) < 0;
+        Py_XDECREF(function);
+        Py_XDECREF(params);
+        if (bad) goto out;
+        status = kernel_steps(stream_h, function_h, (unsigned)blocks, (unsigned)threads,
+                              params_h, event_h, after_h, device_h);
+    } else if (Py_TYPE(enqueue) == (PyTypeObject *)PyTuple_GET_ITEM(ctx, CTX_NCCL)) {
+        PyObject *function = PyObject_GetAttr(enqueue, s_function), *args = NULL;
+        int bad = function == NULL || (args = PyObject_GetAttr(enqueue, s_args)) == NULL ||
+                  !PyTuple_Check(args) || PyTuple_GET_SIZE(args) != 7 ||
+                  handle_of(function, &h[1]) < 0;
+        for (int i = 0; !bad && i < 7; i++)
+            bad = handle_of(PyTuple_GET_ITEM(args, i), &h[2 + i]) < 0;
+        Py_XDECREF(function);
+        Py_XDECREF(args);
+        if (bad) { if (!PyErr_Occurred()) done = 0; goto out; }
+        h[0] = stream_h, h[9] = event_h, h[10] = after_h, h[11] = device_h;
+        status = nccl_steps(h);
+    } else {
+        done = 0;
+        goto out;
+    }
+    done = 0;
+    if (status) goto out;   /* the Python way queues it, or raises what failed */
+    done = -1;
+    PyObject *following = PyLong_FromLong((next + 1) % ring);
+    if (following == NULL) goto out;
+    int bad = PyObject_SetAttr(queue, s_next_event, following) < 0 ||
+              PyObject_SetAttr(queue, s_last_stream, stream) < 0 ||
+              PyObject_SetAttr(queue, s_last_event, event) < 0;
+    Py_DECREF(following);
+    if (bad) goto out;
+    *event_out = event;
+    event = NULL;
+    done = 1;
+out:
+    if (locked) {
+        PyObject *err_type, *err_value, *err_tb;
+        PyErr_Fetch(&err_type, &err_value, &err_tb);
+        PyObject *released = PyObject_CallMethodNoArgs(lock, s_release);
+        if (released == NULL) done = -1; else Py_DECREF(released);
+        if (err_type != NULL) PyErr_Restore(err_type, err_value, err_tb);
+    }
+    Py_XDECREF(enqueue); Py_XDECREF(failure); Py_XDECREF(alarm); Py_XDECREF(lock);
+    Py_XDECREF(device); Py_XDECREF(stream); Py_XDECREF(events); Py_XDECREF(event);
+    Py_XDECREF(last); Py_XDECREF(last_event);
+    return done;
+}
+
+static PyObject *replay(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_Format(PyExc_TypeError, "replay() takes 3 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    PyObject *ctx = args[0], *tag = args[1], *tensor = args[2];
+    if (!PyTuple_CheckExact(ctx) || PyTuple_GET_SIZE(ctx) != CTX_SIZE ||
+        !PyDict_CheckExact(PyTuple_GET_ITEM(ctx, CTX_PLANS)) || !PyTuple_CheckExact(tag)) {
+        PyErr_SetString(PyExc_TypeError, "replay(context, tag, tensor): a context tuple as "
+                                         "gpu_dispatch.py builds it and a tag tuple");
+        return NULL;
+    }
+    if (cu_launch == NULL) Py_RETURN_FALSE;
+    PyObject *plan = find_plan(ctx, tag, tensor), *one_call = NULL, *queue = NULL,
+             *event = NULL, *result = NULL;
+    if (plan == NULL) return NULL;
+    if (plan == Py_None) { Py_DECREF(plan); Py_RETURN_FALSE; }
+    if ((one_call = PyObject_GetAttr(plan, s_one_call)) == NULL ||
+        (queue = PyObject_GetAttr(plan, s_queue)) == NULL) goto out;
+    int queued = 0;
+    if (one_call != Py_None && queue != Py_None &&
+        (queued = queue_plan(ctx, plan, queue, &event)) < 0) goto out;
+    if (!queued) { result = Py_False; Py_INCREF(result); goto out; }
+    /* queued: its record, numbered, in the flight recorder, started, followed by the watchdog */
+    PyObject *seq = NULL, *name = NULL, *text = NULL, *nbytes = NULL, *record = NULL,
+             *issued = NULL, *timeout = NULL, *entries = NULL, *item = NULL, *r = NULL;
+    int ok = (seq = PyObject_CallNoArgs(PyTuple_GET_ITEM(ctx, CTX_NUMBER))) != NULL &&
+             (name = PyObject_GetAttr(plan, s_name)) != NULL &&
+             (text = PyObject_GetAttr(plan, s_args)) != NULL &&
+             (nbytes = PyObject_GetAttr(plan, s_nbytes)) != NULL &&
+             (record = PyObject_CallFunctionObjArgs(PyTuple_GET_ITEM(ctx, CTX_RECORD), name, seq,
+                                                    text, nbytes, NULL)) != NULL &&
+             PyObject_SetAttr(record, s_replayed, Py_True) == 0 &&
+             (r = PyObject_CallOneArg(PyTuple_GET_ITEM(ctx, CTX_RECORDER_ADD), record)) != NULL;
+    Py_XDECREF(r);
+    ok = ok && (r = PyObject_CallOneArg(PyTuple_GET_ITEM(ctx, CTX_STARTED), record)) != NULL;
+    if (ok) Py_DECREF(r);
+    ok = ok && (issued = PyObject_GetAttr(record, s_issued_at)) != NULL &&
+         (timeout = PyObject_GetAttr(PyTuple_GET_ITEM(ctx, CTX_DISPATCH), s_timeout_s)) != NULL &&
+         (entries = PyTuple_Pack(1, record)) != NULL;
+    if (ok) {
+        double deadline = PyFloat_AsDouble(issued) + PyFloat_AsDouble(timeout);
+        PyObject *when = PyErr_Occurred() ? NULL : PyFloat_FromDouble(deadline);
+        ok = when != NULL &&
+             (item = PyTuple_Pack(5, record, event, when, Py_None, entries)) != NULL &&
+             (r = PyObject_CallMethodOneArg(queue, s_follow, item)) != NULL;
+        Py_XDECREF(when);
+        Py_XDECREF(r);
+    }
+    Py_XDECREF(seq); Py_XDECREF(name); Py_XDECREF(text); Py_XDECREF(nbytes);
+    Py_XDECREF(record); Py_XDECREF(issued); Py_XDECREF(timeout); Py_XDECREF(entries);
+    Py_XDECREF(item);
+    if (ok) { result = Py_True; Py_INCREF(result); }
+out:
+    Py_XDECREF(plan); Py_XDECREF(one_call); Py_XDECREF(queue); Py_XDECREF(event);
+    return result;
 }
 
 static PyMethodDef methods[] = {
@@ -252,9 +498,27 @@ static PyMethodDef methods[] = {
      "queue_nccl(stream, function, with_op, send, recv, count, dtype, op, comm, event, after, "
      "device) "
      "-> as queue_kernel (step 2: the ncclResult_t)"},
+    {"replay", (PyCFunction)(void (*)(void))replay, METH_FASTCALL,
+     "replay(context, tag, tensor) -> True once a cached plan's blocking replay is queued, "
+     "followed and recorded; False where the Python way must take the call"},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_cudacore", NULL, -1, methods};
 
-PyMODINIT_FUNC PyInit__cudacore(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__cudacore(void) {
+    struct { PyObject **slot; const char *text; } names[] = {
+        {&s_is_neg, "is_neg"}, {&s_is_contiguous, "is_contiguous"}, {&s_data_ptr, "data_ptr"},
+        {&s_numel, "numel"}, {&s_dtype, "dtype"}, {&s_one_call, "one_call"},
+        {&s_queue, "queue"}, {&s_enqueue, "enqueue"}, {&s_device, "device"},
+        {&s_name, "name"}, {&s_args, "args"}, {&s_nbytes, "nbytes"},
+        {&s_failure, "failure"}, {&s_alarm, "_alarm"}, {&s_lock, "lock"},
+        {&s_acquire, "acquire"}, {&s_release, "release"}, {&s_events, "_events"},
+        {&s_next_event, "_next_event"}, {&s_last_stream, "_last_stream"},
+        {&s_last_event, "_last_event"}, {&s_follow, "_follow"}, {&s_replayed, "replayed"},
+        {&s_issued_at, "issued_at"}, {&s_timeout_s, "timeout_s"}, {&s_function, "function"},
+        {&s_blocks, "blocks"}, {&s_threads, "threads"}, {&s_params, "params"}};
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
+        if ((*names[i].slot = PyUnicode_InternFromString(names[i].text)) == NULL) return NULL;
+    return PyModule_Create(&module);
+}

@@ -274,6 +274,9 @@ class Communicator:
         Returns:
             Blocking: the array that holds the result (see `all_reduce`). Else a `Work`.
         """
+        if (replay := self._gpu_side.compiled_replay) is not None and not async_op \
+                and stream is None and replay(("broadcast", src), tensor):
+            return tensor   # a cached plan replayed whole in compiled code
         if (type(tensor) is not np.ndarray or not tensor.flags.writeable
                 or self._gpu_side.plans is not None) and (early := in_place.early(
                     self, ("broadcast", src), tensor, async_op, stream,
@@ -303,6 +306,9 @@ class Communicator:
             holds the result, so `y = comm.all_reduce(x)` works for every array. With
             `async_op=True`: a `Work` (in place only).
         """
+        if (replay := self._gpu_side.compiled_replay) is not None and not async_op \
+                and stream is None and replay(("all_reduce", op), tensor):
+            return tensor   # a cached plan replayed whole in compiled code
         if (type(tensor) is not np.ndarray or not tensor.flags.writeable
                 or self._gpu_side.plans is not None) and (early := in_place.early(
                     self, ("all_reduce", op), tensor, async_op, stream,
@@ -328,6 +334,9 @@ class Communicator:
         Returns:
             Blocking: the array that holds the result (see `all_reduce`). Else a `Work`.
         """
+        if (replay := self._gpu_side.compiled_replay) is not None and not async_op \
+                and stream is None and replay(("reduce", dst, op), tensor):
+            return tensor   # a cached plan replayed whole in compiled code
         if (type(tensor) is not np.ndarray or not tensor.flags.writeable
                 or self._gpu_side.plans is not None) and (early := in_place.early(
                     self, ("reduce", dst, op), tensor, async_op, stream,

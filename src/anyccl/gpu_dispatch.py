@@ -45,6 +45,9 @@ class GpuDispatch:
         self.gpu = backend      # the GPU backend; created by the first GPU collective
         self.kind = kind        # its registered name; None: the host backend's default
         self.plans: Plans | None = None     # blocking calls' plans, once a GPU call ran
+        # (tag, tensor) -> whether a blocking one-tensor replay ran whole in compiled code
+        # (Plans.compiled), once plans exist and that code can run
+        self.compiled_replay: Callable[[tuple, Any], bool] | None = None
         self.batched: list[tuple] | None = None   # GPU messages of an open comm.batch()
         self._batch = _Batch(self)
 
@@ -136,7 +139,7 @@ class GpuDispatch:
 
     def close(self) -> None:
         """Release the GPU backend, if one was created."""
-        self.plans = None
+        self.plans = self.compiled_replay = None
         if self.gpu is not None:
             self.gpu.close()
 
@@ -172,6 +175,9 @@ class GpuDispatch:
                 self.plans = Plans()
             self.plans.keep(record.name, args, record.nbytes, lambda: getattr(
                 self.gpu, record.name)(*[_bare(o) for o in operands]), arrays, self.gpu)
+            if self.compiled_replay is None:
+                self.compiled_replay = self.plans.compiled(self._number, self._recorder.add,
+                                                           self)
         return work
 
     def replay(self, tag: tuple, tensors: tuple, async_op: bool, stream: Any) -> Any:
@@ -193,8 +199,8 @@ class GpuDispatch:
         deadline = record.issued_at + self.timeout_s
         try:
             if not async_op:
-                if plan.replay_one is not None:   # one compiled call: the shorter way
-                    plan.replay_one(record, plan.enqueue, plan.one_call, stream, deadline)
+                if plan.queue is not None:   # one compiled call: the shorter way
+                    plan.queue.replay_one(record, plan.enqueue, plan.one_call, stream, deadline)
                 else:
                     plan.run(record, (stream,), deadline, plan.enqueue, None, [record], stream)
                 return None

@@ -23,6 +23,7 @@ it is done.
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -31,7 +32,7 @@ from . import gpu
 from .backends.gpu_queue import Enqueue
 from .buffers import GpuArray, cuda_tensor_key, torch_stream_function
 from .ops import ReduceOp
-from .trace import ArgsText
+from .trace import ArgsText, FlightRecorder, OpRecord
 
 _LIMIT = 512          # plans kept per communicator; all are dropped when it is reached
 _TAG_TYPES = (int, str, ReduceOp)   # the plain values an argument may be to take part in a key
@@ -43,10 +44,10 @@ class Plan:
     async replay's Work asks it), and the functions a replay calls: `run` (the backend's),
     `current_stream` (torch's current stream on a device, as a handle), and, where the
     function is one compiled call (gpu.ONE_CALL) the backend replays on a shorter way,
-    `one_call` and `replay_one` (the backend's `replayer()`; else both None)."""
+    `one_call` and `queue` (the backend's `replayer()`; else both None)."""
 
     __slots__ = ("name", "args", "nbytes", "enqueue", "device", "backend", "run",
-                 "current_stream", "one_call", "replay_one")
+                 "current_stream", "one_call", "queue")
 
     def __init__(self, name: str, args: ArgsText, nbytes: int, enqueue: Enqueue,
                  device: int, backend: Any, run: Callable[..., int]) -> None:
@@ -54,8 +55,8 @@ class Plan:
         self.enqueue, self.device, self.backend, self.run = enqueue, device, backend, run
         self.current_stream = torch_stream_function()
         self.one_call = gpu.ONE_CALL.get(type(enqueue))
-        self.replay_one = backend.replayer() if self.one_call is not None else None
-        if self.replay_one is None:
+        self.queue = backend.replayer() if self.one_call is not None else None
+        if self.queue is None:
             self.one_call = None
 
 
@@ -124,6 +125,26 @@ class Plans:
                                 backend.runner())
         torch = sys.modules.get("torch")
         self._tensor = torch.Tensor if torch is not None else ()
+
+    def compiled(self, number: Callable[[], int], recorder_add: Callable[[OpRecord], Any],
+                 owner: Any) -> Callable[[tuple, Any], bool] | None:
+        """The whole blocking replay of a one-tensor call in compiled code, where the CUDA core
+        loaded and torch is in use: a function (tag, tensor) that finds the plan as `find`
+        does and, for a plan of one compiled call, queues it on torch's current stream with
+        the queue's checks, ordering and event, numbers it (`number`), records it
+        (`recorder_add`) and hands it to the queue's watchdog, deadline from
+        `owner.timeout_s`; it returns False wherever the Python way must take the call (a miss,
+        another kind of plan, a failed or busy queue, a stream being captured, a failed driver
+        call), having queued nothing that the Python way would not redo. None where it cannot
+        run (`_cudacore.replay`)."""
+        torch = sys.modules.get("torch")
+        core = gpu._core
+        if core is None or torch is None:
+            return None
+        context = (self._plans, torch.Tensor, ReduceOp, gpu.KernelLaunch, gpu.NcclCall,
+                   torch_stream_function(), number, OpRecord, recorder_add,
+                   FlightRecorder.started, owner)
+        return functools.partial(core.replay, context)
 
     def forget(self) -> None:
         """Drop every plan (the communicator closes)."""

@@ -97,10 +97,11 @@ class GpuBackend(ABC):
         the function `run` hands its calls to, where it only hands them on."""
         return self.run
 
-    def replayer(self) -> Callable[..., None] | None:
-        """Where `runner()` hands its blocking operations of one compiled call (a cached
-        plan's replay, gpu.ONE_CALL) on a shorter way: a function (record, call, one_call,
-        stream, deadline) as GpuQueue.replay_one; None where there is none."""
+    def replayer(self) -> GpuQueue | None:
+        """The queue that `runner()` hands its calls to, which replays a blocking operation of
+        one compiled call (a cached plan's, gpu.ONE_CALL) on a shorter way
+        (`GpuQueue.replay_one`, or whole in compiled code: `_cudacore.replay`); None where
+        there is none."""
         return None
 
     @abstractmethod
@@ -146,8 +147,8 @@ class QueuedGpuBackend(GpuBackend):
     def runner(self) -> Callable[..., int]:
         return self.queue.run
 
-    def replayer(self) -> Callable[..., None] | None:
-        return self.queue.replay_one
+    def replayer(self) -> GpuQueue | None:
+        return self.queue
 
     def host_wait(self, event: int, record: OpRecord, deadline: float) -> None:
         self.queue.host_wait(event, record, deadline)
