@@ -51,6 +51,7 @@
 #include <Python.h>
 #include <dlfcn.h>
 #include <stdint.h>
+#include <time.h>
 
 typedef int CUresult;
 typedef void *Handle;
@@ -240,11 +241,44 @@ static PyObject *queue_nccl(PyObject *self, PyObject *const *args, Py_ssize_t na
 static PyObject *s_is_neg, *s_is_contiguous, *s_data_ptr, *s_numel, *s_dtype, *s_one_call,
     *s_queue, *s_enqueue, *s_device, *s_name, *s_args, *s_nbytes, *s_failure, *s_alarm,
     *s_lock, *s_acquire, *s_release, *s_events, *s_next_event, *s_last_stream, *s_last_event,
-    *s_follow, *s_replayed, *s_issued_at, *s_timeout_s, *s_function, *s_blocks, *s_threads,
-    *s_params;
+    *s_queued, *s_followed, *s_retire_every, *s_append, *s_replayed, *s_issued_at,
+    *s_timeout_s, *s_function, *s_blocks, *s_threads, *s_params, *s_state, *s_started,
+    *s_started_at;
+
+static int long_attr(PyObject *o, PyObject *name, long *out) {
+    PyObject *v = PyObject_GetAttr(o, name);
+    if (v == NULL) return -1;
+    *out = PyLong_AsLong(v);
+    Py_DECREF(v);
+    return (*out == -1 && PyErr_Occurred()) ? -1 : 0;
+}
 
 enum { CTX_PLANS, CTX_TENSOR, CTX_OP, CTX_KERNEL, CTX_NCCL, CTX_STREAM, CTX_NUMBER, CTX_RECORD,
-       CTX_RECORDER_ADD, CTX_STARTED, CTX_DISPATCH, CTX_SIZE };
+       CTX_RECORDER_ADD, CTX_DISPATCH, CTX_SIZE };
+
+/* Hand `item` to the queue's watchdog as GpuQueue._follow does: append it to `_queued`, then
+ * `_followed(was_empty)` where the queue was empty or its length is a multiple of
+ * `retire_every`. 0, or -1 on an error to raise. */
+static int follow_op(PyObject *queue, PyObject *item) {
+    PyObject *queued = PyObject_GetAttr(queue, s_queued), *r = NULL;
+    long every;
+    if (queued == NULL) return -1;
+    Py_ssize_t before = PyObject_Length(queued);
+    int ok = before >= 0 && long_attr(queue, s_retire_every, &every) == 0 && every > 0 &&
+             (r = PyObject_CallMethodOneArg(queued, s_append, item)) != NULL;
+    Py_XDECREF(r);
+    Py_DECREF(queued);
+    if (!ok) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "retire_every must be > 0");
+        return -1;
+    }
+    if (before == 0 || (before + 1) % every == 0) {
+        r = PyObject_CallMethodOneArg(queue, s_followed, before == 0 ? Py_True : Py_False);
+        if (r == NULL) return -1;
+        Py_DECREF(r);
+    }
+    return 0;
+}
 
 /* The plan of `tag` on `tensor` (a new reference), Py_None where there is none (the call takes
  * the Python way, which finds the same answer, and says why), NULL on an error to raise. */
@@ -294,14 +328,6 @@ miss:   /* sparse and other layouts without a data pointer raise RuntimeError: n
         PyErr_Clear();
     }
     Py_RETURN_NONE;
-}
-
-static int long_attr(PyObject *o, PyObject *name, long *out) {
-    PyObject *v = PyObject_GetAttr(o, name);
-    if (v == NULL) return -1;
-    *out = PyLong_AsLong(v);
-    Py_DECREF(v);
-    return (*out == -1 && PyErr_Occurred()) ? -1 : 0;
 }
 
 static int handle_of(PyObject *v, Handle *out) {
@@ -449,8 +475,14 @@ static PyObject *replay(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
              PyObject_SetAttr(record, s_replayed, Py_True) == 0 &&
              (r = PyObject_CallOneArg(PyTuple_GET_ITEM(ctx, CTX_RECORDER_ADD), record)) != NULL;
     Py_XDECREF(r);
-    ok = ok && (r = PyObject_CallOneArg(PyTuple_GET_ITEM(ctx, CTX_STARTED), record)) != NULL;
-    if (ok) Py_DECREF(r);
+    if (ok) {   /* started, as FlightRecorder.started says it (time.monotonic's clock) */
+        struct timespec now;
+        clock_gettime(CLOCK_MONOTONIC, &now);
+        PyObject *when = PyFloat_FromDouble((double)now.tv_sec + now.tv_nsec * 1e-9);
+        ok = when != NULL && PyObject_SetAttr(record, s_state, s_started) == 0 &&
+             PyObject_SetAttr(record, s_started_at, when) == 0;
+        Py_XDECREF(when);
+    }
     ok = ok && (issued = PyObject_GetAttr(record, s_issued_at)) != NULL &&
          (timeout = PyObject_GetAttr(PyTuple_GET_ITEM(ctx, CTX_DISPATCH), s_timeout_s)) != NULL &&
          (entries = PyTuple_Pack(1, record)) != NULL;
@@ -459,9 +491,8 @@ static PyObject *replay(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         PyObject *when = PyErr_Occurred() ? NULL : PyFloat_FromDouble(deadline);
         ok = when != NULL &&
              (item = PyTuple_Pack(5, record, event, when, Py_None, entries)) != NULL &&
-             (r = PyObject_CallMethodOneArg(queue, s_follow, item)) != NULL;
+             follow_op(queue, item) == 0;
         Py_XDECREF(when);
-        Py_XDECREF(r);
     }
     Py_XDECREF(seq); Py_XDECREF(name); Py_XDECREF(text); Py_XDECREF(nbytes);
     Py_XDECREF(record); Py_XDECREF(issued); Py_XDECREF(timeout); Py_XDECREF(entries);
@@ -515,7 +546,9 @@ PyMODINIT_FUNC PyInit__cudacore(void) {
         {&s_failure, "failure"}, {&s_alarm, "_alarm"}, {&s_lock, "lock"},
         {&s_acquire, "acquire"}, {&s_release, "release"}, {&s_events, "_events"},
         {&s_next_event, "_next_event"}, {&s_last_stream, "_last_stream"},
-        {&s_last_event, "_last_event"}, {&s_follow, "_follow"}, {&s_replayed, "replayed"},
+        {&s_last_event, "_last_event"}, {&s_queued, "_queued"}, {&s_followed, "_followed"},
+        {&s_retire_every, "retire_every"}, {&s_append, "append"}, {&s_replayed, "replayed"},
+        {&s_state, "state"}, {&s_started, "started"}, {&s_started_at, "started_at"},
         {&s_issued_at, "issued_at"}, {&s_timeout_s, "timeout_s"}, {&s_function, "function"},
         {&s_blocks, "blocks"}, {&s_threads, "threads"}, {&s_params, "params"}};
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)

@@ -32,7 +32,7 @@ from . import gpu
 from .backends.gpu_queue import Enqueue
 from .buffers import GpuArray, cuda_tensor_key, torch_stream_function
 from .ops import ReduceOp
-from .trace import ArgsText, FlightRecorder, OpRecord
+from .trace import ArgsText, OpRecord
 
 _LIMIT = 512          # plans kept per communicator; all are dropped when it is reached
 _TAG_TYPES = (int, str, ReduceOp)   # the plain values an argument may be to take part in a key
@@ -142,8 +142,7 @@ class Plans:
         if core is None or torch is None:
             return None
         context = (self._plans, torch.Tensor, ReduceOp, gpu.KernelLaunch, gpu.NcclCall,
-                   torch_stream_function(), number, OpRecord, recorder_add,
-                   FlightRecorder.started, owner)
+                   torch_stream_function(), number, OpRecord, recorder_add, owner)
         return functools.partial(core.replay, context)
 
     def forget(self) -> None:

@@ -63,6 +63,8 @@ class GpuQueue:
     `describe_error(record, exc)`.
     """
 
+    retire_every = _RETIRE_EVERY
+
     def __init__(self, device: int, label: str, lost_peer: LostPeer, *, rank: int,
                  what: str = "communicator",
                  enqueue_errors: tuple[type[BaseException], ...] = (),
@@ -149,13 +151,20 @@ class GpuQueue:
 
     def _follow(self, queued_op: Queued) -> None:
         """The watchdog follows `queued_op` from here; every so often the caller retires the
-        finished ones itself."""
+        finished ones itself. (_cudacore.replay does the same: append, then `_followed` where
+        the queue was empty or its length is a multiple of `retire_every`.)"""
         queued = self._queued
         was_empty = not queued
         queued.append(queued_op)
+        if was_empty or not len(queued) % self.retire_every:
+            self._followed(was_empty)
+
+    def _followed(self, was_empty: bool) -> None:
+        """What handing an operation to the watchdog sets off: the watchdog woken where the
+        queue was empty, else the finished operations retired by the caller."""
         if was_empty:
             self._wake_watchdog()
-        elif not len(queued) % _RETIRE_EVERY and self._retiring.acquire(False):
+        elif self._retiring.acquire(False):
             try:   # (never waits for the watchdog: it is retiring them already)
                 self._retire()
             except gpu.CudaError:
