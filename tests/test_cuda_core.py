@@ -41,8 +41,20 @@ def test_the_compiled_replay_takes_only_its_context_and_declines_where_no_driver
     with pytest.raises(TypeError, match="a context tuple"):
         _cudacore.replay((), ("all_reduce",), object())
     if gpu._core is None:   # nothing is looked at: the Python way takes every call
-        context = ({},) + (None,) * 9
+        context = ({},) + (None,) * 10
         assert _cudacore.replay(context, ("all_reduce",), object()) is False
+
+
+def test_the_plans_build_the_context_the_compiled_replay_takes(monkeypatch):
+    torch = pytest.importorskip("torch")
+    from anyccl import ReduceOp
+    from anyccl.plans import Plans
+
+    monkeypatch.setattr(gpu, "_core", _cudacore)   # as where the driver loaded
+    replay = Plans().compiled(lambda: 1, lambda record: None, object())
+    assert replay is not None
+    # no plan for this tensor (and, without a driver, none looked for): the Python way
+    assert replay(("all_reduce", ReduceOp.SUM), torch.zeros(2)) is False
 
 
 def test_without_the_core_follow_records_then_waits(monkeypatch):

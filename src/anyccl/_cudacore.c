@@ -243,7 +243,7 @@ static PyObject *s_is_neg, *s_is_contiguous, *s_data_ptr, *s_numel, *s_dtype, *s
     *s_lock, *s_acquire, *s_release, *s_events, *s_next_event, *s_last_stream, *s_last_event,
     *s_queued, *s_followed, *s_retire_every, *s_append, *s_replayed, *s_issued_at,
     *s_timeout_s, *s_function, *s_blocks, *s_threads, *s_params, *s_state, *s_started,
-    *s_started_at;
+    *s_started_at, *s_rank;
 
 static int long_attr(PyObject *o, PyObject *name, long *out) {
     PyObject *v = PyObject_GetAttr(o, name);
@@ -254,7 +254,7 @@ static int long_attr(PyObject *o, PyObject *name, long *out) {
 }
 
 enum { CTX_PLANS, CTX_TENSOR, CTX_OP, CTX_KERNEL, CTX_NCCL, CTX_STREAM, CTX_NUMBER, CTX_RECORD,
-       CTX_RECORDER_ADD, CTX_DISPATCH, CTX_SIZE };
+       CTX_RECORDER_ADD, CTX_DISPATCH, CTX_ERROR, CTX_SIZE };
 
 /* Hand `item` to the queue's watchdog as GpuQueue._follow does: append it to `_queued`, then
  * `_followed(was_empty)` where the queue was empty or its length is a multiple of
@@ -339,8 +339,9 @@ static int handle_of(PyObject *v, Handle *out) {
  * ordering state updated as GpuQueue._queue_one_call does: 1 once queued (*event_out: its
  * event, a new reference), 0 where the Python way must do it (the queue failed or its alarm is
  * up, its lock is held, the stream is being captured, a thread or device without its context,
- * a failed call: nothing of this call is left queued but maybe a wait, which orders nothing
- * new), -1 on an error to raise. */
+ * a launch or NCCL call that failed: nothing of this call is left queued but maybe a wait,
+ * which orders nothing new), -1 on an error to raise (among them an event that could not be
+ * recorded after the operation was queued: the context's error type, gpu.CudaError). */
 static int queue_plan(PyObject *ctx, PyObject *plan, PyObject *queue, PyObject **event_out) {
     int done = -1, locked = 0;
     PyObject *enqueue = NULL, *failure = NULL, *alarm = NULL, *lock = NULL, *device = NULL,
@@ -413,8 +414,18 @@ static int queue_plan(PyObject *ctx, PyObject *plan, PyObject *queue, PyObject *
         done = 0;
         goto out;
     }
+    if (status < 0 && -status % 4 == 3) {   /* queued, its event not recorded: never again */
+        PyObject *rank = PyObject_GetAttr(queue, s_rank), *name = PyObject_GetAttr(plan, s_name);
+        if (rank != NULL && name != NULL)
+            PyErr_Format(PyTuple_GET_ITEM(ctx, CTX_ERROR), "rank %S: %S: cuEventRecord failed "
+                         "with CUresult %ld after the operation was queued on stream %p",
+                         rank, name, -status / 4, stream_h);
+        Py_XDECREF(rank);
+        Py_XDECREF(name);
+        goto out;
+    }
     done = 0;
-    if (status) goto out;   /* the Python way queues it, or raises what failed */
+    if (status) goto out;   /* nothing launched: the Python way queues it, or raises why not */
     done = -1;
     PyObject *following = PyLong_FromLong((next + 1) % ring);
     if (following == NULL) goto out;
@@ -549,6 +560,7 @@ PyMODINIT_FUNC PyInit__cudacore(void) {
         {&s_last_event, "_last_event"}, {&s_queued, "_queued"}, {&s_followed, "_followed"},
         {&s_retire_every, "retire_every"}, {&s_append, "append"}, {&s_replayed, "replayed"},
         {&s_state, "state"}, {&s_started, "started"}, {&s_started_at, "started_at"},
+        {&s_rank, "rank"},
         {&s_issued_at, "issued_at"}, {&s_timeout_s, "timeout_s"}, {&s_function, "function"},
         {&s_blocks, "blocks"}, {&s_threads, "threads"}, {&s_params, "params"}};
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)

@@ -134,15 +134,17 @@ class Plans:
         the queue's checks, ordering and event, numbers it (`number`), records it
         (`recorder_add`) and hands it to the queue's watchdog, deadline from
         `owner.timeout_s`; it returns False wherever the Python way must take the call (a miss,
-        another kind of plan, a failed or busy queue, a stream being captured, a failed driver
-        call), having queued nothing that the Python way would not redo. None where it cannot
-        run (`_cudacore.replay`)."""
+        another kind of plan, a failed or busy queue, a stream being captured, a launch that
+        failed), having queued nothing that the Python way would not redo (an event that could
+        not be recorded after a launch raises gpu.CudaError). None where it cannot run
+        (`_cudacore.replay`)."""
         torch = sys.modules.get("torch")
         core = gpu._core
         if core is None or torch is None:
             return None
         context = (self._plans, torch.Tensor, ReduceOp, gpu.KernelLaunch, gpu.NcclCall,
-                   torch_stream_function(), number, OpRecord, recorder_add, owner)
+                   torch_stream_function(), number, OpRecord, recorder_add, owner,
+                   gpu.CudaError)
         return functools.partial(core.replay, context)
 
     def forget(self) -> None:
