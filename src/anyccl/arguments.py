@@ -218,7 +218,7 @@ class Arguments:
         x = self.array("all_gather", tensor, "tensor", writable=False)
         outs = self.pieces("all_gather", out, "out", x, writable=True,
                            sizes_may_differ=self.size > 1)
-        even = all(o.size == x.size for o in outs)
+        even = type(outs) is Pieces or all(o.size == x.size for o in outs)   # (by construction)
         if even:
             self.others_disjoint("all_gather", outs, "out", x, "tensor")
         return x, outs, even

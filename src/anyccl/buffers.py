@@ -444,5 +444,5 @@ class Pieces(list):
 
     def __init__(self, whole: Array, count: int, size: int) -> None:
         super().__init__(whole.pieces(count, size) if isinstance(whole, GpuArray) else
-                         (whole[i * count:(i + 1) * count] for i in range(size)))
+                         [whole[i * count:(i + 1) * count] for i in range(size)])
         self.whole = whole
