@@ -48,25 +48,27 @@ def slowest(seconds: float) -> float:
     return float(comm.all_reduce(np.array([seconds]), "max")[0])
 
 
-def host_us(call: Callable[[], object], n: int = 200) -> float:
+def per_call_us(call: Callable[[], object], n: int, with_gpu: bool) -> float:
+    """Slowest rank's us per call of `n` calls after a drained GPU: until the last is issued
+    (with_gpu=False: the host's time) or until the GPU has run them all."""
     torch.cuda.synchronize()
     comm.barrier()
     t = time.perf_counter()
     for _ in range(n):
         call()
+    if with_gpu:
+        torch.cuda.synchronize()
     elapsed = time.perf_counter() - t
     torch.cuda.synchronize()
     return slowest(elapsed / n * 1e6)
 
 
+def host_us(call: Callable[[], object]) -> float:
+    return per_call_us(call, 200, with_gpu=False)
+
+
 def eager_us(call: Callable[[], object], n: int = 2000) -> float:
-    torch.cuda.synchronize()
-    comm.barrier()
-    t = time.perf_counter()
-    for _ in range(n):
-        call()
-    torch.cuda.synchronize()
-    return slowest((time.perf_counter() - t) / n * 1e6)
+    return per_call_us(call, n, with_gpu=True)
 
 
 def graph_us(call: Callable[[], object], calls: int = 20, replays: int = 100) -> float:

@@ -449,12 +449,10 @@ def queue_nccl(call: NcclCall, stream: int, event: int, after: int, device: int)
     if _core is None:
         return queue_in_steps(call, stream, event, after, device)
     status = _core.queue_nccl(stream, call.function, *call.args, event, after, device)
-    if not status:
-        return True
     if status < 0 and -status % 4 == 2:
         call.check(-status // 4)   # NCCL's error
         raise CudaError(f"NCCL returned ncclResult_t {-status // 4} on stream {stream:#x}")
-    return _replayed(status, call, stream, event, after, device)
+    return not status or _replayed(status, call, stream, event, after, device)
 
 
 def _replayed(status: int, call: Callable[[int], None], stream: int, event: int, after: int,
