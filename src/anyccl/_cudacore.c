@@ -50,6 +50,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <dlfcn.h>
+#include <limits.h>
 #include <stdint.h>
 #include <time.h>
 
@@ -237,47 +238,146 @@ static PyObject *queue_nccl(PyObject *self, PyObject *const *args, Py_ssize_t na
     return PyLong_FromLong(nccl_steps(h));
 }
 
-/* ---- a cached plan's blocking replay, whole (gpu_dispatch.py's `compiled_replay`) ---------- */
-static PyObject *s_is_neg, *s_is_contiguous, *s_data_ptr, *s_numel, *s_dtype, *s_one_call,
-    *s_queue, *s_enqueue, *s_device, *s_name, *s_args, *s_nbytes, *s_failure, *s_alarm,
-    *s_lock, *s_acquire, *s_release, *s_events, *s_next_event, *s_last_stream, *s_last_event,
-    *s_queued, *s_followed, *s_retire_every, *s_append, *s_replayed, *s_issued_at,
-    *s_timeout_s, *s_function, *s_blocks, *s_threads, *s_params, *s_state, *s_started,
-    *s_started_at, *s_rank;
-
-static int long_attr(PyObject *o, PyObject *name, long *out) {
-    PyObject *v = PyObject_GetAttr(o, name);
-    if (v == NULL) return -1;
-    *out = PyLong_AsLong(v);
-    Py_DECREF(v);
-    return (*out == -1 && PyErr_Occurred()) ? -1 : 0;
-}
+/* ---- a cached plan's blocking replay, whole (gpu_dispatch.py's `compiled_replay`) ----------
+ * What it reads of Python objects, each in one tuple made once: the context (plans.py's
+ * `Plans.compiled`: CTX_*), a plan's `compiled` (PLAN_*: the call's packed arguments, from
+ * gpu.KernelLaunch or gpu.NcclCall, its device, name, argument text, size and queue) and its
+ * queue's `replay_state` (gpu_queue.py: STATE_*), whose ordering state is a list (ORDER_*);
+ * per call it reads only the queue's `failure` and the owner's `timeout_s` by name. */
+static PyObject *s_is_neg, *s_is_contiguous, *s_data_ptr, *s_numel, *s_dtype, *s_compiled,
+    *s_replay_state, *s_failure, *s_acquire, *s_release, *s_followed, *s_append, *s_popleft,
+    *s_replayed, *s_issued_at, *s_timeout_s, *s_state, *s_started, *s_started_at, *s_ended_at,
+    *s_done, *s_rank;
 
 enum { CTX_PLANS, CTX_TENSOR, CTX_OP, CTX_KERNEL, CTX_NCCL, CTX_STREAM, CTX_NUMBER, CTX_RECORD,
-       CTX_RECORDER_ADD, CTX_DISPATCH, CTX_ERROR, CTX_SIZE };
+       CTX_RECORDER_ADD, CTX_DISPATCH, CTX_ERROR, CTX_KEY, CTX_SIZE };
+/* CTX_KEY: None, or the torch group's compiled part's capsule of this function (_torchcore.cpp):
+ * a new reference to (data_ptr, numel, dtype), None (no plan), or NULL on an error */
+typedef PyObject *(*TensorKey)(PyObject *);
+#define TENSOR_KEY_CAPSULE "anyccl._torchcore.tensor_key"
+enum { PLAN_CALL, PLAN_DEVICE, PLAN_NAME, PLAN_ARGS, PLAN_NBYTES, PLAN_QUEUE, PLAN_SIZE };
+enum { STATE_LOCK, STATE_EVENTS, STATE_ORDER, STATE_QUEUED, STATE_RETIRING, STATE_ALARM,
+       STATE_EVERY, STATE_QUEUE, STATE_SIZE };
+enum { ORDER_NEXT, ORDER_LAST_STREAM, ORDER_LAST_EVENT, ORDER_SIZE };
+enum { QUEUED_EVENT = 1, QUEUED_ENTRIES = 4, QUEUED_SIZE = 5 };   /* gpu_queue.py's Queued */
+#define CUDA_ERROR_NOT_READY 600
 
-/* Hand `item` to the queue's watchdog as GpuQueue._follow does: append it to `_queued`, then
- * `_followed(was_empty)` where the queue was empty or its length is a multiple of
- * `retire_every`. 0, or -1 on an error to raise. */
-static int follow_op(PyObject *queue, PyObject *item) {
-    PyObject *queued = PyObject_GetAttr(queue, s_queued), *r = NULL;
-    long every;
-    if (queued == NULL) return -1;
-    Py_ssize_t before = PyObject_Length(queued);
-    int ok = before >= 0 && long_attr(queue, s_retire_every, &every) == 0 && every > 0 &&
-             (r = PyObject_CallMethodOneArg(queued, s_append, item)) != NULL;
+static int handle_of(PyObject *v, Handle *out) {
+    *out = PyLong_AsVoidPtr(v);
+    return (*out == NULL && PyErr_Occurred()) ? -1 : 0;
+}
+
+static double monotonic(void) {   /* time.monotonic's clock */
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    return (double)now.tv_sec + now.tv_nsec * 1e-9;
+}
+
+/* Call `lock.acquire(False)`: 1 if it is now held, 0 if another thread holds it, -1 on an
+ * error to raise. */
+static int try_lock(PyObject *lock) {
+    PyObject *r = PyObject_CallMethodOneArg(lock, s_acquire, Py_False);
+    if (r == NULL) return -1;
+    int got = r == Py_True;
+    Py_DECREF(r);
+    return got;
+}
+
+/* `lock.release()`, keeping an error already set; -1 if the release itself failed. */
+static int unlock(PyObject *lock) {
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyObject *r = PyObject_CallMethodNoArgs(lock, s_release);
+    int rc = r == NULL ? -1 : 0;
     Py_XDECREF(r);
-    Py_DECREF(queued);
-    if (!ok) {
+    if (type != NULL) {
+        if (rc < 0) PyErr_Clear();
+        PyErr_Restore(type, value, tb);
+    }
+    return rc;
+}
+
+/* Whether queued operation `i` of `queued` finished: 1, 0 (not yet), -1 on an error to raise,
+ * -2 where the driver's query failed (left to the watchdog, whose own query raises it). */
+static int finished(PyObject *queued, Py_ssize_t i) {
+    PyObject *item = PySequence_GetItem(queued, i);
+    if (item == NULL) return -1;
+    Handle event;
+    int rc = !PyTuple_Check(item) || PyTuple_GET_SIZE(item) != QUEUED_SIZE ? -2 :
+             handle_of(PyTuple_GET_ITEM(item, QUEUED_EVENT), &event);
+    Py_DECREF(item);
+    if (rc) return rc;
+    CUresult q = cu_query(event);
+    return q == 0 ? 1 : q == CUDA_ERROR_NOT_READY ? 0 : -2;
+}
+
+/* GpuQueue._retire, under the queue's retiring lock where it is free: the finished operations
+ * popped (they finish in issue order: the newest asked first, then a bisection), their
+ * flight-recorder entries ended as FlightRecorder.ended says it. 0, or -1 on an error. */
+static int retire(PyObject *state) {
+    PyObject *retiring = PyTuple_GET_ITEM(state, STATE_RETIRING);
+    PyObject *queued = PyTuple_GET_ITEM(state, STATE_QUEUED);
+    int got = try_lock(retiring);
+    if (got <= 0) return got;   /* another thread retires them now */
+    int rc = 0;
+    Py_ssize_t count = PyObject_Length(queued), done = 0;
+    if (count < 0) rc = -1;
+    else if (count > 0) {
+        int last = finished(queued, count - 1);
+        if (last == 1) done = count;
+        else if (last == 0) {   /* [0, done) finished, `high` not */
+            Py_ssize_t high = count - 1;
+            while (done < high) {
+                Py_ssize_t middle = (done + high) / 2;
+                int f = finished(queued, middle);
+                if (f == 1) done = middle + 1;
+                else if (f == 0) high = middle;
+                else { rc = f == -1 ? -1 : 0; break; }
+            }
+        } else rc = last == -1 ? -1 : 0;
+    }
+    PyObject *when = done > 0 && rc == 0 ? PyFloat_FromDouble(monotonic()) : NULL;
+    if (done > 0 && when == NULL) rc = -1;
+    for (Py_ssize_t i = 0; rc == 0 && i < done; i++) {
+        PyObject *item = PyObject_CallMethodNoArgs(queued, s_popleft);
+        if (item == NULL) { rc = -1; break; }
+        PyObject *entries = PyTuple_Check(item) && PyTuple_GET_SIZE(item) == QUEUED_SIZE ?
+                            PyTuple_GET_ITEM(item, QUEUED_ENTRIES) : NULL;
+        Py_ssize_t n = entries != NULL && PyTuple_Check(entries) ? PyTuple_GET_SIZE(entries) : 0;
+        for (Py_ssize_t k = 0; rc == 0 && k < n; k++) {
+            PyObject *entry = PyTuple_GET_ITEM(entries, k);
+            if (PyObject_SetAttr(entry, s_ended_at, when) < 0 ||
+                PyObject_SetAttr(entry, s_state, s_done) < 0) rc = -1;
+        }
+        Py_DECREF(item);
+    }
+    Py_XDECREF(when);
+    if (unlock(retiring) < 0) rc = -1;
+    return rc;
+}
+
+/* Hand `item` to the queue's watchdog as GpuQueue._follow does: append it to the queued
+ * operations, then wake the watchdog (`_followed(True)`) where there were none, or retire the
+ * finished ones where their number is a multiple of `retire_every`. 0, or -1 on an error. */
+static int follow_op(PyObject *state, PyObject *item) {
+    PyObject *queued = PyTuple_GET_ITEM(state, STATE_QUEUED);
+    long every = PyLong_AsLong(PyTuple_GET_ITEM(state, STATE_EVERY));
+    if (every <= 0) {
         if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "retire_every must be > 0");
         return -1;
     }
-    if (before == 0 || (before + 1) % every == 0) {
-        r = PyObject_CallMethodOneArg(queue, s_followed, before == 0 ? Py_True : Py_False);
+    Py_ssize_t before = PyObject_Length(queued);
+    if (before < 0) return -1;
+    PyObject *r = PyObject_CallMethodOneArg(queued, s_append, item);
+    if (r == NULL) return -1;
+    Py_DECREF(r);
+    if (before == 0) {
+        r = PyObject_CallMethodOneArg(PyTuple_GET_ITEM(state, STATE_QUEUE), s_followed, Py_True);
         if (r == NULL) return -1;
         Py_DECREF(r);
+        return 0;
     }
-    return 0;
+    return (before + 1) % every == 0 ? retire(state) : 0;
 }
 
 /* The plan of `tag` on `tensor` (a new reference), Py_None where there is none (the call takes
@@ -298,21 +398,36 @@ static PyObject *find_plan(PyObject *ctx, PyObject *tag, PyObject *tensor) {
         Py_INCREF(PyTuple_GET_ITEM(tag, i));
         PyTuple_SET_ITEM(key, i, PyTuple_GET_ITEM(tag, i));
     }
-    PyObject *names[3] = {s_data_ptr, s_numel, NULL};
-    int neg = -1, contiguous = -1;
-    PyObject *r = PyObject_CallMethodNoArgs(tensor, s_is_neg);
-    if (r != NULL) { neg = PyObject_IsTrue(r); Py_DECREF(r); }
-    if (neg == 0 && (r = PyObject_CallMethodNoArgs(tensor, s_is_contiguous)) != NULL) {
-        contiguous = PyObject_IsTrue(r);
-        Py_DECREF(r);
+    PyObject *r, *capsule = PyTuple_GET_ITEM(ctx, CTX_KEY);
+    if (PyCapsule_CheckExact(capsule)) {   /* one C call of the torch core */
+        TensorKey read = (TensorKey)PyCapsule_GetPointer(capsule, TENSOR_KEY_CAPSULE);
+        PyObject *part = read == NULL ? NULL : read(tensor);
+        if (part == NULL || !PyTuple_Check(part) || PyTuple_GET_SIZE(part) != 3) {
+            Py_XDECREF(part);
+            goto miss;
+        }
+        for (int i = 0; i < 3; i++) {
+            Py_INCREF(PyTuple_GET_ITEM(part, i));
+            PyTuple_SET_ITEM(key, n + i, PyTuple_GET_ITEM(part, i));
+        }
+        Py_DECREF(part);
+    } else {   /* the tensor's methods, as plans.py calls them */
+        PyObject *names[3] = {s_data_ptr, s_numel, NULL};
+        int neg = -1, contiguous = -1;
+        r = PyObject_CallMethodNoArgs(tensor, s_is_neg);
+        if (r != NULL) { neg = PyObject_IsTrue(r); Py_DECREF(r); }
+        if (neg == 0 && (r = PyObject_CallMethodNoArgs(tensor, s_is_contiguous)) != NULL) {
+            contiguous = PyObject_IsTrue(r);
+            Py_DECREF(r);
+        }
+        if (neg != 0 || contiguous != 1) goto miss;
+        for (int i = 0; names[i] != NULL; i++) {
+            if ((r = PyObject_CallMethodNoArgs(tensor, names[i])) == NULL) goto miss;
+            PyTuple_SET_ITEM(key, n + i, r);
+        }
+        if ((r = PyObject_GetAttr(tensor, s_dtype)) == NULL) goto miss;
+        PyTuple_SET_ITEM(key, n + 2, r);
     }
-    if (neg != 0 || contiguous != 1) goto miss;
-    for (int i = 0; names[i] != NULL; i++) {
-        if ((r = PyObject_CallMethodNoArgs(tensor, names[i])) == NULL) goto miss;
-        PyTuple_SET_ITEM(key, n + i, r);
-    }
-    if ((r = PyObject_GetAttr(tensor, s_dtype)) == NULL) goto miss;
-    PyTuple_SET_ITEM(key, n + 2, r);
     PyObject *plan = PyDict_GetItemWithError(PyTuple_GET_ITEM(ctx, CTX_PLANS), key);
     Py_DECREF(key);
     if (plan == NULL) {
@@ -321,7 +436,8 @@ static PyObject *find_plan(PyObject *ctx, PyObject *tag, PyObject *tensor) {
     }
     Py_INCREF(plan);
     return plan;
-miss:   /* sparse and other layouts without a data pointer raise RuntimeError: no plan */
+miss:   /* None from the key function, or a RuntimeError from the methods (sparse and other
+         * layouts without a data pointer): no plan */
     Py_DECREF(key);
     if (PyErr_Occurred()) {
         if (!PyErr_ExceptionMatches(PyExc_RuntimeError)) return NULL;
@@ -330,124 +446,101 @@ miss:   /* sparse and other layouts without a data pointer raise RuntimeError: n
     Py_RETURN_NONE;
 }
 
-static int handle_of(PyObject *v, Handle *out) {
-    *out = PyLong_AsVoidPtr(v);
-    return (*out == NULL && PyErr_Occurred()) ? -1 : 0;
+/* The packed call (gpu.KernelLaunch.packed or gpu.NcclCall.packed) queued on `stream` after
+ * `after`, `event` recorded after it: kernel_steps' or nccl_steps' status; 1 (not queued: the
+ * Python way takes it) for a packing it does not know; RAISE on an error to raise. */
+#define RAISE LONG_MIN
+static long queue_packed(PyObject *call, Handle stream, Handle event, Handle after,
+                         Handle device) {
+    if (!PyTuple_Check(call) || PyTuple_GET_SIZE(call) < 1) return 1;
+    long kind = PyLong_AsLong(PyTuple_GET_ITEM(call, 0));
+    Py_ssize_t want = kind == 0 ? 5 : kind == 1 ? 9 : -1;
+    if (PyErr_Occurred()) return RAISE;
+    if (PyTuple_GET_SIZE(call) != want) return 1;
+    Handle h[12];
+    for (Py_ssize_t i = 1; i < want; i++)
+        if (handle_of(PyTuple_GET_ITEM(call, i), &h[i]) < 0) return RAISE;
+    if (kind == 0)
+        return kernel_steps(stream, h[1], (unsigned)(uintptr_t)h[2], (unsigned)(uintptr_t)h[3],
+                            h[4], event, after, device);
+    /* nccl_steps' layout: stream, function, with_op .. comm, event, after, device */
+    h[0] = stream, h[9] = event, h[10] = after, h[11] = device;
+    return nccl_steps(h);
 }
 
-/* Queue `plan`'s one compiled call on the current stream under its queue's lock, the queue's
- * ordering state updated as GpuQueue._queue_one_call does: 1 once queued (*event_out: its
- * event, a new reference), 0 where the Python way must do it (the queue failed or its alarm is
- * up, its lock is held, the stream is being captured, a thread or device without its context,
- * a launch or NCCL call that failed: nothing of this call is left queued but maybe a wait,
- * which orders nothing new), -1 on an error to raise (among them an event that could not be
- * recorded after the operation was queued: the context's error type, gpu.CudaError). */
-static int queue_plan(PyObject *ctx, PyObject *plan, PyObject *queue, PyObject **event_out) {
-    int done = -1, locked = 0;
-    PyObject *enqueue = NULL, *failure = NULL, *alarm = NULL, *lock = NULL, *device = NULL,
-             *stream = NULL, *events = NULL, *event = NULL, *last = NULL, *last_event = NULL,
-             *r = NULL;
-    if ((failure = PyObject_GetAttr(queue, s_failure)) == NULL ||
-        (alarm = PyObject_GetAttr(queue, s_alarm)) == NULL ||
-        (enqueue = PyObject_GetAttr(plan, s_enqueue)) == NULL) goto out;
-    done = 0;
-    if (failure != Py_None) goto out;
-    if (alarm != Py_None) {   /* (words, index): a kernel that ended its operation early */
-        if (!PyTuple_Check(alarm) || PyTuple_GET_SIZE(alarm) != 2) goto out;
-        PyObject *word = PyObject_GetItem(PyTuple_GET_ITEM(alarm, 0), PyTuple_GET_ITEM(alarm, 1));
-        if (word == NULL) { done = -1; goto out; }
-        int up = PyObject_IsTrue(word);
-        Py_DECREF(word);
-        if (up != 0) { done = up < 0 ? -1 : 0; goto out; }
+/* Queue the plan's one compiled call on torch's current stream under its queue's lock, the
+ * queue's ordering state updated as GpuQueue._queue_one_call does: 1 once queued (*event_out:
+ * its event, a new reference), 0 where the Python way must do it (the queue failed or its
+ * alarm is up or cannot be read here, its lock is held, the stream is being captured, a thread
+ * or device without its context, a launch or NCCL call that failed: nothing of this call is
+ * left queued but maybe a wait, which orders nothing new), -1 on an error to raise (among them
+ * an event that could not be recorded after the operation was queued: the context's error
+ * type, gpu.CudaError). */
+static int queue_plan(PyObject *ctx, PyObject *plan, PyObject *state, PyObject **event_out) {
+    PyObject *queue = PyTuple_GET_ITEM(state, STATE_QUEUE);
+    PyObject *failure = PyObject_GetAttr(queue, s_failure);
+    if (failure == NULL) return -1;
+    int failed = failure != Py_None;
+    Py_DECREF(failure);
+    PyObject *alarm = PyTuple_GET_ITEM(state, STATE_ALARM);
+    if (failed || alarm == Py_None) return 0;
+    Handle word;   /* (a kernel that ended its operation early sets the host-mapped word) */
+    if (handle_of(alarm, &word) < 0) return -1;
+    if (word != NULL && *(volatile uint64_t *)word != 0) return 0;
+    PyObject *events = PyTuple_GET_ITEM(state, STATE_EVENTS);
+    PyObject *order = PyTuple_GET_ITEM(state, STATE_ORDER);
+    if (!PyList_CheckExact(events) || !PyList_CheckExact(order) ||
+        PyList_GET_SIZE(order) != ORDER_SIZE || PyList_GET_SIZE(events) == 0) return 0;
+    PyObject *lock = PyTuple_GET_ITEM(state, STATE_LOCK);
+    int locked = try_lock(lock);
+    if (locked <= 0) return locked;   /* another thread queues or aborts: the Python way waits */
+    int done = -1;
+    PyObject *device = PyTuple_GET_ITEM(plan, PLAN_DEVICE);
+    PyObject *stream = PyObject_CallOneArg(PyTuple_GET_ITEM(ctx, CTX_STREAM), device);
+    Py_ssize_t ring = PyList_GET_SIZE(events);
+    long next = PyLong_AsLong(PyList_GET_ITEM(order, ORDER_NEXT));
+    Handle stream_h, event_h, device_h, last_h = NULL, after_h = NULL;
+    if (stream == NULL || (next == -1 && PyErr_Occurred())) goto out;
+    if (next < 0 || next >= ring) {
+        PyErr_Format(PyExc_ValueError, "the queue's next event %ld is outside its ring of %zd",
+                     next, ring);
+        goto out;
     }
-    done = -1;
-    if ((lock = PyObject_GetAttr(queue, s_lock)) == NULL ||
-        (r = PyObject_CallMethodOneArg(lock, s_acquire, Py_False)) == NULL) goto out;
-    locked = r == Py_True;
-    Py_CLEAR(r);
-    done = 0;
-    if (!locked) goto out;   /* another thread queues or aborts: the Python way waits */
-    done = -1;
-    long next, ring;
-    Handle h[12];
-    if ((device = PyObject_GetAttr(plan, s_device)) == NULL ||
-        (stream = PyObject_CallOneArg(PyTuple_GET_ITEM(ctx, CTX_STREAM), device)) == NULL ||
-        (events = PyObject_GetAttr(queue, s_events)) == NULL ||
-        long_attr(queue, s_next_event, &next) < 0 ||
-        (ring = PyObject_Length(events)) < 0 ||
-        (event = PySequence_GetItem(events, next)) == NULL ||
-        (last = PyObject_GetAttr(queue, s_last_stream)) == NULL ||
-        (last_event = PyObject_GetAttr(queue, s_last_event)) == NULL) goto out;
-    Handle stream_h, event_h, after_h = NULL, device_h, last_h = NULL;
+    PyObject *event = PyList_GET_ITEM(events, next);
+    PyObject *last = PyList_GET_ITEM(order, ORDER_LAST_STREAM);
     if (handle_of(stream, &stream_h) < 0 || handle_of(event, &event_h) < 0 ||
         handle_of(device, &device_h) < 0 ||
         (last != Py_None && handle_of(last, &last_h) < 0)) goto out;
-    if (last != Py_None && last_h != stream_h && handle_of(last_event, &after_h) < 0) goto out;
-    long status;
-    if (Py_TYPE(enqueue) == (PyTypeObject *)PyTuple_GET_ITEM(ctx, CTX_KERNEL)) {
-        long blocks, threads;
-        PyObject *function = NULL, *params = NULL;
-        Handle function_h = NULL, params_h = NULL;
-        int bad = (function = PyObject_GetAttr(enqueue, s_function)) == NULL ||
-                  (params = PyObject_GetAttr(enqueue, s_params)) == NULL ||
-                  handle_of(function, &function_h) < 0 || handle_of(params, &params_h) < 0 ||
-                  long_attr(enqueue, s_blocks, &blocks) < 0 ||
-                  long_attr(enqueue, s_threads, &threads) < 0;
-        Py_XDECREF(function);
-        Py_XDECREF(params);
-        if (bad) goto out;
-        status = kernel_steps(stream_h, function_h, (unsigned)blocks, (unsigned)threads,
-                              params_h, event_h, after_h, device_h);
-    } else if (Py_TYPE(enqueue) == (PyTypeObject *)PyTuple_GET_ITEM(ctx, CTX_NCCL)) {
-        PyObject *function = PyObject_GetAttr(enqueue, s_function), *args = NULL;
-        int bad = function == NULL || (args = PyObject_GetAttr(enqueue, s_args)) == NULL ||
-                  !PyTuple_Check(args) || PyTuple_GET_SIZE(args) != 7 ||
-                  handle_of(function, &h[1]) < 0;
-        for (int i = 0; !bad && i < 7; i++)
-            bad = handle_of(PyTuple_GET_ITEM(args, i), &h[2 + i]) < 0;
-        Py_XDECREF(function);
-        Py_XDECREF(args);
-        if (bad) { if (!PyErr_Occurred()) done = 0; goto out; }
-        h[0] = stream_h, h[9] = event_h, h[10] = after_h, h[11] = device_h;
-        status = nccl_steps(h);
-    } else {
-        done = 0;
-        goto out;
-    }
+    if (last != Py_None && last_h != stream_h &&
+        handle_of(PyList_GET_ITEM(order, ORDER_LAST_EVENT), &after_h) < 0) goto out;
+    long status = queue_packed(PyTuple_GET_ITEM(plan, PLAN_CALL), stream_h, event_h, after_h,
+                               device_h);
+    if (status == RAISE) goto out;
     if (status < 0 && -status % 4 == 3) {   /* queued, its event not recorded: never again */
-        PyObject *rank = PyObject_GetAttr(queue, s_rank), *name = PyObject_GetAttr(plan, s_name);
-        if (rank != NULL && name != NULL)
+        PyObject *rank = PyObject_GetAttr(queue, s_rank);
+        if (rank != NULL)
             PyErr_Format(PyTuple_GET_ITEM(ctx, CTX_ERROR), "rank %S: %S: cuEventRecord failed "
                          "with CUresult %ld after the operation was queued on stream %p",
-                         rank, name, -status / 4, stream_h);
+                         rank, PyTuple_GET_ITEM(plan, PLAN_NAME), -status / 4, stream_h);
         Py_XDECREF(rank);
-        Py_XDECREF(name);
         goto out;
     }
     done = 0;
     if (status) goto out;   /* nothing launched: the Python way queues it, or raises why not */
     done = -1;
-    PyObject *following = PyLong_FromLong((next + 1) % ring);
+    PyObject *following = PyLong_FromLong((long)((next + 1) % ring));
     if (following == NULL) goto out;
-    int bad = PyObject_SetAttr(queue, s_next_event, following) < 0 ||
-              PyObject_SetAttr(queue, s_last_stream, stream) < 0 ||
-              PyObject_SetAttr(queue, s_last_event, event) < 0;
-    Py_DECREF(following);
-    if (bad) goto out;
+    Py_INCREF(event);   /* the order's, and the caller's */
+    Py_INCREF(event);
+    PyList_SetItem(order, ORDER_NEXT, following);
+    PyList_SetItem(order, ORDER_LAST_STREAM, stream);
+    stream = NULL;
+    PyList_SetItem(order, ORDER_LAST_EVENT, event);
     *event_out = event;
-    event = NULL;
     done = 1;
 out:
-    if (locked) {
-        PyObject *err_type, *err_value, *err_tb;
-        PyErr_Fetch(&err_type, &err_value, &err_tb);
-        PyObject *released = PyObject_CallMethodNoArgs(lock, s_release);
-        if (released == NULL) done = -1; else Py_DECREF(released);
-        if (err_type != NULL) PyErr_Restore(err_type, err_value, err_tb);
-    }
-    Py_XDECREF(enqueue); Py_XDECREF(failure); Py_XDECREF(alarm); Py_XDECREF(lock);
-    Py_XDECREF(device); Py_XDECREF(stream); Py_XDECREF(events); Py_XDECREF(event);
-    Py_XDECREF(last); Py_XDECREF(last_event);
+    Py_XDECREF(stream);
+    if (unlock(lock) < 0) done = -1;
     return done;
 }
 
@@ -464,53 +557,51 @@ static PyObject *replay(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     if (cu_launch == NULL) Py_RETURN_FALSE;
-    PyObject *plan = find_plan(ctx, tag, tensor), *one_call = NULL, *queue = NULL,
-             *event = NULL, *result = NULL;
-    if (plan == NULL) return NULL;
-    if (plan == Py_None) { Py_DECREF(plan); Py_RETURN_FALSE; }
-    if ((one_call = PyObject_GetAttr(plan, s_one_call)) == NULL ||
-        (queue = PyObject_GetAttr(plan, s_queue)) == NULL) goto out;
+    PyObject *found = find_plan(ctx, tag, tensor), *plan = NULL, *state = NULL, *event = NULL,
+             *result = NULL;
+    if (found == NULL) return NULL;
+    if (found == Py_None) { Py_DECREF(found); Py_RETURN_FALSE; }
+    if ((plan = PyObject_GetAttr(found, s_compiled)) == NULL) goto out;
     int queued = 0;
-    if (one_call != Py_None && queue != Py_None &&
-        (queued = queue_plan(ctx, plan, queue, &event)) < 0) goto out;
+    if (PyTuple_CheckExact(plan) && PyTuple_GET_SIZE(plan) == PLAN_SIZE) {
+        state = PyObject_GetAttr(PyTuple_GET_ITEM(plan, PLAN_QUEUE), s_replay_state);
+        if (state == NULL) goto out;
+        if (PyTuple_CheckExact(state) && PyTuple_GET_SIZE(state) == STATE_SIZE &&
+            (queued = queue_plan(ctx, plan, state, &event)) < 0) goto out;
+    }
     if (!queued) { result = Py_False; Py_INCREF(result); goto out; }
     /* queued: its record, numbered, in the flight recorder, started, followed by the watchdog */
-    PyObject *seq = NULL, *name = NULL, *text = NULL, *nbytes = NULL, *record = NULL,
-             *issued = NULL, *timeout = NULL, *entries = NULL, *item = NULL, *r = NULL;
+    PyObject *seq = NULL, *record = NULL, *timeout = NULL, *issued = NULL, *entries = NULL,
+             *item = NULL, *when = NULL, *r = NULL;
     int ok = (seq = PyObject_CallNoArgs(PyTuple_GET_ITEM(ctx, CTX_NUMBER))) != NULL &&
-             (name = PyObject_GetAttr(plan, s_name)) != NULL &&
-             (text = PyObject_GetAttr(plan, s_args)) != NULL &&
-             (nbytes = PyObject_GetAttr(plan, s_nbytes)) != NULL &&
-             (record = PyObject_CallFunctionObjArgs(PyTuple_GET_ITEM(ctx, CTX_RECORD), name, seq,
-                                                    text, nbytes, NULL)) != NULL &&
+             (record = PyObject_CallFunctionObjArgs(
+                  PyTuple_GET_ITEM(ctx, CTX_RECORD), PyTuple_GET_ITEM(plan, PLAN_NAME), seq,
+                  PyTuple_GET_ITEM(plan, PLAN_ARGS), PyTuple_GET_ITEM(plan, PLAN_NBYTES),
+                  NULL)) != NULL &&
              PyObject_SetAttr(record, s_replayed, Py_True) == 0 &&
-             (r = PyObject_CallOneArg(PyTuple_GET_ITEM(ctx, CTX_RECORDER_ADD), record)) != NULL;
+             (r = PyObject_CallOneArg(PyTuple_GET_ITEM(ctx, CTX_RECORDER_ADD), record)) != NULL &&
+             /* started, as FlightRecorder.started says it */
+             (when = PyFloat_FromDouble(monotonic())) != NULL &&
+             PyObject_SetAttr(record, s_state, s_started) == 0 &&
+             PyObject_SetAttr(record, s_started_at, when) == 0 &&
+             (issued = PyObject_GetAttr(record, s_issued_at)) != NULL &&
+             (timeout = PyObject_GetAttr(PyTuple_GET_ITEM(ctx, CTX_DISPATCH),
+                                         s_timeout_s)) != NULL &&
+             (entries = PyTuple_Pack(1, record)) != NULL;
     Py_XDECREF(r);
-    if (ok) {   /* started, as FlightRecorder.started says it (time.monotonic's clock) */
-        struct timespec now;
-        clock_gettime(CLOCK_MONOTONIC, &now);
-        PyObject *when = PyFloat_FromDouble((double)now.tv_sec + now.tv_nsec * 1e-9);
-        ok = when != NULL && PyObject_SetAttr(record, s_state, s_started) == 0 &&
-             PyObject_SetAttr(record, s_started_at, when) == 0;
-        Py_XDECREF(when);
-    }
-    ok = ok && (issued = PyObject_GetAttr(record, s_issued_at)) != NULL &&
-         (timeout = PyObject_GetAttr(PyTuple_GET_ITEM(ctx, CTX_DISPATCH), s_timeout_s)) != NULL &&
-         (entries = PyTuple_Pack(1, record)) != NULL;
+    Py_XDECREF(when);
+    when = NULL;
     if (ok) {
         double deadline = PyFloat_AsDouble(issued) + PyFloat_AsDouble(timeout);
-        PyObject *when = PyErr_Occurred() ? NULL : PyFloat_FromDouble(deadline);
-        ok = when != NULL &&
-             (item = PyTuple_Pack(5, record, event, when, Py_None, entries)) != NULL &&
-             follow_op(queue, item) == 0;
-        Py_XDECREF(when);
+        ok = !PyErr_Occurred() && (when = PyFloat_FromDouble(deadline)) != NULL &&
+             (item = PyTuple_Pack(QUEUED_SIZE, record, event, when, Py_None, entries)) != NULL &&
+             follow_op(state, item) == 0;
     }
-    Py_XDECREF(seq); Py_XDECREF(name); Py_XDECREF(text); Py_XDECREF(nbytes);
-    Py_XDECREF(record); Py_XDECREF(issued); Py_XDECREF(timeout); Py_XDECREF(entries);
-    Py_XDECREF(item);
+    Py_XDECREF(seq); Py_XDECREF(record); Py_XDECREF(timeout); Py_XDECREF(issued);
+    Py_XDECREF(entries); Py_XDECREF(item); Py_XDECREF(when);
     if (ok) { result = Py_True; Py_INCREF(result); }
 out:
-    Py_XDECREF(plan); Py_XDECREF(one_call); Py_XDECREF(queue); Py_XDECREF(event);
+    Py_XDECREF(found); Py_XDECREF(plan); Py_XDECREF(state); Py_XDECREF(event);
     return result;
 }
 
@@ -551,18 +642,13 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_cudacore", NULL, -1
 PyMODINIT_FUNC PyInit__cudacore(void) {
     struct { PyObject **slot; const char *text; } names[] = {
         {&s_is_neg, "is_neg"}, {&s_is_contiguous, "is_contiguous"}, {&s_data_ptr, "data_ptr"},
-        {&s_numel, "numel"}, {&s_dtype, "dtype"}, {&s_one_call, "one_call"},
-        {&s_queue, "queue"}, {&s_enqueue, "enqueue"}, {&s_device, "device"},
-        {&s_name, "name"}, {&s_args, "args"}, {&s_nbytes, "nbytes"},
-        {&s_failure, "failure"}, {&s_alarm, "_alarm"}, {&s_lock, "lock"},
-        {&s_acquire, "acquire"}, {&s_release, "release"}, {&s_events, "_events"},
-        {&s_next_event, "_next_event"}, {&s_last_stream, "_last_stream"},
-        {&s_last_event, "_last_event"}, {&s_queued, "_queued"}, {&s_followed, "_followed"},
-        {&s_retire_every, "retire_every"}, {&s_append, "append"}, {&s_replayed, "replayed"},
-        {&s_state, "state"}, {&s_started, "started"}, {&s_started_at, "started_at"},
-        {&s_rank, "rank"},
-        {&s_issued_at, "issued_at"}, {&s_timeout_s, "timeout_s"}, {&s_function, "function"},
-        {&s_blocks, "blocks"}, {&s_threads, "threads"}, {&s_params, "params"}};
+        {&s_numel, "numel"}, {&s_dtype, "dtype"}, {&s_compiled, "compiled"},
+        {&s_replay_state, "replay_state"}, {&s_failure, "failure"}, {&s_acquire, "acquire"},
+        {&s_release, "release"}, {&s_followed, "_followed"}, {&s_append, "append"},
+        {&s_popleft, "popleft"}, {&s_replayed, "replayed"}, {&s_issued_at, "issued_at"},
+        {&s_timeout_s, "timeout_s"}, {&s_state, "state"}, {&s_started, "started"},
+        {&s_started_at, "started_at"}, {&s_ended_at, "ended_at"}, {&s_done, "done"},
+        {&s_rank, "rank"}};
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
         if ((*names[i].slot = PyUnicode_InternFromString(names[i].text)) == NULL) return NULL;
     return PyModule_Create(&module);

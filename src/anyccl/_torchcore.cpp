@@ -11,11 +11,14 @@
 //                                    # `result`, the caller's stream and device back
 //   side.restore(previous)           # instead of leave when the call failed
 //   work = completed(result)         # a Work whose CPU future holds `result` (host tensors)
+//   tensor_key                       # a capsule: the C function that reads a tensor's plan key
+//                                    # for the compiled replay (anyccl/_cudacore.c)
 //
 // The future holds the tensors as a typed IValue (a Tensor, a list of them, or a list of lists):
 // a future completed from Python holds a Python object, and torch then pickles it, on completion
 // and again in DDP's reducer, to find its tensors.
 #include <torch/csrc/distributed/c10d/Work.hpp>
+#include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
 
@@ -129,6 +132,29 @@ class Side {
 
 }  // namespace
 
+// The part of a plan's key that plans.py reads from a tensor (`Plans.find`): a new reference to
+// (data_ptr, numel, dtype) for a dense, contiguous tensor without the negative bit; None for
+// any other tensor (no plan: the Python way decides); NULL with TypeError for a non-tensor.
+// Called by the compiled replay through the capsule `tensor_key`, with the GIL held.
+extern "C" PyObject* anyccl_tensor_key(PyObject* obj) {
+  if (!THPVariable_Check(obj)) {
+    PyErr_SetString(PyExc_TypeError, "tensor_key: not a torch tensor");
+    return nullptr;
+  }
+  try {
+    const at::Tensor& t = THPVariable_Unpack(obj);
+    if (!t.defined() || t.layout() != c10::kStrided || t.is_neg() || !t.is_contiguous()) {
+      Py_RETURN_NONE;
+    }
+    PyObject* ptr = PyLong_FromVoidPtr(const_cast<void*>(t.const_data_ptr()));
+    if (ptr == nullptr) return nullptr;
+    return Py_BuildValue("(NLO)", ptr, static_cast<long long>(t.numel()),
+                         reinterpret_cast<PyObject*>(torch::getTHPDtype(t.scalar_type())));
+  } catch (const std::exception&) {  // no storage (a wrapper subclass): no plan
+    Py_RETURN_NONE;
+  }
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "the torch process group's compiled part (anyccl/torch_core.py)";
   m.def("completed", &completed, py::arg("result"),
@@ -139,4 +165,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("enter", &Side::enter)
       .def("leave", &Side::leave, py::arg("previous"), py::arg("used"), py::arg("result"))
       .def("restore", &Side::restore, py::arg("previous"));
+  m.attr("tensor_key") = py::capsule(reinterpret_cast<void*>(&anyccl_tensor_key),
+                                     "anyccl._torchcore.tensor_key");
 }

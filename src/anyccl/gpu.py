@@ -396,12 +396,14 @@ class KernelLaunch:
     kernel takes by value as its only parameter. Queuing it again writes nothing, so a cached
     plan replays it in one driver call (`queue_kernel`); calling it launches it on `stream`."""
 
-    __slots__ = ("function", "blocks", "threads", "args", "_params", "params")
+    __slots__ = ("function", "blocks", "threads", "args", "_params", "params", "packed")
 
     def __init__(self, function: Any, blocks: int, threads: int, args: ctypes.Structure) -> None:
         self.function, self.blocks, self.threads, self.args = int(function), blocks, threads, args
         self._params = (ctypes.c_void_p * 1)(ctypes.addressof(args))
         self.params = ctypes.addressof(self._params)
+        # what the compiled replay takes (_cudacore.c): 0, then queue_kernel's arguments
+        self.packed = (0, self.function, blocks, threads, self.params)
 
     def __call__(self, stream: int) -> None:
         launch(self.function, self.blocks, self.threads, stream, self.params)
@@ -415,13 +417,15 @@ class NcclCall:
     and `check`, which raises NCCL's error for a failed ncclResult_t. A replay queues it in one
     compiled call (`queue_nccl`)."""
 
-    __slots__ = ("function", "args", "fallback", "check")
+    __slots__ = ("function", "args", "fallback", "check", "packed")
 
     def __init__(self, function: int, args: tuple[int, int, int, int, int | None, int],
                  fallback: Callable[[int], None], check: Callable[[int], None]) -> None:
         send, recv, count, dtype, op, comm = args
         self.function, self.fallback, self.check = function, fallback, check
         self.args = (int(op is not None), send, recv, count, dtype, op or 0, comm)
+        # what the compiled replay takes (_cudacore.c): 1, then queue_nccl's arguments
+        self.packed = (1, function, *self.args)
 
     def __call__(self, stream: int) -> None:
         self.fallback(stream)

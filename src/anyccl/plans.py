@@ -44,10 +44,12 @@ class Plan:
     async replay's Work asks it), and the functions a replay calls: `run` (the backend's),
     `current_stream` (torch's current stream on a device, as a handle), and, where the
     function is one compiled call (gpu.ONE_CALL) the backend replays on a shorter way,
-    `one_call` and `queue` (the backend's `replayer()`; else both None)."""
+    `one_call` and `queue` (the backend's `replayer()`; else both None), and `compiled`, what
+    the compiled replay reads of the plan in one tuple (the call's packed arguments, device,
+    name, argument text, size and queue; None where there is no queue)."""
 
     __slots__ = ("name", "args", "nbytes", "enqueue", "device", "backend", "run",
-                 "current_stream", "one_call", "queue")
+                 "current_stream", "one_call", "queue", "compiled")
 
     def __init__(self, name: str, args: ArgsText, nbytes: int, enqueue: Enqueue,
                  device: int, backend: Any, run: Callable[..., int]) -> None:
@@ -58,6 +60,8 @@ class Plan:
         self.queue = backend.replayer() if self.one_call is not None else None
         if self.queue is None:
             self.one_call = None
+        self.compiled = None if self.queue is None else (
+            enqueue.packed, device, name, args, nbytes, self.queue)  # type: ignore[attr-defined]
 
 
 class Plans:
@@ -137,14 +141,17 @@ class Plans:
         another kind of plan, a failed or busy queue, a stream being captured, a launch that
         failed), having queued nothing that the Python way would not redo (an event that could
         not be recorded after a launch raises gpu.CudaError). None where it cannot run
-        (`_cudacore.replay`)."""
+        (`_cudacore.replay`). Where the torch group's compiled part is built (torch_core.py),
+        its `tensor_key` reads the tensor's part of the key, else the tensor's methods do."""
         torch = sys.modules.get("torch")
         core = gpu._core
         if core is None or torch is None:
             return None
+        from . import torch_core
+
         context = (self._plans, torch.Tensor, ReduceOp, gpu.KernelLaunch, gpu.NcclCall,
                    torch_stream_function(), number, OpRecord, recorder_add, owner,
-                   gpu.CudaError)
+                   gpu.CudaError, getattr(torch_core.built(), "tensor_key", None))
         return functools.partial(core.replay, context)
 
     def forget(self) -> None:

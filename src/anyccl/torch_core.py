@@ -119,6 +119,19 @@ def load() -> ModuleType | None:
     return module
 
 
+def built() -> ModuleType | None:
+    """The compiled part where it is loaded or already in the cache (loaded from there), else
+    None: never builds it (for callers that must not wait for a compiler)."""
+    if "module" in _state:
+        return _state["module"]  # type: ignore[return-value]
+    try:
+        if not settings.TORCH_CORE.get() or not cache_path().exists():
+            return None
+    except (OSError, ImportError):
+        return None
+    return load()
+
+
 def status() -> str:
     """Which code runs the torch group's operations, and why (`anyccl info`), without building
     anything: where the part is not built yet, whether it can be."""

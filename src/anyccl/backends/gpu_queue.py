@@ -16,6 +16,7 @@ a host blocked on the stream wakes up), and the error is recorded; the next call
 
 from __future__ import annotations
 
+import ctypes
 import threading
 import time
 from collections import deque
@@ -47,6 +48,10 @@ _RETIRE_EVERY = 64          # the caller retires finished operations itself ever
                             # oldest generation and set off its full collections
 
 
+# The queue's ordering state, one list that the compiled replay (_cudacore.replay) updates too:
+# the next event of the ring, the stream of the last operation (None: none yet) and its event.
+_NEXT, _LAST_STREAM, _LAST_EVENT = range(3)
+
 # One queued operation the watchdog follows, as a plain tuple (made on every call): its record,
 # the event that marks its end, its deadline, the arrays kept alive until then and its
 # flight-recorder lines.
@@ -77,9 +82,7 @@ class GpuQueue:
         self.stream = gpu.new_stream(device)
         self._start = gpu.new_event(device)
         self._events = [gpu.new_event(device) for _ in range(_EVENT_RING)]
-        self._next_event = 0
-        self._last_stream: int | None = None     # where the last operation was queued
-        self._last_event = 0
+        self._order: list[Any] = [0, None, 0]   # [_NEXT, _LAST_STREAM, _LAST_EVENT]
         self.lock = threading.Lock()             # enqueueing vs aborting
         self._wake = threading.Event()           # set when work arrives in an empty queue
         self._queued: deque[Queued] = deque()   # appended here, popped by the watchdog
@@ -91,6 +94,7 @@ class GpuQueue:
         self._health: list[Health] = []
         self._aborts: list[Callable[[], None]] = []
         self._alarm: Any = None                  # (words, index) of the transport's alarm
+        self.replay_state = self._replay_state()
 
     def watch(self, health: Health | None = None,
               abort: Callable[[], None] | None = None,
@@ -107,6 +111,21 @@ class GpuQueue:
             self._aborts.append(abort)
         if alarm is not None:
             self._alarm = alarm
+            self.replay_state = self._replay_state()
+
+    def _replay_state(self) -> tuple:
+        """What the compiled replay (_cudacore.replay) reads of this queue, in one tuple: the
+        lock, the event ring, the ordering state, the queued operations, the retiring lock,
+        the alarm word's address (0: no alarm; None: one it cannot read, so it declines), how
+        often it retires, and the queue itself (for `_followed` and errors)."""
+        alarm: int | None = 0
+        if self._alarm is not None:
+            words, index = self._alarm
+            alarm = ctypes.addressof(words) + 8 * index \
+                if isinstance(words, ctypes.Array) and ctypes.sizeof(words._type_) == 8 and \
+                0 <= index < len(words) else None
+        return (self.lock, self._events, self._order, self._queued, self._retiring, alarm,
+                self.retire_every, self)
 
     # ---- queuing -----------------------------------------------------------------------------
     def run(self, record: OpRecord, after: Sequence[int], deadline: float, enqueue: Enqueue,
@@ -152,7 +171,8 @@ class GpuQueue:
     def _follow(self, queued_op: Queued) -> None:
         """The watchdog follows `queued_op` from here; every so often the caller retires the
         finished ones itself. (_cudacore.replay does the same: append, then `_followed` where
-        the queue was empty or its length is a multiple of `retire_every`.)"""
+        the queue was empty, or its own `_retire` where its length is a multiple of
+        `retire_every`.)"""
         queued = self._queued
         was_empty = not queued
         queued.append(queued_op)
@@ -190,6 +210,7 @@ class GpuQueue:
                                            f"blocking calls")
             stream = self.stream
             null = any(s in gpu.NULL_STREAMS for s in after)
+        order = self._order
         with self.lock:
             if null:
                 gpu.use_device(self.device)  # a null stream is the current device's
@@ -197,13 +218,13 @@ class GpuQueue:
                 for user_stream in after:
                     gpu.record(self._start, user_stream)
                     gpu.stream_wait(stream, self._start)
-            if self._last_stream != stream and self._last_stream is not None:
-                gpu.stream_wait(stream, self._last_event)
+            if order[_LAST_STREAM] != stream and order[_LAST_STREAM] is not None:
+                gpu.stream_wait(stream, order[_LAST_EVENT])
             self._enqueue(enqueue, stream, record)
-            event = self._events[self._next_event]
-            self._next_event = (self._next_event + 1) % _EVENT_RING
+            event = self._events[order[_NEXT]]
+            order[_NEXT] = (order[_NEXT] + 1) % len(self._events)
             gpu.record(event, stream)
-            self._last_stream, self._last_event = stream, event
+            order[_LAST_STREAM], order[_LAST_EVENT] = stream, event
         return event
 
     def _queue_one_call(self, one_call: Callable[..., bool], enqueue: Enqueue, stream: int,
@@ -211,18 +232,19 @@ class GpuQueue:
         """`_queue` of one kernel or one NCCL call right on `stream`, in one compiled call
         (`one_call`, from gpu.ONE_CALL): its event, or 0 when the stream is being captured
         (nothing was queued; `_queue` captures it)."""
+        order = self._order
         with self.lock:   # (a null stream is the current device's: one_call makes it ours)
-            event = self._events[self._next_event]
-            last = self._last_stream
-            after = self._last_event if last is not None and last != stream else 0
+            event = self._events[order[_NEXT]]
+            last = order[_LAST_STREAM]
+            after = order[_LAST_EVENT] if last is not None and last != stream else 0
             try:
                 if not one_call(enqueue, stream, event, after, self.device):
                     return 0
             except self._enqueue_errors as exc:
                 assert self._describe_error is not None
                 raise self._describe_error(record, exc) from None
-            self._next_event = (self._next_event + 1) % _EVENT_RING
-            self._last_stream, self._last_event = stream, event
+            order[_NEXT] = (order[_NEXT] + 1) % len(self._events)
+            order[_LAST_STREAM], order[_LAST_EVENT] = stream, event
         return event
 
     def _enqueue(self, enqueue: Enqueue, stream: int, record: OpRecord) -> None:
@@ -291,6 +313,8 @@ class GpuQueue:
             return self._retire()
 
     def _retire(self) -> int:
+        """Pop the finished operations (the caller holds `_retiring`); how many. The compiled
+        replay retires the same way (_cudacore.c: retire)."""
         queued = self._queued
         count = len(queued)  # items appended from here on are not looked at
         if not count:
