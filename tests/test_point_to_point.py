@@ -118,6 +118,17 @@ def test_receives_posted_first_complete_when_the_send_comes():
     assert all(run_ranks(check_recv_posted_before_send, 2))
 
 
+@pytest.mark.shm_only   # the shm transport's message rings
+@pytest.mark.parametrize("check", [check_every_dtype_and_size_arrives_intact,
+                                   check_tags_select_messages_in_any_order,
+                                   check_recv_posted_before_send])
+def test_messages_many_times_a_ring_stream_through_it_in_pieces(check):
+    """With 4 KiB rings every message above streams through in 1 KiB pieces, the sender
+    refilling what the receiver read while it reads on; messages arrive whole, in order, by
+    tag, also into receives posted first."""
+    assert all(run_ranks(check, 2, env={"ANYCCL_SHM_CHANNEL_BYTES": "4096"}))
+
+
 def check_size_mismatch(comm):
     if comm.rank == 0:
         comm.send(np.zeros(10, np.float32), 1, tag=3)

@@ -396,6 +396,10 @@ class SharedMemoryBackend(Backend):
                               * cb] for seg in self._segments]  # rings[j]: channel j -> me
         self._out_rings = [self._own.u8[layout.channels + j * cb: layout.channels + (j + 1) * cb]
                            for j in range(size)]
+        # a message larger than a ring streams through it in pieces of a quarter of it, each
+        # published as it is written or read: the sender refills what the receiver has read
+        # while the receiver reads on (whole rings at a time, the two copies took turns)
+        self._piece = max(_HEADER, cb // 4 // _HEADER * _HEADER)
         self._sent = [0] * size
         self._consumed = [0] * size
         self._sendq: list[deque[_Send]] = [deque() for _ in range(size)]
@@ -1111,7 +1115,7 @@ class SharedMemoryBackend(Backend):
             free = cap - (self._sent[dst] - self._ctl[dst][self._layout.w_consumed + self.rank])
             if msg.written == 0 and free < _HEADER:
                 break
-            n = min(free, msg.total - msg.written)
+            n = min(free, msg.total - msg.written, self._piece)
             if n <= 0:
                 break
             pos = self._sent[dst]
@@ -1186,7 +1190,12 @@ class SharedMemoryBackend(Backend):
         if available <= 0:
             return False
         pos = self._consumed[src]
+        piece, published = self._piece, pos
         while available > 0:
+            if pos - published >= piece:   # the sender may refill what was read meanwhile
+                self._consumed[src] = published = pos
+                self._own.words[self._layout.w_consumed + src] = pos
+                self._bells[src].ring()
             msg = self._incoming[src]
             if msg is None:
                 tag, nbytes, code, _ = _HEADER_WORDS.unpack_from(ring, pos % ring.size)
@@ -1195,7 +1204,7 @@ class SharedMemoryBackend(Backend):
                 msg = self._incoming[src] = _Incoming(tag, nbytes, SUPPORTED_DTYPES[code],
                                                       self._arrivals)
                 self._match(msg, src)
-            n = min(available, msg.stream_bytes - msg.received)
+            n = min(available, msg.stream_bytes - msg.received, piece)
             a, b = msg.received, min(msg.received + n, msg.nbytes)
             if b > a and msg.sink is not None:
                 msg.sink[a:b] = _ring_read(ring, pos, b - a)
