@@ -118,13 +118,13 @@ owner = types.SimpleNamespace(timeout_s=30.0)
 compiled = plans.compiled(numbers.__next__, recorder.add, owner)
 context = list(compiled.args[0])
 stream = [7]
-context[5] = lambda device: stream[0]          # torch's current stream, as a handle
+context[3] = lambda device: stream[0]          # torch's current stream, as a handle
 if os.environ["KEY"] == "methods":
-    context[11] = None
+    context[9] = None
 else:
-    assert context[11] is not None, "the torch core is built, its key function is missing"
+    assert context[9] is not None, "the torch core is built, its key function is missing"
 replay = lambda t=tensor: _cudacore.replay(tuple(context), tag, t)
-out = {"key": repr(context[11])}
+out = {"key": repr(context[9])}
 driver.stub_set(0, 0, 0)
 out["first"] = [replay(), log()]
 stream[0] = 8

@@ -249,8 +249,8 @@ static PyObject *s_is_neg, *s_is_contiguous, *s_data_ptr, *s_numel, *s_dtype, *s
     *s_replayed, *s_issued_at, *s_timeout_s, *s_state, *s_started, *s_started_at, *s_ended_at,
     *s_done, *s_rank;
 
-enum { CTX_PLANS, CTX_TENSOR, CTX_OP, CTX_KERNEL, CTX_NCCL, CTX_STREAM, CTX_NUMBER, CTX_RECORD,
-       CTX_RECORDER_ADD, CTX_DISPATCH, CTX_ERROR, CTX_KEY, CTX_SIZE };
+enum { CTX_PLANS, CTX_TENSOR, CTX_OP, CTX_STREAM, CTX_NUMBER, CTX_RECORD, CTX_RECORDER_ADD,
+       CTX_DISPATCH, CTX_ERROR, CTX_KEY, CTX_SIZE };
 /* CTX_KEY: None, or the torch group's compiled part's capsule of this function (_torchcore.cpp):
  * a new reference to (data_ptr, numel, dtype), None (no plan), or NULL on an error */
 typedef PyObject *(*TensorKey)(PyObject *);

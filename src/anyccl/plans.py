@@ -149,9 +149,9 @@ class Plans:
             return None
         from . import torch_core
 
-        context = (self._plans, torch.Tensor, ReduceOp, gpu.KernelLaunch, gpu.NcclCall,
-                   torch_stream_function(), number, OpRecord, recorder_add, owner,
-                   gpu.CudaError, getattr(torch_core.built(), "tensor_key", None))
+        context = (self._plans, torch.Tensor, ReduceOp, torch_stream_function(), number,
+                   OpRecord, recorder_add, owner, gpu.CudaError,
+                   getattr(torch_core.built(), "tensor_key", None))
         return functools.partial(core.replay, context)
 
     def forget(self) -> None:
