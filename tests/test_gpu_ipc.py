@@ -111,11 +111,13 @@ def check_ipc_collectives(comm) -> int:
 
 @pytest.mark.parametrize("world", [*world_sizes(), pytest.param(3, marks=pytest.mark.skipif(
     gpu.device_count() < 3, reason="needs 3 GPUs"))])
-@pytest.mark.parametrize("takers", [0, 3])
-def test_ipc_collectives_match_a_float64_reference(world, takers):
+@pytest.mark.parametrize("takers,tile_min", [(0, "64K"), (3, "64K"), (0, "1K")])
+def test_ipc_collectives_match_a_float64_reference(world, takers, tile_min):
     # takers 0: every block pushes, then takes; 3: three blocks of each kernel take (copy out,
-    # reduce) what arrives while the others push
-    env = {**IPC_ENV, "ANYCCL_TUNING": f"{IPC_ENV['ANYCCL_TUNING']},ipc.takers={takers}"}
+    # reduce) what arrives while the others push; tiles down to 1 KiB: small arrays in many
+    # tiles (odd counts end mid-tile)
+    env = {**IPC_ENV, "ANYCCL_TUNING": f"{IPC_ENV['ANYCCL_TUNING']},ipc.takers={takers},"
+                                       f"ipc.tile_min={tile_min}"}
     checked = run_ranks(check_ipc_collectives, world, env=env, deadline_s=240)
     assert checked[0] > 200
 

@@ -142,7 +142,7 @@ def test_all_reduce_rounds_cover_every_element_once_within_the_buffers(launches,
             assert -(-a["count"] // 2) * size <= slot
         if not kernel.startswith("all_reduce_low_latency"):
             tile = a["tile_bytes"]
-            assert TILE_BYTES <= tile <= b.layout.tile_bytes and tile % TILE_BYTES == 0
+            assert b.tile_min <= tile <= b.layout.tile_bytes and tile % b.tile_min == 0
             per_block = nbytes if kernel.startswith("all_reduce_one_shot") else \
                 -(-a["count"] // 2) * size
             assert -(-per_block // tile) <= b.layout.max_tiles       # every tile has a flag
@@ -198,7 +198,7 @@ def test_a_kernels_blocks_split_into_pushers_with_a_tile_each_and_at_most_as_man
     tiles = -(-nbytes // tile)
     pushers = blocks - taking
     assert 1 <= pushers <= tiles and blocks <= b.max_blocks     # every pusher has a tile
-    assert TILE_BYTES <= tile <= b.layout.tile_bytes and tile % TILE_BYTES == 0
+    assert b.tile_min <= tile <= b.layout.tile_bytes and tile % b.tile_min == 0
     if 0 < takers < b.max_blocks:
         assert taking == min(takers, tiles)                         # a taker has a tile too
     else:
@@ -207,6 +207,23 @@ def test_a_kernels_blocks_split_into_pushers_with_a_tile_each_and_at_most_as_man
                  arr(1 << 36, nbytes, np.uint8))(0)               # the kernels are told
     first = b._tiling(min(nbytes, b.layout.slot_bytes))          # (a round fills a slot)
     assert launches[0][0][1] == first[0] and launches[0][0][3]["takers"] == first[2]
+
+
+@pytest.mark.parametrize("tile_min", [1 << 10, 4 << 10, 48 << 10, TILE_BYTES])
+@pytest.mark.parametrize("nbytes", [4, 5000, 256 << 10, 1 << 20, 8 << 20])
+def test_small_tiles_spread_a_small_array_over_more_blocks_and_every_tile_keeps_its_flag(
+        launches, tile_min, nbytes):
+    _, names, _ = launches
+    b = make_backend(names, half_mb=64)
+    b.tile_min = min(TILE_BYTES, 1 << (tile_min.bit_length() - 1))   # as the backend reads it
+    blocks, tile, _ = b._tiling(nbytes)
+    tiles = -(-nbytes // tile)
+    assert tiles <= b.layout.max_tiles                               # every tile has a flag
+    assert tile % b.tile_min == 0 and tile <= b.layout.tile_bytes
+    assert blocks == min(b.max_blocks, tiles)                        # a block for each tile
+    b.tile_min = TILE_BYTES
+    wide, _, _ = b._tiling(nbytes)
+    assert blocks >= wide                                            # never fewer blocks
 
 
 def test_reduce_scatter_and_all_gather_address_every_piece_in_each_round(launches):

@@ -6,11 +6,13 @@ small integers, the gathered pieces) on every rank.
 
     anyccl run -n 4 benchmarks/lab/ipc_sweep.py [--mib 16 64 256 1024] [--blocks 64 128]
         [--tiles 256 512] [--takers 0 16] [--algorithms two_shot one_shot low_latency_two_shot]
-        [--ops all_reduce,all_gather,reduce_scatter] [--dtype float32]
+        [--tile-mins 4 64] [--ops all_reduce,all_gather,reduce_scatter] [--dtype float32]
+        [--no-ce]
 
 (--mib takes fractions: 0.25 is 256 KiB. --takers: blocks of each kernel that take what
 arrived while the others push; --algorithms: all_reduce's kernels, each in every
-configuration, instead of the tuning table's choice by size.)
+configuration, instead of the tuning table's choice by size; --tile-mins: the smallest tile in
+KiB, as `ipc.tile_min`; --no-ce leaves the copy-engine column out.)
 
 Prints busbw (GB/s, nccl-tests' factors) of the median round, slowest rank, and each
 configuration's speed over NCCL's. Eager back-to-back calls timed with CUDA events.
@@ -36,6 +38,9 @@ parser.add_argument("--tiles", type=int, nargs="+", default=[256, 512],
                     help="KiB a block moves between two flags")
 parser.add_argument("--takers", type=int, nargs="+", default=[None])
 parser.add_argument("--algorithms", nargs="+", default=[None])
+parser.add_argument("--tile-mins", type=int, nargs="+", default=[None],
+                    help="KiB: the smallest tile (ipc.tile_min)")
+parser.add_argument("--no-ce", action="store_true", help="no copy-engine column")
 parser.add_argument("--ops", default="all_reduce,all_gather,reduce_scatter")
 parser.add_argument("--dtype", default="float32")
 parser.add_argument("--rounds", type=int, default=3)
@@ -54,19 +59,22 @@ big = torch.empty(top, dtype=dtype, device=dev)
 gathered = torch.empty(top, dtype=dtype, device=dev)
 backend = comm.gpu_backend
 default = (backend.max_blocks, backend.layout.tile_bytes, backend.ce_bytes, backend.takers,
-           backend.routes)
+           backend.routes, backend.tile_min)
 NEVER = 1 << 62
 SHORT = {"two_shot": "2s", "one_shot": "1s", "low_latency": "ll", "low_latency_two_shot": "ll2"}
 
 
 def configure(name: str) -> None:
-    """'nccl'; 'sm B T [K [A]]': the SM kernels, B blocks, tiles of T KiB, K of the blocks
-    taking, all_reduce by algorithm A; 'ce': the copy engines. Plans cached by earlier calls
-    are dropped, so that the next call is queued under this configuration."""
+    """'nccl'; 'sm B T [K [A]] [mM]': the SM kernels, B blocks, tiles of T KiB (down to M
+    KiB), K of the blocks taking, all_reduce by algorithm A; 'ce': the copy engines. Plans
+    cached by earlier calls are dropped, so that the next call is queued under this
+    configuration."""
     (backend.max_blocks, backend.layout.tile_bytes, backend.ce_bytes, backend.takers,
-     backend.routes) = default
+     backend.routes, backend.tile_min) = default
     if name.startswith("sm"):
         _, blocks, tile, *rest = name.split()
+        if rest and rest[-1].startswith("m"):
+            backend.tile_min = int(rest.pop()[1:]) << 10
         backend.max_blocks, backend.layout.tile_bytes = int(blocks), int(tile) << 10
         backend.ce_bytes = NEVER
         if rest:
@@ -144,8 +152,10 @@ def timed(name: str, op: str, inp: torch.Tensor, out: torch.Tensor) -> float:
 
 ops = args.ops.split(",")
 sm = [" ".join(f"sm {b} {t}{'' if k is None else f' {k}'}"
-              f"{'' if al is None else f' {SHORT[al]}'}".split())
-      for b in args.blocks for t in args.tiles for k in args.takers for al in args.algorithms]
+              f"{'' if al is None else f' {SHORT[al]}'}{'' if m is None else f' m{m}'}".split())
+      for b in args.blocks for t in args.tiles for k in args.takers for al in args.algorithms
+      for m in args.tile_mins]
+ce = [] if args.no_ce or n == 1 else ["ce"]
 names = ["nccl"] + sm
 results: dict[tuple[str, int, str], list[float]] = {}
 wrong: set[tuple[str, int, str]] = set()
@@ -153,7 +163,7 @@ for r in range(args.rounds):
     for op in ops:
         for mib in args.mib:
             inp, out = operands(op, mib)
-            cands = names + (["ce"] if op == "all_reduce" and n > 1 else [])
+            cands = names + (ce if op == "all_reduce" else [])
             cands = cands[r % len(cands):] + cands[:r % len(cands)]
             for name in cands:
                 configure(name)
@@ -167,7 +177,7 @@ if comm.rank == 0:
           f"{args.rounds} rounds x {args.iters} eager calls; (x NCCL)")
     for op in ops:
         factor = 2 * (n - 1) / n if op == "all_reduce" else (n - 1) / n
-        cands = names + (["ce"] if op == "all_reduce" and n > 1 else [])
+        cands = names + (ce if op == "all_reduce" else [])
         print(f"  {op:<15}" + "".join(f"{c:>16}" for c in cands))
         for mib in args.mib:
             bw = {c: factor * mib * (1 << 20) / statistics.median(results[op, mib, c]) / 1e9

@@ -81,6 +81,10 @@ TABLE: dict[str, Threshold] = {t.key: t for t in (
     # ipc: CUDA peer memory (backends/ipc/)
     Threshold("ipc.tile", "size", 256 * _K,
               "what one block of an ipc collective moves between two flags"),
+    Threshold("ipc.tile_min", "size", 4 * _K,
+              "the smallest tile: an array is cut into tiles no smaller than this, one "
+              "block's share each, so that a small array is pushed by more blocks (each tile "
+              "carries its own flag)", least=1 * _K),
     Threshold("ipc.takers", "count", 0,
               "blocks of an ipc collective that copy out or reduce what arrived while the "
               "others push (0: every block does both, the next tile's pushes before the last "
@@ -88,10 +92,10 @@ TABLE: dict[str, Threshold] = {t.key: t for t in (
     Threshold("ipc.ll_max", "size", 1 * _M,
               "all_reduce up to this size: lines of data and flags, every rank's to every "
               "rank (one shot)"),
-    Threshold("ipc.ll_two_shot_max", "size", 4 * _M,
+    Threshold("ipc.ll_two_shot_max", "size", 2 * _M,
               "all_reduce above ipc.ll_max up to this size, on 3 ranks or more: lines of data "
-              "and flags in two shots (reduce-scatter, then all-gather; 4 H100s: 1.1-1.4x the "
-              "other kernels at 1-4 MiB)", least=0),
+              "and flags in two shots (reduce-scatter, then all-gather; 4 H100s: 1.0-1.1x the "
+              "tiles' one and two shots at 1-2 MiB, 0.8x the two shots at 4 MiB)", least=0),
     Threshold("ipc.one_shot_max", "size", 2 * _M,
               "all_reduce up to this size: one shot (every rank pushes everything); two shots "
               "above"),

@@ -73,6 +73,8 @@ class IpcBackend(QueuedGpuBackend):
         self.max_blocks = settings.IPC_BLOCKS.get()
         # of which this many take what arrived (copy it out, reduce it) while the rest push
         self.takers = tuning.value("ipc.takers")
+        # tiles down to this size for small arrays (a power of two, at most TILE_BYTES)
+        self.tile_min = min(TILE_BYTES, 1 << (tuning.value("ipc.tile_min").bit_length() - 1))
         # the tuning table (tuning.py): all_reduce's lines of data and flags up to ll_bytes,
         # then in two shots up to ll2_bytes (3 ranks or more), one shot of tiles up to
         # one_shot_bytes, else two shots
@@ -153,7 +155,11 @@ class IpcBackend(QueuedGpuBackend):
         between two flags) small enough that every pushing block has one, at most the
         layout's; of the blocks, `takers` only take what arrives (kernels: Role), no more
         than there are tiles, and none when `max_blocks` leaves no block to push."""
-        least = TILE_BYTES
+        # the smallest tile that still leaves every tile of a slot a flag (a slot's flags
+        # are sized for tiles of TILE_BYTES)
+        least = self.tile_min
+        while -(-nbytes // least) > self.layout.max_tiles:
+            least *= 2
         takers = self.takers if 0 < self.takers < self.max_blocks else 0
         pushers = self.max_blocks - takers
         tile = min(self.layout.tile_bytes, max(least, -(-nbytes // pushers // least) * least))

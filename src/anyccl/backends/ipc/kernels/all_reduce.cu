@@ -176,9 +176,9 @@ __device__ void two_shot_push(const TwoShot& s, u64 t) {
     }
     __syncthreads();
     if (threadIdx.x == 0) {
-        __threadfence_system();
+        fence_release();
         for (int i = 1; i < s.n; ++i)
-            st_release(flag_a(a, a.sig[(s.r + i) % s.n], t, s.r), s.epoch);
+            st_relaxed(flag_a(a, a.sig[(s.r + i) % s.n], t, s.r), s.epoch);
     }
 }
 template <typename T, int OP>
@@ -202,9 +202,9 @@ __device__ bool two_shot_reduce(const TwoShot& s, u64 t) {
     }
     __syncthreads();
     if (threadIdx.x == 0) {
-        __threadfence_system();
+        fence_release();
         for (int q = 0; q < n; ++q)
-            if (q != r) st_release(flag_b(a, a.sig[q], t, r), s.epoch);
+            if (q != r) st_relaxed(flag_b(a, a.sig[q], t, r), s.epoch);
     }
     return true;
 }

@@ -70,6 +70,14 @@ struct Args {
 __device__ __forceinline__ void st_release(u64* p, u64 v) {
     asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
+// A release fence at system scope, then relaxed flag stores: the block's writes before it
+// (made this thread's by a __syncthreads) reach every GPU before any flag stored after it. One
+// fence serves all the flags a thread raises next, which then leave back to back: a st_release
+// per flag would make each flag wait for the one before it to cross the link.
+__device__ __forceinline__ void fence_release() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
+__device__ __forceinline__ void st_relaxed(u64* p, u64 v) {
+    asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
 __device__ __forceinline__ u64 ld_acquire(const u64* p) {
     u64 v;
     asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
@@ -100,8 +108,8 @@ __device__ bool block_wait(const Args& a, const u64* flag, u64 value) {
 __device__ void block_signal(u64* flag, u64 value) {
     __syncthreads();
     if (threadIdx.x == 0) {
-        __threadfence_system();
-        st_release(flag, value);
+        fence_release();
+        st_relaxed(flag, value);
     }
 }
 
@@ -335,10 +343,10 @@ __device__ void push_tile(const Args& a, u64 epoch, int from, const char* const*
     }
     __syncthreads();
     if (threadIdx.x == 0) {
-        __threadfence_system();
+        fence_release();
         for (int i = 0; i < n; ++i) {   // i = 0: this rank's own flag, that the tile left
             const int q = (from + i) % n;
-            st_release(flag_a(a, a.sig[q], t, from), epoch);
+            st_relaxed(flag_a(a, a.sig[q], t, from), epoch);
         }
     }
 }
