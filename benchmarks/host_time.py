@@ -195,7 +195,8 @@ def gpu_backend(kind: str) -> Any:
         nccl=nccl, queue=queue, policy="ipc", rank=0, size=2, device=0, layout=Layout(2),
         memory=SimpleNamespace(error=lambda: (0, 0, 0, 0)),
         _kernels=collections.defaultdict(int), _args=KernelArgs(), max_blocks=128, takers=0,
-        ll_bytes=1 << 20, one_shot_bytes=2 << 20, ce_bytes=1 << 62, _side=[], _fork=0,
+        tile_min=4 << 10, ll_bytes=1 << 20, one_shot_bytes=2 << 20, ce_bytes=1 << 62,
+        _side=[], _fork=0,
         routes=Routes.kernels(1 << 20, 2 << 20, 1 << 62, "policy ipc")))
     ipc._params_address = 0
     queue.watch(alarm=((ctypes.c_uint64 * 8)(), 1))   # the kernels' status words, all clear
