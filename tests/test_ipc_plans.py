@@ -86,10 +86,10 @@ def launches(monkeypatch):
 backend_under_test: list = []
 
 
-def make_backend(names, size=2, rank=0, policy="ipc", half_mb=2, routes=None):
+def make_backend(names, size=2, rank=0, policy="ipc", half_mb=2, routes=None, tuned=False):
     """The ipc backend, made by its constructor over the fakes above, with the kernels named
     as `names` maps their handles, and the thresholds these tests were written for (the ipc
-    policy's routes from them, unless `routes` are given)."""
+    policy's routes from them, unless `routes` are given; tuned=True: the tuning table's)."""
     import os
 
     os.environ["ANYCCL_IPC_HALF_MB"] = str(half_mb)
@@ -106,6 +106,9 @@ def make_backend(names, size=2, rank=0, policy="ipc", half_mb=2, routes=None):
                            routes)
     finally:
         compiler.kernels = real
+    if tuned:
+        backend_under_test.append(b)
+        return b
     b.max_blocks, b.ll_bytes, b.one_shot_bytes = 128, min(16 << 10, layout.slot_bytes // 2), \
         256 << 10
     b.ce_bytes = 1 << 62  # the copy-engine path: tests/test_ipc_copy_engines.py
@@ -117,6 +120,19 @@ def make_backend(names, size=2, rank=0, policy="ipc", half_mb=2, routes=None):
 
 def arr(ptr, count, dtype=np.float32):
     return GpuArray(ptr, count, np.dtype(dtype), 0, 0, "test", None)
+
+
+@pytest.mark.parametrize("size", [2, 3, 4, 8])
+def test_the_one_shot_lines_end_where_every_rank_pushes_what_two_ranks_push_at_ll_max(
+        launches, size):
+    _, names, _ = launches
+    b = make_backend(names, size=size, half_mb=256, tuned=True)
+    ll_max = 1 << 20                                    # the tuning table's default
+    want = ll_max if size == 2 else ll_max // (size - 1)
+    assert b.ll_bytes == min(want, b.layout.slot_bytes // 2)
+    assert b.routes.pick("all_reduce", b.ll_bytes) == "low_latency"
+    after = b.routes.pick("all_reduce", b.ll_bytes + 4)
+    assert after == ("one_shot" if size == 2 else "low_latency_two_shot")
 
 
 @pytest.mark.parametrize("count", [1, 4096, 4097, 65536, 131072 + 7, 524288, 2_000_003])

@@ -91,7 +91,8 @@ TABLE: dict[str, Threshold] = {t.key: t for t in (
               "one's takes)", least=0),
     Threshold("ipc.ll_max", "size", 1 * _M,
               "all_reduce up to this size: lines of data and flags, every rank's to every "
-              "rank (one shot)"),
+              "rank (one shot); on n >= 3 ranks up to this / (n - 1), the same bytes pushed "
+              "per rank (4 H100s: the two shots of lines faster from 512 KiB)"),
     Threshold("ipc.ll_two_shot_max", "size", 2 * _M,
               "all_reduce above ipc.ll_max up to this size, on 3 ranks or more: lines of data "
               "and flags in two shots (reduce-scatter, then all-gather; 4 H100s: 1.0-1.1x the "

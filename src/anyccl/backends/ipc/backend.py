@@ -78,8 +78,13 @@ class IpcBackend(QueuedGpuBackend):
         # the tuning table (tuning.py): all_reduce's lines of data and flags up to ll_bytes,
         # then in two shots up to ll2_bytes (3 ranks or more), one shot of tiles up to
         # one_shot_bytes, else two shots
-        self.ll_bytes = min(tuning.value("ipc.ll_max"), self.layout.slot_bytes // 2)
         self.ll2_bytes = tuning.value("ipc.ll_two_shot_max") if self.size > 2 else 0
+        # the one-shot lines push the array to n - 1 peers: where the two shots of lines can
+        # take over (3 ranks or more), they stop where they push what 2 ranks push at ll_max
+        ll_max = tuning.value("ipc.ll_max")
+        if self.ll2_bytes:
+            ll_max //= self.size - 1
+        self.ll_bytes = min(ll_max, self.layout.slot_bytes // 2)
         self.one_shot_bytes = tuning.value("ipc.one_shot_max")
         # copy engines from ce_bytes up (where the layout has their area, and there are peers):
         # the size from which they beat the two-shot kernels in the recorded runs
