@@ -89,6 +89,9 @@ class Communicator:
                                      meet=self.barrier, post_mortem=self._engine.post_mortem,
                                      number=self._number, recorder=self.flight_recorder,
                                      device=device, backend=gpu_backend, kind=gpu_kind)
+        # a blocking small all_reduce, broadcast or all_gather on NumPy arrays in one
+        # compiled call
+        self._hot_call, self._hot = backend.hot_context(self._engine, self._log) or (None, None)
         self._messages = MessageCalls(self, self._check, self._engine, self._gpu_side)
         self._message = self._messages.message   # send, recv, isend, irecv: one call each
         self._uneven = UnevenCalls(self, self._check, self._gpu_side, self._refused,
@@ -274,6 +277,9 @@ class Communicator:
         Returns:
             Blocking: the array that holds the result (see `all_reduce`). Else a `Work`.
         """
+        if (hot := self._hot) is not None and not async_op and stream is None \
+                and self._hot_call(hot, self, 1, tensor, src) is not None:
+            return tensor   # the whole call compiled (host arrays: `hot_context`)
         if (replay := self._gpu_side.compiled_replay) is not None and not async_op \
                 and stream is None and replay(("broadcast", src), tensor):
             return tensor   # a cached plan replayed whole in compiled code
@@ -306,6 +312,9 @@ class Communicator:
             holds the result, so `y = comm.all_reduce(x)` works for every array. With
             `async_op=True`: a `Work` (in place only).
         """
+        if (hot := self._hot) is not None and not async_op and stream is None \
+                and self._hot_call(hot, self, 0, tensor, op) is not None:
+            return tensor   # the whole call compiled (host arrays: `hot_context`)
         if (replay := self._gpu_side.compiled_replay) is not None and not async_op \
                 and stream is None and replay(("all_reduce", op), tensor):
             return tensor   # a cached plan replayed whole in compiled code
@@ -360,6 +369,9 @@ class Communicator:
         """`out` receives every rank's `tensor` in rank order: a list of `size` arrays, or one
         array of size * tensor.size elements. The arrays may differ in size from rank to rank
         ("allgatherv"): then `out` is a list whose entry j has rank j's size, on every rank."""
+        if (hot := self._hot) is not None and not async_op and stream is None \
+                and self._hot_call(hot, self, 2, tensor, out) is not None:
+            return None   # the whole call compiled (host arrays: `hot_context`)
         if self._gpu_side.plans is not None and (replayed := self._gpu_side.replay(
                 ("all_gather",), (out, tensor), async_op, stream)) is not FULL_PATH:
             return replayed   # a GPU call ran: this one replayed its plan

@@ -471,12 +471,17 @@ class HostEngine(Engine):
             if method is not None:
                 getattr(self.backend, method)(*operands, record)
         except BaseException as exc:
-            self._note_failure(exc)
-            FlightRecorder.ended(record, exc)
-            self.post_mortem(exc)
+            self.failed(record, exc)
             raise
         if method is not None:  # FlightRecorder.ended, inline
             record.state, record.ended_at = "done", time.monotonic()
+
+    def failed(self, record: OpRecord, exc: BaseException) -> None:
+        """Host operation `record` raised `exc` (which the caller raises next): the engine's
+        failure policy, the record ended with it, the flight record written where it says."""
+        self._note_failure(exc)
+        FlightRecorder.ended(record, exc)
+        self.post_mortem(exc)
 
     def _agree(self, record: OpRecord, signature: np.ndarray) -> None:
         """Debug mode: every rank learns what every rank called; all raise on a difference."""

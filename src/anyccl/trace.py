@@ -155,10 +155,10 @@ def about(x: Any, more: str = "", *values: Any) -> tuple:
     """An op record's argument text, made when read: array `x` as "float32 x 4", then `more`
     formatted with `values` (str.format). Records are kept (flight recorder, plans), so the
     text captures `x`'s dtype and size, never `x`: a record keeps no array alive."""
-    return (_about_text, x.dtype, x.size, more, values)
+    return (about_text, x.dtype, x.size, more, values)
 
 
-def _about_text(dtype: Any, size: int, more: str, values: tuple) -> str:
+def about_text(dtype: Any, size: int, more: str, values: tuple) -> str:
     return f"{dtype.name} x {size}{more.format(*values)}"
 
 

@@ -24,6 +24,9 @@
  *                                    a small all_reduce, reduce or broadcast whole: the next
  *                                    staging half, stage, the barrier as sync, then reduce or
  *                                    copy, marking the rank in the operation and then idle
+ *   hot(ctx, comm, kind, x, arg)     a blocking small all_reduce, broadcast or all_gather on
+ *                                    NumPy arrays, whole: the communicator's and the engine's
+ *                                    part of the call (checks, number, record) around one_shot
  *
  * Addresses are Python ints (of shared mappings the caller keeps alive); buffers are objects
  * with the buffer protocol (NumPy arrays). Counters are aligned 8-byte words with one writer.
@@ -598,6 +601,337 @@ static PyTypeObject StagingType = {
     .tp_members = staging_members,
 };
 
+/* ---- hot(ctx, comm, kind, x, arg): a blocking small collective on a NumPy array, whole ------
+ * What Communicator.all_reduce / .broadcast / .all_gather, HostEngine.collective and _run,
+ * and ShmBackend's hot path (_core_step) do for the common call, in one call: the checks that
+ * select it, the sequence number, the op record (logged, its signature, started, done), the
+ * backend's marks and the core's one-shot step (all_gather: into one output array). Returns x when done; None when the call is not that common
+ * case (nothing was done: the caller takes the full path); raises what the operation raised,
+ * after the engine's failure handling (ctx's `failed`). ctx: shm.ShmBackend.hot_context. */
+enum {
+    HOT_ENGINE, HOT_BACKEND, HOT_STAGING, HOT_LOG, HOT_RECORD, HOT_ABOUT, HOT_DTYPE_BITS,
+    HOT_REDUCTIONS, HOT_NDARRAY, HOT_REDUCEOP, HOT_TIMEOUT, HOT_MAX_BYTES, HOT_KINDS, HOT_REST,
+    HOT_FAILED, HOT_SIZE
+};
+enum { KIND_NAME, KIND_BITS, KIND_DOING, KIND_MORE, KIND_DIRECT_MIN, KIND_SIZE };
+enum { HOT_ALL_REDUCE, HOT_BROADCAST, HOT_ALL_GATHER };   /* the kinds, in ctx's order */
+
+static PyObject *h_closed, *h_debug, *h_check, *h_staged, *h_seq, *h_gpu_side, *h_plans,
+    *h_outstanding, *h_failure, *h_closing, *h_drive, *h_acquire, *h_release, *h_dtype,
+    *h_agree, *h_state, *h_started_at, *h_deadline, *h_ended_at, *h_issued_at, *h_record,
+    *h_agree_b, *h_doing, *h_started, *h_done, *h_agree_bits, *h_backend;
+
+static int hot_names(void) {
+    static int ready = 0;
+    if (ready) return 0;
+#define NAME(var, text) if ((var = PyUnicode_InternFromString(text)) == NULL) return -1;
+    NAME(h_closed, "_closed") NAME(h_debug, "debug") NAME(h_check, "_check")
+    NAME(h_staged, "staged") NAME(h_seq, "_seq") NAME(h_gpu_side, "_gpu_side")
+    NAME(h_plans, "plans") NAME(h_outstanding, "_outstanding") NAME(h_failure, "failure")
+    NAME(h_closing, "_closing") NAME(h_drive, "_drive") NAME(h_acquire, "acquire")
+    NAME(h_release, "release") NAME(h_dtype, "dtype") NAME(h_agree, "agree")
+    NAME(h_state, "state") NAME(h_started_at, "started_at") NAME(h_deadline, "deadline")
+    NAME(h_ended_at, "ended_at") NAME(h_issued_at, "issued_at") NAME(h_record, "_record")
+    NAME(h_agree_b, "_agree") NAME(h_doing, "_doing") NAME(h_started, "started")
+    NAME(h_done, "done") NAME(h_agree_bits, "agree_bits") NAME(h_backend, "backend")
+#undef NAME
+    ready = 1;
+    return 0;
+}
+
+/* 1 if attribute `name` of `obj` is true (is not None, with none_only), 0 if not, -1 on an
+ * error. */
+static int attr_set(PyObject *obj, PyObject *name, int none_only) {
+    PyObject *v = PyObject_GetAttr(obj, name);
+    if (v == NULL) return -1;
+    int r = none_only ? v != Py_None : PyObject_IsTrue(v);
+    Py_DECREF(v);
+    return r;
+}
+
+/* Whether nothing on the communicator stands in the way of the common case: open, not in
+ * debug mode, nothing staged, no GPU plans. 1 yes, 0 no, -1 on an error. */
+static int hot_clear(PyObject *comm) {
+    int r;
+    if ((r = attr_set(comm, h_closed, 0)) != 0 || (r = attr_set(comm, h_debug, 0)) != 0)
+        return r < 0 ? -1 : 0;
+    PyObject *check = PyObject_GetAttr(comm, h_check);
+    if (check == NULL) return -1;
+    r = attr_set(check, h_staged, 0);
+    Py_DECREF(check);
+    if (r != 0) return r < 0 ? -1 : 0;
+    PyObject *gpu = PyObject_GetAttr(comm, h_gpu_side);
+    if (gpu == NULL) return -1;
+    r = attr_set(gpu, h_plans, 1);
+    Py_DECREF(gpu);
+    return r != 0 ? (r < 0 ? -1 : 0) : 1;
+}
+
+/* With the engine's drive lock held (HostEngine.collective's common case): nothing
+ * outstanding, no failure, not closing, and still on the backend the context was made for.
+ * 1 clear, 0 not, -1 on an error. */
+static int engine_clear(PyObject *engine, PyObject *backend) {
+    int r;
+    PyObject *now = PyObject_GetAttr(engine, h_backend);
+    if (now == NULL) return -1;
+    Py_DECREF(now);
+    if (now != backend) return 0;
+    if ((r = attr_set(engine, h_outstanding, 0)) != 0 || (r = attr_set(engine, h_failure, 1)) != 0
+        || (r = attr_set(engine, h_closing, 0)) != 0)
+        return r < 0 ? -1 : 0;
+    return 1;
+}
+
+static int set_double(PyObject *obj, PyObject *name, double v) {
+    PyObject *f = PyFloat_FromDouble(v);
+    if (f == NULL) return -1;
+    int r = PyObject_SetAttr(obj, name, f);
+    Py_DECREF(f);
+    return r;
+}
+
+static double monotonic_s(void) { return (double)now_ns() * 1e-9; }
+
+/* The operation itself, the drive lock held: returns 0 done, -1 on an error to raise (the
+ * record then exists when *record_out is set). */
+static int hot_run(PyObject **ctx, PyObject *comm, Py_ssize_t kind, PyObject *kindinfo,
+                   PyObject *x, PyObject *arg, PyObject *dtype, long dbits, PyObject *codes,
+                   Py_ssize_t count, Py_ssize_t nbytes, long root, PyObject **record_out) {
+    int gather = kind == HOT_ALL_GATHER;
+    PyObject *seq_obj = PyObject_GetAttr(comm, h_seq);
+    if (seq_obj == NULL) return -1;
+    long long seq = PyLong_AsLongLong(seq_obj) + 1;
+    Py_DECREF(seq_obj);
+    if (PyErr_Occurred()) return -1;
+    PyObject *next = PyLong_FromLongLong(seq);
+    if (next == NULL || PyObject_SetAttr(comm, h_seq, next) < 0) {
+        Py_XDECREF(next);
+        return -1;
+    }
+    /* OpRecord(name, seq, about(x, more, arg), nbytes), logged (never holding an array) */
+    PyObject *text = gather ? Py_BuildValue("(OOnO())", ctx[HOT_ABOUT], dtype, count,
+                                            PyTuple_GET_ITEM(kindinfo, KIND_MORE))
+                            : Py_BuildValue("(OOnO(O))", ctx[HOT_ABOUT], dtype, count,
+                                            PyTuple_GET_ITEM(kindinfo, KIND_MORE), arg);
+    PyObject *nb = PyLong_FromSsize_t(gather ? nbytes * ((Staging *)ctx[HOT_STAGING])->size
+                                             : nbytes);
+    PyObject *record = NULL;
+    if (text != NULL && nb != NULL) {
+        PyObject *cargs[4] = {PyTuple_GET_ITEM(kindinfo, KIND_NAME), next, text, nb};
+        record = PyObject_Vectorcall(ctx[HOT_RECORD], cargs, 4, NULL);
+    }
+    Py_XDECREF(text);
+    Py_XDECREF(nb);
+    Py_DECREF(next);
+    if (record == NULL) return -1;
+    *record_out = record;
+    PyObject *logged = PyObject_CallOneArg(ctx[HOT_LOG], record);
+    if (logged == NULL) return -1;
+    Py_DECREF(logged);
+    /* its signature (HostEngine.collective's agreement word) */
+    long bits = PyLong_AsLong(PyTuple_GET_ITEM(kindinfo, KIND_BITS)) | dbits | (root + 1) << 15;
+    if (kind == HOT_ALL_REDUCE) {
+        PyObject *ob = PyObject_GetAttr(arg, h_agree_bits);
+        if (ob == NULL) return -1;
+        bits |= PyLong_AsLong(ob);
+        Py_DECREF(ob);
+    }
+    if (PyErr_Occurred()) return -1;
+    PyObject *agree = Py_BuildValue("(ln)", bits, count);
+    if (agree == NULL) return -1;
+    int bad = PyObject_SetAttr(record, h_agree, agree) < 0;
+    /* started when issued (`_run`), its deadline the communicator's timeout after that */
+    PyObject *issued = bad ? NULL : PyObject_GetAttr(record, h_issued_at);
+    double at = issued == NULL ? 0 : PyFloat_AsDouble(issued);
+    bad = bad || issued == NULL || PyErr_Occurred()
+          || PyObject_SetAttr(record, h_state, h_started) < 0
+          || PyObject_SetAttr(record, h_started_at, issued) < 0
+          || set_double(record, h_deadline, at + PyFloat_AsDouble(ctx[HOT_TIMEOUT])) < 0;
+    Py_XDECREF(issued);
+    /* the backend's marks (_core_step), then the core's step */
+    PyObject *backend = ctx[HOT_BACKEND];
+    unsigned long long doing = (unsigned long long)seq << 24
+                               | PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(kindinfo, KIND_DOING));
+    PyObject *doing_obj = bad || PyErr_Occurred() ? NULL : PyLong_FromUnsignedLongLong(doing);
+    bad = bad || doing_obj == NULL || PyObject_SetAttr(backend, h_record, record) < 0
+          || PyObject_SetAttr(backend, h_agree_b, Py_None) < 0
+          || PyObject_SetAttr(backend, h_doing, doing_obj) < 0;
+    PyObject *status = NULL;
+    if (!bad) {
+        PyObject *zero = PyLong_FromLong(0), *src = PyLong_FromLong(root);
+        if (zero != NULL && src != NULL) {
+            PyObject *stepargs[8] = {
+                x, doing_obj, agree,
+                codes != NULL ? PyTuple_GET_ITEM(codes, 0) : zero,
+                codes != NULL ? PyTuple_GET_ITEM(codes, 1) : zero,
+                kind == HOT_ALL_REDUCE ? Py_True : Py_False, src, arg};
+            status = staging_one_shot((Staging *)ctx[HOT_STAGING], stepargs, gather ? 8 : 7);
+        }
+        Py_XDECREF(zero);
+        Py_XDECREF(src);
+    }
+    Py_XDECREF(doing_obj);
+    Py_DECREF(agree);
+    if (status == NULL) return -1;
+    long st = PyLong_AsLong(status);
+    if (st != 1) {   /* the peers were not there within the spin: the rest in Python */
+        PyObject *rargs[4] = {x, record, arg, status};
+        PyObject *rest = PyObject_Vectorcall(ctx[HOT_REST], rargs, 4, NULL);
+        if (rest == NULL) {
+            Py_DECREF(status);
+            return -1;
+        }
+        Py_DECREF(rest);
+    }
+    Py_DECREF(status);
+    if (PyObject_SetAttr(record, h_state, h_done) < 0
+        || set_double(record, h_ended_at, monotonic_s()) < 0)
+        return -1;
+    return 0;
+}
+
+static PyObject *hot(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 5 || !PyTuple_Check(args[0]) || PyTuple_GET_SIZE(args[0]) != HOT_SIZE) {
+        PyErr_SetString(PyExc_TypeError, "hot(ctx, comm, kind, x, arg)");
+        return NULL;
+    }
+    if (hot_names() < 0) return NULL;
+    PyObject **ctx = &PyTuple_GET_ITEM(args[0], 0);
+    PyObject *comm = args[1], *x = args[3], *arg = args[4];
+    if (Py_TYPE(x) != (PyTypeObject *)ctx[HOT_NDARRAY]) Py_RETURN_NONE;
+    Py_ssize_t kind = PyLong_AsSsize_t(args[2]);
+    PyObject *kinds = ctx[HOT_KINDS];
+    if (kind < 0 || kind >= PyTuple_GET_SIZE(kinds)) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "hot: unknown kind");
+        return NULL;
+    }
+    PyObject *kindinfo = PyTuple_GET_ITEM(kinds, kind);
+    if (!PyTuple_Check(kindinfo) || PyTuple_GET_SIZE(kindinfo) != KIND_SIZE) {
+        PyErr_SetString(PyExc_TypeError, "hot: a kind is (name, bits, doing, more, direct_min)");
+        return NULL;
+    }
+    Staging *steps = (Staging *)ctx[HOT_STAGING];
+    long root = -1;   /* all_reduce: arg is the op; broadcast: the source rank; all_gather: out */
+    if (kind == HOT_ALL_REDUCE) {
+        if (!PyObject_TypeCheck(arg, (PyTypeObject *)ctx[HOT_REDUCEOP])) Py_RETURN_NONE;
+    } else if (kind == HOT_BROADCAST) {
+        if (!PyLong_CheckExact(arg)) Py_RETURN_NONE;
+        root = PyLong_AsLong(arg);
+        if (root < 0 || root >= steps->size) {
+            PyErr_Clear();
+            Py_RETURN_NONE;   /* the full path says what is wrong with it */
+        }
+    } else if (Py_TYPE(arg) != (PyTypeObject *)ctx[HOT_NDARRAY]) {
+        Py_RETURN_NONE;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(x, &view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    Py_ssize_t nbytes = view.len, itemsize = view.itemsize ? view.itemsize : 1;
+    const char *xb = (const char *)view.buf;
+    PyBuffer_Release(&view);
+    if (kind == HOT_ALL_GATHER) {   /* out: size pieces like x; x apart from it, or its own piece */
+        Py_buffer o;
+        if (PyObject_GetBuffer(arg, &o, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+            PyErr_Clear();
+            Py_RETURN_NONE;
+        }
+        const char *ob = (const char *)o.buf;
+        int fits = o.len == nbytes * steps->size && o.itemsize == itemsize
+                   && (xb + nbytes <= ob || ob + o.len <= xb || xb == ob + steps->rank * nbytes);
+        PyBuffer_Release(&o);
+        if (!fits) Py_RETURN_NONE;
+        PyObject *xd = PyObject_GetAttr(x, h_dtype), *od = PyObject_GetAttr(arg, h_dtype);
+        int same = xd == NULL || od == NULL ? -1 : PyObject_RichCompareBool(xd, od, Py_EQ);
+        Py_XDECREF(xd);
+        Py_XDECREF(od);
+        if (same < 0) return NULL;
+        if (!same) Py_RETURN_NONE;
+    }
+    long long direct_min = PyLong_AsLongLong(PyTuple_GET_ITEM(kindinfo, KIND_DIRECT_MIN));
+    if (nbytes > PyLong_AsSsize_t(ctx[HOT_MAX_BYTES]) || nbytes >= direct_min) {
+        if (PyErr_Occurred()) return NULL;
+        Py_RETURN_NONE;
+    }
+    PyObject *dtype = PyObject_GetAttr(x, h_dtype);
+    if (dtype == NULL) return NULL;
+    PyObject *codes = NULL, *dbits_obj = PyDict_GetItemWithError(ctx[HOT_DTYPE_BITS], dtype);
+    if (dbits_obj != NULL && kind == HOT_ALL_REDUCE) {
+        PyObject *key = PyTuple_Pack(2, dtype, arg);
+        if (key == NULL) {
+            Py_DECREF(dtype);
+            return NULL;
+        }
+        codes = PyDict_GetItemWithError(ctx[HOT_REDUCTIONS], key);
+        Py_DECREF(key);
+    }
+    if (dbits_obj == NULL || (kind == HOT_ALL_REDUCE && codes == NULL)) {
+        Py_DECREF(dtype);
+        if (PyErr_Occurred()) return NULL;
+        Py_RETURN_NONE;
+    }
+    long dbits = PyLong_AsLong(dbits_obj);
+    PyObject *engine = ctx[HOT_ENGINE];
+    int clear = hot_clear(comm);
+    PyObject *drive = clear == 1 ? PyObject_GetAttr(engine, h_drive) : NULL;
+    PyObject *got = drive == NULL ? NULL : PyObject_CallMethodOneArg(drive, h_acquire, Py_False);
+    if (got == Py_True && (clear = engine_clear(engine, ctx[HOT_BACKEND])) != 1) {
+        PyObject *released = PyObject_CallMethodNoArgs(drive, h_release);
+        if (released == NULL) clear = -1;
+        Py_XDECREF(released);
+        Py_CLEAR(got);
+    }
+    if (got != Py_True) {   /* another thread drives the engine, or not the common case */
+        Py_XDECREF(got);
+        Py_XDECREF(drive);
+        Py_DECREF(dtype);
+        if (clear < 0 || PyErr_Occurred()) return NULL;
+        Py_RETURN_NONE;
+    }
+    Py_DECREF(got);
+    PyObject *record = NULL;
+    int rc = hot_run(ctx, comm, kind, kindinfo, x, arg, dtype, dbits, codes, nbytes / itemsize,
+                     nbytes, root, &record);
+    Py_DECREF(dtype);
+    if (rc < 0 && record != NULL) {   /* the engine's failure handling (`_run`), then raise */
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        PyErr_NormalizeException(&type, &value, &tb);
+        if (tb != NULL) PyException_SetTraceback(value, tb);
+        PyObject *fargs[2] = {record, value};
+        PyObject *r = PyObject_Vectorcall(ctx[HOT_FAILED], fargs, 2, NULL);
+        if (r == NULL) {   /* its own error replaces the operation's, as in Python */
+            Py_XDECREF(type);
+            Py_XDECREF(value);
+            Py_XDECREF(tb);
+        } else {
+            Py_DECREF(r);
+            PyErr_Restore(type, value, tb);
+        }
+    }
+    Py_XDECREF(record);
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyObject *released = PyObject_CallMethodNoArgs(drive, h_release);
+    Py_DECREF(drive);
+    if (released == NULL) {
+        if (type != NULL) {
+            PyErr_Clear();
+            PyErr_Restore(type, value, tb);
+        }
+        return NULL;
+    }
+    Py_DECREF(released);
+    if (type != NULL) {
+        PyErr_Restore(type, value, tb);
+        return NULL;
+    }
+    Py_INCREF(x);
+    return x;
+}
+
 static PyObject *set_spin_yield(PyObject *self, PyObject *flag) {
     int on = PyObject_IsTrue(flag);
     if (on < 0) return NULL;
@@ -613,6 +947,11 @@ static PyMethodDef methods[] = {
      "send(lane, pos, tag, code, src) -> new position, or 0: a whole message."},
     {"take", (PyCFunction)(void (*)(void))take, METH_FASTCALL,
      "take(lane, pos, tag, code, dst, spin_ns) -> new position, or 0: a whole one."},
+    {"hot", (PyCFunction)(void (*)(void))hot, METH_FASTCALL,
+     "hot(ctx, comm, kind, x, arg) -> x once a blocking small collective on a NumPy array ran "
+     "whole (kind 0 all_reduce, arg its ReduceOp; 1 broadcast, arg the source rank; 2 "
+     "all_gather, arg the output array), or None where the call is not that common case and "
+     "nothing was done."},
     {"reduce", reduce, METH_VARARGS,
      "reduce(out, srcs, count, dtype, op, divisor) -> bool: reduce srcs in order into out."},
     {NULL, NULL, 0, NULL},

@@ -138,6 +138,15 @@ class Backend(ABC):
     def subgroup(self, ranks: list[int], name: str, timeout_s: float) -> Backend:
         """A backend over `ranks` (this rank among them); collective over those ranks."""
 
+    def hot_context(self, engine: Any,
+                    log: Callable[[Any], Any]) -> tuple[Callable, tuple] | None:
+        """A compiled call and its context that run a blocking small all_reduce, broadcast or
+        all_gather (into one array) on NumPy arrays whole, as the communicator, `engine` and
+        this backend would: `call(context, comm, kind, x, arg)` returns x once done, None
+        where it does not take the call (nothing done). None where this transport has none
+        (shm: `_shmcore.hot`). `log` records each operation issued."""
+        return None
+
     def lost_peer(self) -> tuple[int, str] | None:
         """If this transport can tell that a peer process left: its rank and what happened
         (called from other threads, e.g. the GPU backend's watchdog). None when all seem alive."""

@@ -52,7 +52,7 @@ from ..errors import (
 )
 from ..ops import COLLECTIVES, ReduceOp, check_reduce_op
 from ..store import Store
-from ..trace import OpRecord, format_bytes
+from ..trace import OpRecord, about_text, format_bytes
 from . import cross_memory
 from .base import Backend, Completion
 from .doorbell import Doorbell, cores_available
@@ -865,10 +865,49 @@ class SharedMemoryBackend(Backend):
         status = self._steps.one_shot(x, doing, record.agree, codes[0], codes[1], reduce_here,
                                       source, gathered)
         if status != 1:
-            self._deadline, self._half_before = record.deadline, self._steps.half ^ 1
-            self._one_shot_rest(x, codes, reduce_here, source, record.agree, status)
-            self._idle()
+            self._core_step_rest(x, record, codes, reduce_here, source, status)
         return status
+
+    def _core_step_rest(self, x: np.ndarray, record: OpRecord, codes: tuple[int, int],
+                        reduce_here: bool, source: int, status: int) -> None:
+        """What is left of a hot step the core began (`status` 0 or -1): wait, compare,
+        reduce or copy, then idle."""
+        self._deadline, self._half_before = record.deadline, self._steps.half ^ 1
+        self._one_shot_rest(x, codes, reduce_here, source, record.agree, status)
+        self._idle()
+
+    def hot_context(self, engine: Any,
+                    log: Callable[[OpRecord], Any]) -> tuple[Callable, tuple] | None:
+        """`_shmcore.hot` and its context: the blocking all_reduce, broadcast and all_gather
+        (into one array) that take the hot path (`_core_step`) run whole in one compiled call,
+        from the communicator's checks to the record's end. None without the compiled core or
+        on one rank."""
+        if not self._core_steps:
+            return None
+        never = 1 << 62
+
+        def direct_min(op: str) -> int:
+            return self._direct_min[op] if self.direct else never
+
+        kinds = tuple((name, agreement.NAME_BITS[name], _DOING[name], more, direct_min(name))
+                      for name, more in (("all_reduce", ", op={0.name}"),
+                                         ("broadcast", ", src={}"), ("all_gather", "")))
+        return self._core.hot, (engine, self, self._steps, log, OpRecord, about_text,
+                                agreement.DTYPE_BITS, _CORE_REDUCTIONS, np.ndarray, ReduceOp,
+                                float(engine.timeout_s), self._core_max_bytes, kinds,
+                                self._hot_rest, engine.failed)
+
+    def _hot_rest(self, x: np.ndarray, record: OpRecord, arg: Any, status: int) -> None:
+        """`_core_step_rest` for `_shmcore.hot`: arg is a broadcast's source rank, an
+        all_reduce's op or an all_gather's output (then its pieces are copied out here)."""
+        x = x.reshape(-1)
+        if type(arg) is int:
+            self._core_step_rest(x.view(np.uint8), record, (0, 0), False, arg, status)
+        elif type(arg) is np.ndarray:
+            self._core_step_rest(x.view(np.uint8), record, (0, 0), False, -1, status)
+            self._gathered(list(arg.reshape(self.size, -1)), x)
+        else:
+            self._core_step_rest(x, record, _CORE_REDUCTIONS[(x.dtype, arg)], True, -1, status)
 
     def all_reduce(self, x: np.ndarray, op: ReduceOp, record: OpRecord) -> None:
         codes = _CORE_REDUCTIONS.get((x.dtype, op))
