@@ -43,6 +43,11 @@ from .work import Work
 _REFUSALS = (InvalidArgumentError, UnsupportedError)
 
 
+# the hot path's kinds (Backend.HOT_KINDS)
+_HOT_ALL_REDUCE, _HOT_BROADCAST, _HOT_ALL_GATHER = (
+    Backend.HOT_KINDS.index(name) for name in ("all_reduce", "broadcast", "all_gather"))
+
+
 class Communicator:
     """A group of ranks that exchange arrays. Create one with `anyccl.init()`.
 
@@ -90,8 +95,8 @@ class Communicator:
                                      number=self._number, recorder=self.flight_recorder,
                                      device=device, backend=gpu_backend, kind=gpu_kind)
         # a blocking small all_reduce, broadcast or all_gather on NumPy arrays in one
-        # compiled call
-        self._hot_call, self._hot = backend.hot_context(self._engine, self._log) or (None, None)
+        # compiled call (the engine's: HostEngine.hot)
+        self._hot_call, self._hot = self._engine.hot_call, self._engine.hot
         self._messages = MessageCalls(self, self._check, self._engine, self._gpu_side)
         self._message = self._messages.message   # send, recv, isend, irecv: one call each
         self._uneven = UnevenCalls(self, self._check, self._gpu_side, self._refused,
@@ -278,7 +283,7 @@ class Communicator:
             Blocking: the array that holds the result (see `all_reduce`). Else a `Work`.
         """
         if (hot := self._hot) is not None and not async_op and stream is None \
-                and self._hot_call(hot, self, 1, tensor, src) is not None:
+                and self._hot_call(hot, self, _HOT_BROADCAST, tensor, src) is not None:
             return tensor   # the whole call compiled (host arrays: `hot_context`)
         if (replay := self._gpu_side.compiled_replay) is not None and not async_op \
                 and stream is None and replay(("broadcast", src), tensor):
@@ -313,7 +318,7 @@ class Communicator:
             `async_op=True`: a `Work` (in place only).
         """
         if (hot := self._hot) is not None and not async_op and stream is None \
-                and self._hot_call(hot, self, 0, tensor, op) is not None:
+                and self._hot_call(hot, self, _HOT_ALL_REDUCE, tensor, op) is not None:
             return tensor   # the whole call compiled (host arrays: `hot_context`)
         if (replay := self._gpu_side.compiled_replay) is not None and not async_op \
                 and stream is None and replay(("all_reduce", op), tensor):
@@ -370,7 +375,7 @@ class Communicator:
         array of size * tensor.size elements. The arrays may differ in size from rank to rank
         ("allgatherv"): then `out` is a list whose entry j has rank j's size, on every rank."""
         if (hot := self._hot) is not None and not async_op and stream is None \
-                and self._hot_call(hot, self, 2, tensor, out) is not None:
+                and self._hot_call(hot, self, _HOT_ALL_GATHER, tensor, out) is not None:
             return None   # the whole call compiled (host arrays: `hot_context`)
         if self._gpu_side.plans is not None and (replayed := self._gpu_side.replay(
                 ("all_gather",), (out, tensor), async_op, stream)) is not FULL_PATH:

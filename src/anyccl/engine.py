@@ -389,6 +389,9 @@ class HostEngine(Engine):
         super().__init__(backend, label)
         self.rank, self.size, self.timeout_s = rank, size, timeout_s
         self._recorder, self._job_id = recorder, job_id
+        # the backend's compiled whole-call path for blocking small collectives, if it has
+        # one: `hot_call(hot, comm, kind, x, arg)` (Backend.hot_context)
+        self.hot_call, self.hot = backend.hot_context(self, recorder.add) or (None, None)
         self._held_max = tuning.value("engine.held_recv_max")
         self._help, self._flush = self.help, self.flush   # a held receive's Work calls them
 

@@ -614,7 +614,7 @@ enum {
     HOT_FAILED, HOT_SIZE
 };
 enum { KIND_NAME, KIND_BITS, KIND_DOING, KIND_MORE, KIND_DIRECT_MIN, KIND_SIZE };
-enum { HOT_ALL_REDUCE, HOT_BROADCAST, HOT_ALL_GATHER };   /* the kinds, in ctx's order */
+enum { HOT_ALL_REDUCE, HOT_BROADCAST, HOT_ALL_GATHER };   /* Backend.HOT_KINDS, in order */
 
 static PyObject *h_closed, *h_debug, *h_check, *h_staged, *h_seq, *h_gpu_side, *h_plans,
     *h_outstanding, *h_failure, *h_closing, *h_drive, *h_acquire, *h_release, *h_dtype,

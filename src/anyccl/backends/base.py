@@ -138,11 +138,15 @@ class Backend(ABC):
     def subgroup(self, ranks: list[int], name: str, timeout_s: float) -> Backend:
         """A backend over `ranks` (this rank among them); collective over those ranks."""
 
+    #: the collectives a hot path (`hot_context`) runs, by their index: the `kind` argument
+    HOT_KINDS = ("all_reduce", "broadcast", "all_gather")
+
     def hot_context(self, engine: Any,
                     log: Callable[[Any], Any]) -> tuple[Callable, tuple] | None:
         """A compiled call and its context that run a blocking small all_reduce, broadcast or
         all_gather (into one array) on NumPy arrays whole, as the communicator, `engine` and
-        this backend would: `call(context, comm, kind, x, arg)` returns x once done, None
+        this backend would: `call(context, comm, kind, x, arg)` (kind: an index of HOT_KINDS;
+        arg: the op, the source rank, the output) returns x once done, None
         where it does not take the call (nothing done). None where this transport has none
         (shm: `_shmcore.hot`). `log` records each operation issued."""
         return None

@@ -889,9 +889,9 @@ class SharedMemoryBackend(Backend):
         def direct_min(op: str) -> int:
             return self._direct_min[op] if self.direct else never
 
-        kinds = tuple((name, agreement.NAME_BITS[name], _DOING[name], more, direct_min(name))
-                      for name, more in (("all_reduce", ", op={0.name}"),
-                                         ("broadcast", ", src={}"), ("all_gather", "")))
+        more = {"all_reduce": ", op={0.name}", "broadcast": ", src={}", "all_gather": ""}
+        kinds = tuple((name, agreement.NAME_BITS[name], _DOING[name], more[name],
+                       direct_min(name)) for name in self.HOT_KINDS)
         return self._core.hot, (engine, self, self._steps, log, OpRecord, about_text,
                                 agreement.DTYPE_BITS, _CORE_REDUCTIONS, np.ndarray, ReduceOp,
                                 float(engine.timeout_s), self._core_max_bytes, kinds,
