@@ -119,20 +119,20 @@ class Simulator:
                     self.word(address)[0] = 0
                 for address in op[2]:
                     self.word(address)[0] = 1
-            elif kind == "kernel":
-                _, arrays, count, scale = op
-                views = [self.view(a, 4 * count).view(np.float32) for a in arrays]
-                total = np.sum([v.astype(np.float64) for v in views], axis=0) * scale
-                for v in views:
-                    v[...] = total
+            elif kind == "kernel":            # ce_step: out = (inp + arrived) * scale, or
+                _, inp, arrived, out, count, scale = op              # out = arrived
+                got = self.view(arrived, 4 * count).view(np.float32).astype(np.float64)
+                if inp:
+                    got = (got + self.view(inp, 4 * count).view(np.float32)) * scale
+                self.view(out, 4 * count).view(np.float32)[...] = got
 
 
-FLAGS_KERNEL, WAIT_KERNEL = 2, 3   # simulated function handles (reduce_local's: 1)
+FLAGS_KERNEL, WAIT_KERNEL = 2, 3   # simulated function handles (ce_step's: 1)
 
 
 class SimMemory(PeerAddresses):
     """The ipc backend's peer memory (memory.py) over the simulator's allocations: every rank's
-    copy-engine slots and flags where memory.py's addresses put them, and a status block."""
+    copy-engine ring area and flags where memory.py's addresses put them, and a status block."""
 
     def __init__(self, layout: Layout, rank: int, size: int, datas: list[int],
                  sigs: list[int]) -> None:
@@ -156,11 +156,11 @@ class SimNccl:
 def make_ranks(sim: Simulator, nranks: int, monkeypatch,
                sync: str = "kernels") -> list[ipc.IpcBackend]:
     """Every rank's ipc backend, made by its constructor over the simulator."""
-    monkeypatch.setenv("ANYCCL_IPC_CE_MB", "1")   # small slots: chunks take turns in positions
+    monkeypatch.setenv("ANYCCL_IPC_CE_MB", "1")   # a small area: chunks take turns in positions
     layout = Layout(nranks)
-    ce_bases = [sim.alloc((nranks - 1) * layout.ce_slot_bytes) for _ in range(nranks)]
+    ce_bases = [sim.alloc(layout.ce_ring_bytes) for _ in range(nranks)]
     sig_bases = [sim.alloc(8 * layout.ce_flag_words) for _ in range(nranks)]
-    kernels = {f"reduce_local_float32_{op}": 1 for op in ("sum", "min", "max")}
+    kernels = {f"ce_step_float32_{op}": 1 for op in ("sum", "min", "max")}
     kernels["ce_flags"], kernels["ce_wait"] = FLAGS_KERNEL, WAIT_KERNEL
     monkeypatch.setattr(compiler, "kernels", lambda device: kernels)
     ranks = []
@@ -183,7 +183,7 @@ def make_ranks(sim: Simulator, nranks: int, monkeypatch,
                 if p:
                     sim.queue(stream, ("wait", p, 1))
         else:
-            sim.queue(stream, ("kernel", [a.ins[q] for q in range(nranks)], a.count, a.scale))
+            sim.queue(stream, ("kernel", a.inp, a.ins[0], a.out, a.count, a.scale))
     monkeypatch.setattr(gpu, "launch", launch)
     return ranks
 

@@ -53,20 +53,21 @@ def test_the_layout_gives_each_rank_a_slot_per_peer_and_flags_for_every_tile(nra
     assert TILE_BYTES <= lay.tile_bytes <= lay.slot_bytes and lay.tile_bytes % TILE_BYTES == 0
     assert lay.p2p_offset == 2 * lay.half_bytes
     assert lay.ce_offset == lay.p2p_offset + nranks * lay.slots * lay.chunk_bytes
-    # the copy-engine area: a slot per peer (none alone), each holding two chunks at least
-    assert lay.data_bytes == lay.ce_offset + (nranks - 1) * lay.ce_slot_bytes
-    assert lay.ce_slot_bytes % TILE_BYTES == 0 and lay.ce_slot_bytes >= 2 * TILE_BYTES
+    # the copy-engine ring area (none alone), holding two chunks at least
+    assert lay.data_bytes == lay.ce_offset + lay.ce_ring_bytes
+    assert lay.ce_ring_bytes % TILE_BYTES == 0
+    assert lay.ce_ring_bytes >= 2 * TILE_BYTES if nranks > 1 else lay.ce_ring_bytes == 0
     assert lay.slots >= 2 and lay.sig_bytes % 8 == 0
     assert lay.ce_sig_offset + 8 * lay.ce_flag_words == lay.sig_bytes   # its flags: last
 
 
 def test_the_copy_engine_area_follows_the_environment_and_can_be_switched_off(monkeypatch):
     monkeypatch.setenv("ANYCCL_IPC_CE_MB", "3")
-    assert Layout(2).ce_slot_bytes == 3 << 20
-    assert Layout(4).ce_slot_bytes == 1 << 20           # shared by three peers
+    assert Layout(2).ce_ring_bytes == Layout(4).ce_ring_bytes == 3 << 20   # one sender: the
+    assert Layout(1).ce_ring_bytes == 0                                   # previous rank
     monkeypatch.setenv("ANYCCL_IPC_CE_MB", "0")
     lay = Layout(2)
-    assert lay.ce_slot_bytes == 0 and lay.data_bytes == lay.ce_offset
+    assert lay.ce_ring_bytes == 0 and lay.data_bytes == lay.ce_offset
 
 
 def test_buffer_sizes_follow_the_environment(monkeypatch):

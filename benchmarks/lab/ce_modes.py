@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 import anyccl
+from anyccl.backends.ipc.routes import Routes
 from anyccl.ops import ReduceOp
 from anyccl.tools.peers import TorchPeer
 
@@ -45,13 +46,18 @@ SM_ONLY = 1 << 62
 
 
 def configure(name: str) -> None:
-    """'sm': the SM kernels; 'ce SYNC CHUNKS': the copy engines from 1 MiB up."""
+    """'sm': the SM kernels; 'ce SYNC CHUNKS': the copy engines from 1 MiB up. Plans cached
+    by earlier calls are dropped, so that the next call is queued under this configuration."""
+    ce_min = SM_ONLY
     if name.startswith("ce"):
         _, sync, chunks = name.split()
         backend.ce_memop_wait = sync == "memop-wait"     # the experiment's own switch
-        backend.ce_bytes, backend.ce_chunks = 1 << 20, int(chunks)
-    else:
-        backend.ce_bytes = SM_ONLY
+        ce_min, backend.ce_chunks = 1 << 20, int(chunks)
+    backend.ce_bytes = ce_min
+    backend.routes = Routes.kernels(backend.ll_bytes, backend.one_shot_bytes, ce_min, name,
+                                    ll_two_shot_max=backend.ll2_bytes)
+    if comm._gpu_side.plans is not None:
+        comm._gpu_side.plans.forget()
 
 
 def call(name: str, t: torch.Tensor) -> None:

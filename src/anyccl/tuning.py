@@ -100,9 +100,11 @@ TABLE: dict[str, Threshold] = {t.key: t for t in (
     Threshold("ipc.one_shot_max", "size", 2 * _M,
               "all_reduce up to this size: one shot (every rank pushes everything); two shots "
               "above"),
-    Threshold("ipc.ce_min", "size", 512 * _M,
-              "all_reduce from this size: the copy engines move the data"),
-    Threshold("ipc.ce_chunks", "count", 2, "chunks per segment of the copy-engine all_reduce"),
+    Threshold("ipc.ce_min", "size", 256 * _M,
+              "all_reduce from this size: the copy engines move the data, in a ring"),
+    Threshold("ipc.ce_chunks", "count", 4,
+              "chunks per segment of the copy-engine all_reduce, at most (a chunk stays at "
+              "32 MiB or more)"),
 )}
 
 _parsed: tuple[str, dict[str, int]] | None = None

@@ -108,9 +108,11 @@ def candidates(op: str, nbytes: int, backend: Any) -> list[str]:
     if nbytes <= min(slot, 32 << 20):
         found.append("one_shot")
     found.append("two_shot")
-    # not the copy engines: timed here they beat NCCL by 7% at 512 MiB - 1 GiB on 2 H100s,
-    # yet fell to 0.75-0.78x NCCL's busbw in anyccl bench's long eager loops on the same
-    # machine (2026-11-27-h100x4-tune-and-auto-vs-nccl.md); the ipc policy keeps them
+    if nbytes >= 64 << 20 and backend.layout.ce_ring_bytes:
+        # the copy engines' ring (ce.py): 0.97-1.01x NCCL's busbw at 128 MiB - 1 GiB on 4 H100s,
+        # 1.09-1.11x on 2, in anyccl bench's long loops, eager and CUDA graphs
+        # (2026-11-28-h100x4-copy-engine-ring-all-reduce.md)
+        found.append("copy_engines")
     return found
 
 

@@ -93,7 +93,7 @@ class IpcBackend(QueuedGpuBackend):
         # streams wait for the copy engines' flags by one-thread kernels; by stream memory
         # operations only in the experiment that measured both alike (lab/ce_modes.py)
         self.ce_memop_wait = False
-        if not self.layout.ce_slot_bytes or self.size == 1:
+        if not self.layout.ce_ring_bytes or self.size == 1:
             self.ce_bytes = 1 << 62
         # which implementation runs each op at each size: the measured table (auto), else the
         # kernels wherever they serve, all_reduce's algorithm by the thresholds above
@@ -217,8 +217,8 @@ class IpcBackend(QueuedGpuBackend):
         one, two = f"all_reduce_one_shot_{dtype}_{kind}", f"all_reduce_two_shot_{dtype}_{kind}"
         total = x.size
         if algorithm == "copy_engines":
-            if self.layout.ce_slot_bytes and n > 1:
-                return self._all_reduce_ce(x, f"reduce_local_{dtype}_{kind}", scale)
+            if self.layout.ce_ring_bytes and n > 1:
+                return self._all_reduce_ce(x, f"ce_step_{dtype}_{kind}", scale)
             algorithm = "two_shot"   # no copy-engine area (ANYCCL_IPC_CE_MB=0): the SMs
         if algorithm in _LINES:
             lines = self.lines_per_slot(algorithm, x.nbytes)
@@ -264,9 +264,9 @@ class IpcBackend(QueuedGpuBackend):
 
     def _all_reduce_ce(self, x: GpuArray, kernel: str, scale: float) -> Callable[[int], None]:
         size = x.dtype.itemsize
-        plan = ce.plan(x.size, size, self.size, self.layout.ce_slot_bytes, self.ce_chunks)
-        kernels = _CeKernels(self, kernel, size, scale)
-        return lambda stream: self._ce.enqueue(stream, x.ptr, plan, size, kernels)
+        plan = ce.plan(x.size, size, self.size, self.layout.ce_ring_bytes, self.ce_chunks)
+        kernels = _CeKernels(self, kernel, size)
+        return lambda stream: self._ce.enqueue(stream, x.ptr, plan, size, scale, kernels)
 
     def reduce_scatter(self, out: GpuArray, inputs: list[GpuArray],
                        op: ReduceOp) -> Callable[[int], None]:
@@ -438,13 +438,13 @@ def _measured(policy: str, store: Store, key: str, rank: int, size: int, device:
 
 
 class _CeKernels:
-    """ce.Kernels for one copy-engine all_reduce: `reduce_local` (the `kernel` named), flags
+    """ce.Kernels for one copy-engine all_reduce: `ce_step` (the `kernel` named), flags
     raised by a one-thread kernel (ce_flags) and waited for by another (ce_wait) or, where
     `ce_memop_wait` is set (lab/ce_modes.py), by stream memory operations
     (cuStreamWaitValue32)."""
 
-    def __init__(self, backend: IpcBackend, kernel: str, itemsize: int, scale: float) -> None:
-        self.b, self.kernel, self.itemsize, self.scale = backend, kernel, itemsize, scale
+    def __init__(self, backend: IpcBackend, kernel: str, itemsize: int) -> None:
+        self.b, self.kernel, self.itemsize = backend, kernel, itemsize
 
     def _pointers(self, first: list[int], second: list[int]) -> None:
         a = self.b._args
@@ -452,10 +452,11 @@ class _CeKernels:
             a.ins[q] = first[q] if q < len(first) else 0
             a.outs[q] = second[q] if q < len(second) else 0
 
-    def reduce(self, stream: int, arrays: list[int], count: int) -> None:
-        self._pointers(arrays, arrays)
+    def step(self, stream: int, inp: int, arrived: int, out: int, count: int,
+             scale: float) -> None:
+        self._pointers([arrived], [])
         a = self.b._args
-        a.count, a.scale = count, self.scale
+        a.inp, a.out, a.count, a.scale = inp, out, count, scale
         self.b._launch(self.kernel, self.b._blocks(count * self.itemsize), stream)
 
     def flags(self, stream: int, clear: list[int], raise_: list[int]) -> None:

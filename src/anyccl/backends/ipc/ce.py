@@ -1,42 +1,45 @@
-"""all_reduce for large arrays by the copy engines: the GPUs' DMA engines move the data over
-NVLink, a small kernel reduces what arrived in local memory, and flags in the ranks' signal
-areas (raised by one-thread kernels) order the two across ranks.
+"""all_reduce for large arrays by the copy engines, in a ring: each GPU's DMA engine only ever
+pushes to the next rank's ring area over NVLink, a small kernel handles what arrived in local
+memory, and flags in the ranks' signal areas (raised by one-thread kernels) order the two
+across ranks.
 
-Why: the copy engines move more per direction over NVLink than SM stores do, and for the
-largest arrays this path beats the two-shot kernels; below the tuning table's ipc.ce_min it
-does not (the per-chunk flags cost more than the engines gain). The figures are in
-benchmarks/results/ (the copy-engine all_reduce runs) and benchmarks/lab/ (the experiments
-behind this design).
+Why a ring: a copy engine pushing to one fixed peer moves about 390 GB/s per H100 (4 x H100
+NV18), more than SM stores (about 360) or NCCL's all_reduce (about 350 busbw); copy engines
+pushing to several peers at once, or to each in turn, or pulling from them, move 100-325 GB/s
+(benchmarks/lab/nvlink_patterns.py; the results page of the copy-engine ring). So every rank
+pushes to rank r + 1 only, and 2 (n - 1) / n of the array crosses each rank's link, as in
+NCCL's ring.
 
-The array is cut into `nranks` segments; rank q reduces segment q. Each segment is cut into
-chunks; chunk k goes through position k % positions of the slots (memory.py: one slot per
-peer in each rank's copy-engine area). For each chunk, on three streams of this rank:
+The array is cut into `nranks` segments, each into chunks. Step t (0 <= t < 2 (n - 1)) of chunk
+c: rank r pushes chunk c of segment (r - t) mod n of its array to rank r + 1's ring area, at
+position u % positions (u = t * chunks + c, the use); rank r + 1 takes it with the kernel
+`ce_step`: at the reduce-scatter steps (t < n - 1) it reduces it into its own array (times
+`scale` at the last of them, where the segment is whole), at the all-gather steps it copies it
+there. What rank r pushes at step t + 1 is what it took at step t. Per rank, the uses take
+turns in two push streams (one copies while the other waits for or raises its flags), and the
+caller's stream takes:
 
-  push (P):   my part of each peer q's segment chunk -> q's slot for me; then raise
-              pushed[position][me] in q's signal area
-  reduce (S): wait for pushed[position][q] of every peer; reduce my segment's chunk with the
-              slots into the output and into every slot (the kernel `reduce_local`, local
-              memory only); clear those flags and raise reduced[position][me] at every peer
-  pull (B):   wait for reduced[position][q] of every peer; copy each peer's reduced chunk from
-              its slot for me into the output; clear those flags
+  push (P):   [use u >= positions: wait for taken[pos], which r + 1 raised when it took the use
+              u - positions] after the step t - 1 of chunk c (an event), copy the chunk to
+              r + 1's position; then clear taken[pos] and raise pushed[pos] at r + 1
+  take (S):   wait for pushed[pos] (from r - 1); ce_step; clear pushed[pos] and raise
+              taken[pos] at r - 1; record the chunk's event
+
+S is the caller's stream; the P streams fork from it and join it again at the end, after
+waiting for (and clearing) the taken flags of the last uses of every position, so that every
+flag a call raises is cleared when it ends (a CUDA graph replays the same values; the next call
+finds every position free).
 
 Flags are written by a one-thread kernel (`ce_flags`) and waited for by another (`ce_wait`),
 or by cuStreamWaitValue32 (the backend's `ce_memop_wait`, set only by lab/ce_modes.py). Not
-written by cuStreamWriteValue32:
-CUDA precedes it with a system-wide memory fence, which slows the copies in flight.
+written by cuStreamWriteValue32: CUDA precedes it with a system-wide memory fence, which slows
+the copies in flight on the other streams.
 
-S is the caller's stream; P and B fork from it and join it again at the end. A push into a
-position waits until this rank's pull from that position (chunk k - positions) finished.
-
-Flags are raised to 1 and cleared by the rank that waits on them, so every call queues the same
-values (a CUDA graph can replay it). No flag is raised again before it was cleared, and no slot
-written before it was read: a rank pushes chunk k + positions (or the next call's chunk) only
-after pulling chunk k (and clearing its reduced flags), whose reduced flag the peer raised only
-after reading the slot and clearing its pushed flag (one kernel: clear, fence, raise); a rank
-reduces only after every peer pushed the chunk, which each did only after pulling what this
-rank left in that position before. Each chunk's operations are queued in the order push,
-reduce, pull, an order in which the whole could also run on one queue, so streams that share a
-hardware queue cannot deadlock.
+A flag is raised only after the one who waits on it cleared it: pushed[pos] is raised again
+only by the push of use u + positions, which waited for taken[pos], raised after the take had
+cleared pushed[pos]. Every rank queues its operations in the order push(u), take(u), an order
+in which the whole could also run on one queue (each waits only for what other ranks queued
+earlier in that order), so streams that share a hardware queue cannot deadlock.
 """
 
 from __future__ import annotations
@@ -47,7 +50,12 @@ from typing import Protocol
 from ... import gpu, tuning
 from .memory import CE_POSITIONS, TILE_BYTES, PeerMemory
 
-MIN_CHUNK_BYTES = 4 << 20   # smaller chunks lose more to the per-chunk flags than they pipeline
+# pushes take turns in two streams, so that one copies while the other waits for or raises
+# its flags (one stream: 4 x H100, 1 GiB, 8 chunks a segment, 309 GB/s; 2 chunks 347)
+PUSH_STREAMS = 2
+# smaller chunks lose more to the per-chunk flags and launches than they pipeline (4 x H100:
+# 16 MiB chunks 257 GB/s at 256 MiB, 32 MiB 327)
+MIN_CHUNK_BYTES = 32 << 20
 CHUNKS = tuning.TABLE["ipc.ce_chunks"].default  # chunks per segment where the slot allows
 
 
@@ -55,7 +63,7 @@ CHUNKS = tuning.TABLE["ipc.ce_chunks"].default  # chunks per segment where the s
 class Plan:
     """How one all_reduce of `count` elements is cut: `seg` elements per rank's segment (a
     whole number of 16-byte packs), chunks of `chunk` elements, `chunks` of them per segment,
-    through `positions` chunk positions of a slot."""
+    through `positions` chunk positions of the ring area."""
 
     count: int
     seg: int
@@ -71,28 +79,29 @@ class Plan:
         return start, max(0, end - start)
 
 
-def plan(count: int, itemsize: int, nranks: int, slot_bytes: int, chunks: int = CHUNKS) -> Plan:
-    """The cut for `count` elements of `itemsize` bytes over `nranks` ranks with slots of
-    `slot_bytes` (a multiple of 64 KiB, at least two of them): chunks of 1/`chunks` of a
-    segment, at least MIN_CHUNK_BYTES, at most half a slot (so at least two positions
+def plan(count: int, itemsize: int, nranks: int, area_bytes: int, chunks: int = CHUNKS) -> Plan:
+    """The cut for `count` elements of `itemsize` bytes over `nranks` ranks with a ring area of
+    `area_bytes` (a multiple of 64 KiB, at least two of them): chunks of 1/`chunks` of a
+    segment, at least MIN_CHUNK_BYTES, at most half the area (so at least two positions
     alternate), in 64 KiB steps."""
     pack = 16 // itemsize
     per_rank = -(-count // nranks)  # ceiling divisions
     seg = -(-per_rank // pack) * pack
     want = max(MIN_CHUNK_BYTES, -(-seg * itemsize // chunks))
     chunk_bytes = min(-(-want // TILE_BYTES) * TILE_BYTES,
-                      slot_bytes // 2 // TILE_BYTES * TILE_BYTES)
+                      area_bytes // 2 // TILE_BYTES * TILE_BYTES)
     chunk = chunk_bytes // itemsize
     return Plan(count, seg, chunk, -(-seg // chunk),
-                min(CE_POSITIONS, slot_bytes // chunk_bytes))
+                min(CE_POSITIONS, area_bytes // chunk_bytes))
 
 
 class Kernels(Protocol):
     """What `CopyEngineAllReduce.enqueue` queues besides copies (the backend's kernels)."""
 
-    def reduce(self, stream: int, arrays: list[int], count: int) -> None:
-        """Queue the reduction of `count` elements of every array (this rank's first) into
-        every one of them."""
+    def step(self, stream: int, inp: int, arrived: int, out: int, count: int,
+             scale: float) -> None:
+        """Queue `ce_step` on `count` elements: out = inp (+) arrived, times `scale`; or, where
+        `inp` is 0, out = arrived."""
 
     def flags(self, stream: int, clear: list[int], raise_: list[int]) -> None:
         """Queue clearing the flags at `clear` (this rank's), then raising those at `raise_`
@@ -109,60 +118,73 @@ class CopyEngineAllReduce:
         self.memory = memory
         self.device = device
         self._made = False
+        self.ready: list[int] = []
 
     def _make(self) -> None:
-        self.push, self.pull = gpu.new_stream(self.device), gpu.new_stream(self.device)
-        self.fork, self.pushed, self.pulled_all = (gpu.new_event(self.device) for _ in range(3))
-        self.pulled = [gpu.new_event(self.device) for _ in range(CE_POSITIONS)]
+        self.push = [gpu.new_stream(self.device) for _ in range(PUSH_STREAMS)]
+        self.fork, self.pushed = gpu.new_event(self.device), gpu.new_event(self.device)
         self._made = True
 
-    def enqueue(self, stream: int, ptr: int, p: Plan, itemsize: int, kernels: Kernels) -> None:
-        """Queue the all_reduce of the `p.count` elements at `ptr` on `stream`."""
+    def _ready(self, chunks: int) -> list[int]:
+        """An event per chunk of a segment (made as plans need more)."""
+        while len(self.ready) < chunks:
+            self.ready.append(gpu.new_event(self.device))
+        return self.ready
+
+    def enqueue(self, stream: int, ptr: int, p: Plan, itemsize: int, scale: float,
+                kernels: Kernels) -> None:
+        """Queue the all_reduce of the `p.count` elements at `ptr` on `stream` (the result
+        times `scale`)."""
         if not self._made:
             self._make()
         m, r, n = self.memory, self.memory.rank, self.memory.size
-        peers = [(r + i) % n for i in range(1, n)]
+        nxt, prev = (r + 1) % n, (r - 1) % n
+        ready = self._ready(p.chunks)
         chunk_bytes = p.chunk * itemsize
         gpu.record(self.fork, stream)
-        gpu.stream_wait(self.push, self.fork)
-        gpu.stream_wait(self.pull, self.fork)
-        for k in range(p.chunks):
-            pos = k % p.positions
-            offset = pos * chunk_bytes
-            if k >= p.positions:              # this position's last pull finished
-                gpu.stream_wait(self.push, self.pulled[pos])
-            for q in peers:                   # push: my part of q's segment, to q
-                start, count = p.extent(q, k)
+        for push in self.push:
+            gpu.stream_wait(push, self.fork)
+        uses = 2 * (n - 1) * p.chunks
+        for t in range(2 * (n - 1)):
+            for c in range(p.chunks):
+                u = t * p.chunks + c
+                pos, push = u % p.positions, self.push[u % PUSH_STREAMS]
+                free = [m.taken_flag(r, pos, nxt)] if u >= p.positions else []
+                if free:                          # r + 1 took what was here before
+                    kernels.wait(push, free)
+                if t:                             # what this rank took at step t - 1
+                    gpu.stream_wait(push, ready[c])
+                start, count = p.extent((r - t) % n, c)
                 if count:
-                    gpu.copy_async(m.ce_slot(q, r) + offset, ptr + start * itemsize,
-                                   count * itemsize, self.push)
-            kernels.flags(self.push, [], [m.pushed_flag(q, pos, r) for q in peers])
-            taken = [m.pushed_flag(r, pos, q) for q in peers]
-            kernels.wait(stream, taken)       # reduce my segment's chunk
-            start, count = p.extent(r, k)
-            if count:
-                kernels.reduce(stream, [ptr + start * itemsize] + [m.ce_slot(r, q) + offset
-                                                                   for q in peers], count)
-            kernels.flags(stream, taken, [m.reduced_flag(q, pos, r) for q in peers])
-            results = [m.reduced_flag(r, pos, q) for q in peers]
-            kernels.wait(self.pull, results)  # pull: each peer's reduced chunk
-            for q in peers:
-                start, count = p.extent(q, k)
+                    gpu.copy_async(m.ce_ring(nxt) + pos * chunk_bytes, ptr + start * itemsize,
+                                   count * itemsize, push)
+                kernels.flags(push, free, [m.pushed_flag(nxt, pos, r)])
+                arrived = [m.pushed_flag(r, pos, prev)]
+                kernels.wait(stream, arrived)
+                start, count = p.extent((r - 1 - t) % n, c)
                 if count:
-                    gpu.copy_async(ptr + start * itemsize, m.ce_slot(q, r) + offset,
-                                   count * itemsize, self.pull)
-            kernels.flags(self.pull, results, [])
-            gpu.record(self.pulled[pos], self.pull)
-        gpu.record(self.pushed, self.push)
-        gpu.record(self.pulled_all, self.pull)
+                    out = ptr + start * itemsize
+                    kernels.step(stream, out if t < n - 1 else 0, m.ce_ring(r) + pos * chunk_bytes,
+                                 out, count, scale if t == n - 2 else 1.0)
+                kernels.flags(stream, arrived, [m.taken_flag(prev, pos, r)])
+                gpu.record(ready[c], stream)
+        for push in self.push[1:]:
+            gpu.record(self.pushed, push)
+            gpu.stream_wait(self.push[0], self.pushed)
+        last = sorted({u % p.positions for u in range(max(0, uses - p.positions), uses)})
+        for i in range(0, len(last), n):          # the last uses' taken flags, cleared
+            free = [m.taken_flag(r, pos, nxt) for pos in last[i:i + n]]
+            kernels.wait(self.push[0], free)
+            kernels.flags(self.push[0], free, [])
+        gpu.record(self.pushed, self.push[0])
         gpu.stream_wait(stream, self.pushed)
-        gpu.stream_wait(stream, self.pulled_all)
 
     def close(self) -> None:
         if not self._made:
             return
-        for event in (self.fork, self.pushed, self.pulled_all, *self.pulled):
+        for event in (self.fork, self.pushed, *self.ready):
             gpu.destroy_event(event)
-        gpu.destroy_stream(self.push)
-        gpu.destroy_stream(self.pull)
+        self.ready = []
+        for push in self.push:
+            gpu.destroy_stream(push)
         self._made = False

@@ -24,7 +24,7 @@ SOURCES = [KERNELS / name for name in ("primitives.cuh", "all_reduce.cu", "movem
                                        "messages.cu", "copy_engine_flags.cu")]
 # typed kernels: <kind>_<dtype>_<op>
 KINDS = ("all_reduce_low_latency", "all_reduce_low_latency_two_shot", "all_reduce_one_shot",
-         "all_reduce_two_shot", "reduce_scatter", "reduce_local")
+         "all_reduce_two_shot", "reduce_scatter", "ce_step")
 
 
 def source() -> str:

@@ -2,8 +2,8 @@
 other rank's process through CUDA IPC, and a few host-mapped status words per rank.
 
 A data buffer holds two halves (alternate collectives use alternate halves) of 2 x nranks slots
-each, then one ring of message slots per sending rank, then the copy-engine area: one slot per
-peer, into which that peer's copy engine pushes (`ce.py`). The signal area holds the flags the
+each, then one ring of message slots per sending rank, then the copy-engine ring area, into
+which the previous rank's copy engine pushes (`ce.py`). The signal area holds the flags the
 kernels raise in each other's memory, then the copy-engine flags; it starts zeroed.
 `kernels/primitives.cuh` describes the kernels' part of both layouts; the constants below
 are the kernels' too: compiler.py defines them in the kernels' source (`KERNEL_DEFINES`).
@@ -57,14 +57,15 @@ class Layout:
         self.chunk_bytes = 1 << 20
         self.slots = max(2, settings.IPC_RING_MB.get() // self.chunk_bytes)
         self.p2p_offset = 2 * self.half_bytes
-        # ANYCCL_IPC_CE_MB: the copy-engine all_reduce's area, shared by the peers' slots (0:
-        # no copy-engine path); a slot under 128 KiB (two 64 KiB chunks) is none
-        ce = settings.IPC_CE_MB.get() // max(1, nranks - 1)
-        self.ce_slot_bytes = ce // TILE_BYTES * TILE_BYTES if ce >= 2 * TILE_BYTES else 0
+        # ANYCCL_IPC_CE_MB: the copy-engine all_reduce's ring area, into which the previous
+        # rank pushes (0: no copy-engine path; none alone); an area under 128 KiB (two 64 KiB
+        # chunks) is none
+        ce = settings.IPC_CE_MB.get() if nranks > 1 else 0
+        self.ce_ring_bytes = ce // TILE_BYTES * TILE_BYTES if ce >= 2 * TILE_BYTES else 0
         self.ce_offset = self.p2p_offset + nranks * self.slots * self.chunk_bytes
-        self.data_bytes = self.ce_offset + (nranks - 1) * self.ce_slot_bytes
+        self.data_bytes = self.ce_offset + self.ce_ring_bytes
         words = SIG_FLAGS + 2 * self.max_tiles * MAX_RANKS + 3 * MAX_RANKS * self.slots
-        self.ce_sig_offset = 8 * words       # pushed [CE_POSITIONS][MAX_RANKS], then reduced
+        self.ce_sig_offset = 8 * words       # pushed [CE_POSITIONS][MAX_RANKS], then taken
         self.ce_flag_words = 2 * CE_POSITIONS * MAX_RANKS
         self.sig_bytes = 8 * (words + self.ce_flag_words)
 
@@ -103,21 +104,21 @@ class PeerAddresses:
         self.datas, self.sigs = datas, sigs
 
     # ---- the copy-engine area (ce.py) ---------------------------------------------------------
-    def ce_slot(self, owner: int, sender: int) -> int:
-        """Where, in rank `owner`'s data buffer, rank `sender`'s copy engine pushes."""
-        index = sender if sender < owner else sender - 1
-        return self.datas[owner] + self.layout.ce_offset + index * self.layout.ce_slot_bytes
+    def ce_ring(self, owner: int) -> int:
+        """Rank `owner`'s ring area: where the previous rank's copy engine pushes."""
+        return self.datas[owner] + self.layout.ce_offset
 
     def pushed_flag(self, owner: int, position: int, sender: int) -> int:
-        """In `owner`'s signal area: `sender` pushed the chunk at `position` (cleared by the
-        owner when it takes it)."""
+        """In `owner`'s signal area: `sender` pushed the chunk at `position` of owner's ring
+        area (cleared by the owner when it takes it)."""
         return self.sigs[owner] + self.layout.ce_sig_offset + 8 * (position * MAX_RANKS + sender)
 
-    def reduced_flag(self, owner: int, position: int, reducer: int) -> int:
-        """In `owner`'s signal area: `reducer` reduced the chunk at `position` into the slot
-        `owner` pushed it into (cleared by the owner when it copies the result back)."""
+    def taken_flag(self, owner: int, position: int, taker: int) -> int:
+        """In `owner`'s signal area: `taker` has taken the chunk `owner` pushed into
+        `position` of taker's ring area, so owner may push there again (cleared by the owner
+        when it does)."""
         return self.sigs[owner] + self.layout.ce_sig_offset + 8 * (
-            (CE_POSITIONS + position) * MAX_RANKS + reducer)
+            (CE_POSITIONS + position) * MAX_RANKS + taker)
 
 
 class PeerMemory(PeerAddresses):
@@ -168,7 +169,7 @@ class PeerMemory(PeerAddresses):
         release every stream waiting on a copy-engine flag (all raised, on a stream of its
         own: the waiting ones are stuck)."""
         self.status[STATUS_ABORT] = 1
-        if self.sig and self.layout.ce_slot_bytes:
+        if self.sig and self.layout.ce_ring_bytes:
             gpu.memset32_async(self.sig + self.layout.ce_sig_offset, 1,
                                2 * self.layout.ce_flag_words, self._release_stream)
 

@@ -274,24 +274,23 @@ __device__ void reduce_scatter(const Args& a) {
     leave(a, epoch);
 }
 
-// ---- all_reduce by copy engines: the local step ---------------------------------------------
+// ---- all_reduce by copy engines: the local step of the ring ---------------------------------
 // The copy engines move the data (ce.py queues the copies; copy_engine_flags.cu's kernels raise
-// and wait for the flags between them);
-// this kernel only reduces what arrived, in local memory: element i of ins[0..nranks)
-// combined, written to every outs[0..nranks) (the output, and the slots the peers copy it back
-// from). ins[q] may be outs[q]: each thread reads an element's sources before writing it.
+// and wait for the flags between them); this kernel only handles, in local memory, a chunk
+// that arrived in the ring area (`ins[0]`): out = in (+) it, times `scale` (a reduce-scatter
+// step); or, where `in` is null, out = it (an all-gather step).
 template <typename T, int OP>
-__device__ void reduce_local(const Args& a) {
+__device__ void ce_step(const Args& a) {
     const u64 E = Elem<T>::SIZE, tile = a.tile_bytes / E, tiles = ceil_div(a.count, tile);
     for (u64 t = blockIdx.x; t < tiles; t += gridDim.x) {
         const u64 e0 = t * tile, e1 = umin(e0 + tile, a.count);
-        const char* src[MAX_RANKS];
-        char* dst[MAX_RANKS];
-        for (int q = 0; q < a.nranks; ++q) {
-            src[q] = a.ins[q] + e0 * E;
-            dst[q] = a.outs[q] + e0 * E;
+        if (!a.in) {
+            block_copy(a.out + e0 * E, a.ins[0] + e0 * E, (e1 - e0) * E, true);
+            continue;
         }
-        block_reduce<T, OP>(src, a.nranks, dst, a.nranks, e1 - e0, a.scale);
+        const char* src[2] = {a.in + e0 * E, a.ins[0] + e0 * E};
+        char* dst[1] = {a.out + e0 * E};
+        block_reduce<T, OP>(src, 2, dst, 1, e1 - e0, a.scale);
     }
 }
 
@@ -304,7 +303,7 @@ __device__ void reduce_local(const Args& a) {
     ENTRY(all_reduce_one_shot_##TN##_##ON, (reduce_scatter<T, OP>(a)))                          \
     ENTRY(all_reduce_two_shot_##TN##_##ON, (all_reduce_two_shot<T, OP>(a)))                    \
     ENTRY(reduce_scatter_##TN##_##ON, (reduce_scatter<T, OP>(a)))                               \
-    ENTRY(reduce_local_##TN##_##ON, (reduce_local<T, OP>(a)))
+    ENTRY(ce_step_##TN##_##ON, (ce_step<T, OP>(a)))
 #define ALL_OPS(T, TN) TYPED(T, TN, OP_SUM, sum) TYPED(T, TN, OP_MIN, min) TYPED(T, TN, OP_MAX, max)
 ALL_OPS(float, float32)
 ALL_OPS(f16, float16)
