@@ -1,7 +1,8 @@
-"""The hot path: a blocking small all_reduce or broadcast on a NumPy array runs whole in one
-compiled call (the shm backend's `hot_context`, `_shmcore.hot`), keeping every promise of the
-full path (checks, numbering, records, signatures, failures), and leaves every other call to
-the full path."""
+"""The hot path: a blocking small all_reduce, broadcast or all_gather on a NumPy array runs
+whole in one compiled call (the shm backend's `hot_context`, `_shmcore.hot`), and so does a
+blocking sendrecv of NumPy arrays (`exchange_context`, `_shmcore.exchange`), keeping every
+promise of the full path (checks, numbering, records, signatures, failures), and leaves every
+other call to the full path."""
 
 from __future__ import annotations
 
@@ -136,3 +137,75 @@ def test_a_mismatch_on_the_hot_path_stops_every_rank_naming_what_each_called():
     said = run_ranks(check_a_mismatch_on_the_hot_path, 2)
     for text in said:
         assert "float32 x 4" in text and "float32 x 5" in text, text
+
+
+def check_which_exchanges_run_whole_compiled(comm) -> dict:
+    """sendrecv around the ring (to the next rank, from the one before): calls the compiled
+    exchange takes and calls it leaves to the full path, counting the host engine's sendrecv
+    (the full path's); each result checked."""
+    messages = comm._messages
+    if messages._exchange_context is None:
+        return {"hot": None}
+    n, r = comm.size, comm.rank
+    dst, src = (r + 1) % n, (r - 1) % n
+    engine, counted = messages._engine, [0]
+    full = engine.sendrecv
+
+    def counting(*args, **kwargs):
+        counted[0] += 1
+        return full(*args, **kwargs)
+
+    engine.sendrecv = counting
+    taken: dict[str, int] = {}
+
+    def took(name: str, call) -> None:
+        before = counted[0]
+        assert call() == src
+        taken[name] = counted[0] - before    # 0: the compiled exchange ran it
+
+    y = np.zeros(5, np.float32)
+    took("float32", lambda: comm.sendrecv(np.arange(5, dtype=np.float32) + r, dst, y, src))
+    assert (y == np.arange(5) + src).all()
+    y2 = np.zeros((2, 3), np.int64)
+    took("2-D int64, a tag", lambda: comm.sendrecv(np.full((2, 3), r), dst, y2, src, tag=7))
+    assert (y2 == src).all()
+    big = np.zeros((2 << 20) // 8)
+    took("beyond the ring", lambda: comm.sendrecv(np.full(big.size, float(r)), dst, big, src))
+    assert (big == src).all()
+    # the full path's own cases: each still right
+    s = np.arange(10, dtype=np.float32) + r
+    y3 = np.zeros(5, np.float32)
+    took("not contiguous", lambda: comm.sendrecv(s[::2], dst, y3, src))
+    assert (y3 == (np.arange(10) + src)[::2]).all()
+    y4 = np.zeros(3, np.int32)
+    took("numpy integer ranks", lambda: comm.sendrecv(np.full(3, r, np.int32), np.int64(dst),
+                                                       y4, np.int64(src)))
+    assert (y4 == src).all()
+    engine.sendrecv = full
+    try:                                  # a receive of another size: the full path's error
+        comm.sendrecv(np.zeros(4, np.float32), dst, np.zeros(3, np.float32), src)
+    except Exception as exc:   # noqa: BLE001 - the same error as the full path's
+        taken["size refused"] = type(exc).__name__
+    records = [e for e in comm.flight_recorder.entries() if e["op"] == "sendrecv"]
+    return {"hot": True, "taken": taken, "seqs": [e["seq"] for e in records],
+            "states": [e["state"] for e in records[:-1]],
+            "said": [e["args"] for e in records[:2]]}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_blocking_sendrecv_of_numpy_arrays_runs_whole_compiled(world):
+    for r, got in enumerate(run_ranks(check_which_exchanges_run_whole_compiled, world)):
+        if got["hot"] is None:
+            pytest.skip("the shm core is not built here")
+        taken = got["taken"]
+        for name in ("float32", "2-D int64, a tag", "beyond the ring"):
+            assert taken[name] == 0, f"{name}: not compiled"
+        for name in ("not contiguous", "numpy integer ranks"):
+            assert taken[name] >= 1, f"{name}: the compiled exchange took it"
+        assert taken["size refused"] == "InvalidArgumentError"
+        # numbered like every other sendrecv between the same ranks, recorded and done
+        assert got["seqs"] == list(range(1, len(got["seqs"]) + 1))
+        assert set(got["states"]) == {"done"}
+        dst, src = (r + 1) % world, (r - 1) % world
+        assert got["said"] == [f"dst={dst}, src={src}, tag=0, 20 B",
+                               f"dst={dst}, src={src}, tag=7, 48 B"]

@@ -699,6 +699,17 @@ class HostEngine(Engine):
             self._drive.release()
         return src
 
+    def exchange_rest(self, record: OpRecord, x: np.ndarray, dst: int, y: np.ndarray,
+                      src: int, tag: int, sent: bool) -> None:
+        """What the compiled sendrecv (Backend.exchange_context) left, `_drive` held: the
+        receive alone once the send went (`sent`), else both, the general way."""
+        both = (("send", x, dst, tag), ("recv", y, src, tag))
+        self._exchange_now(record, both[1:] if sent else both, [])
+
+    def exchange_failed(self, exc: BaseException) -> None:
+        """The compiled sendrecv raised `exc` (raised next): `sendrecv`'s failure policy."""
+        self._note_failure(exc)
+
     def _exchange_now(self, record: OpRecord, messages: tuple[HostMessage, ...],
                       found: list[int]) -> None:
         """Blocking messages, on the thread that drives the host backend: each through the

@@ -39,6 +39,9 @@ class MessageCalls:
         self._log = comm.flight_recorder.add
         self._seq: defaultdict[tuple[str, int | None, int | None], Iterator[int]] = \
             defaultdict(lambda: itertools.count(1))
+        # the backend's compiled whole-call sendrecv, if it has one (Backend.exchange_context)
+        self._exchange, self._exchange_context = engine.backend.exchange_context(
+            engine, self._log, self._seq) or (None, None)
 
     def record(self, kind: str, x: Array, peer: int | None, tag: int,
                src: int | None = None) -> OpRecord:
@@ -100,6 +103,10 @@ class MessageCalls:
                  tag: int, stream: Any) -> int | None:
         """`comm.sendrecv`: both messages checked, then exchanged at once (host arrays: as one
         blocking operation; GPU arrays: as one batch); returns the sender."""
+        if (ctx := self._exchange_context) is not None and stream is None and \
+                (done := self._exchange(ctx, self._comm, send_tensor, dst, recv_tensor, src,
+                                        tag)) is not None:
+            return done   # the whole call compiled (host arrays: `exchange_context`)
         try:
             x, dst, y, src, tag = self._check.exchange(send_tensor, dst, recv_tensor, src, tag)
         finally:

@@ -932,6 +932,308 @@ static PyObject *hot(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     return x;
 }
 
+/* ---- exchange(ctx, comm, x, dst, y, src, tag): a blocking sendrecv of NumPy arrays, whole ---
+ * What Communicator.sendrecv, MessageCalls.sendrecv, HostEngine.sendrecv and ShmBackend's
+ * send_now and receive_now do for the common call, in one call: the checks that select it
+ * (C-contiguous NumPy arrays apart in memory, of dtypes the core moves, other ranks, a tag in
+ * range; nothing queued, posted or held that the messages must order behind), the record
+ * (numbered, logged, started, done), the send into dst's ring and the take from src's.
+ * Returns src when done; None when the call is not that common case (nothing was done);
+ * what the core did not finish (a full ring, a message not there within the spin, another
+ * one first) goes on in Python (ctx's `rest`, the drive lock held). Raises what the operation
+ * raised, after the engine's failure handling. ctx: shm.ShmBackend.exchange_context. */
+enum {
+    X_ENGINE, X_BACKEND, X_LOG, X_RECORD, X_TEXT, X_SEQS, X_CODES, X_NDARRAY, X_REST,
+    X_FAILED, X_NAME, X_RANK, X_SIZE_OF, X_SIZE
+};
+
+static PyObject *x_held, *x_queue, *x_batched, *x_sendq, *x_send_lanes, *x_sent, *x_posted,
+    *x_posted_any, *x_unexpected, *x_incoming, *x_take_lanes, *x_consumed, *x_arrivals,
+    *x_spin_ns;
+
+static int exchange_names(void) {
+    static int ready = 0;
+    if (ready) return 0;
+    if (hot_names() < 0) return -1;
+#define NAME(var, text) if ((var = PyUnicode_InternFromString(text)) == NULL) return -1;
+    NAME(x_held, "_held") NAME(x_queue, "_queue") NAME(x_batched, "batched")
+    NAME(x_sendq, "_sendq") NAME(x_send_lanes, "_send_lanes") NAME(x_sent, "_sent")
+    NAME(x_posted, "_posted") NAME(x_posted_any, "_posted_any")
+    NAME(x_unexpected, "_unexpected") NAME(x_incoming, "_incoming")
+    NAME(x_take_lanes, "_take_lanes") NAME(x_consumed, "_consumed")
+    NAME(x_arrivals, "_arrivals") NAME(x_spin_ns, "_spin_ns")
+#undef NAME
+    ready = 1;
+    return 0;
+}
+
+/* Item i of list attribute `name` of `obj` (a new reference), or NULL on an error. */
+static PyObject *list_item(PyObject *obj, PyObject *name, Py_ssize_t i) {
+    PyObject *list = PyObject_GetAttr(obj, name);
+    if (list == NULL) return NULL;
+    PyObject *item = PySequence_GetItem(list, i);
+    Py_DECREF(list);
+    return item;
+}
+
+/* Sets item i of list attribute `name` of `obj` to `value`: 0, or -1 on an error. */
+static int set_list_item(PyObject *obj, PyObject *name, Py_ssize_t i, PyObject *value) {
+    PyObject *list = PyObject_GetAttr(obj, name);
+    if (list == NULL) return -1;
+    int r = PySequence_SetItem(list, i, value);
+    Py_DECREF(list);
+    return r;
+}
+
+/* 1 if item i of list attribute `name` of `obj` is empty (or None, with none_ok), 0 if not,
+ * -1 on an error. */
+static int item_empty(PyObject *obj, PyObject *name, Py_ssize_t i, int none_ok) {
+    PyObject *item = list_item(obj, name, i);
+    if (item == NULL) return -1;
+    int r = none_ok && item == Py_None ? 1 : !PyObject_IsTrue(item);
+    Py_DECREF(item);
+    return PyErr_Occurred() ? -1 : r;
+}
+
+/* Whether nothing of the backend's messages stands before this exchange's receive from src:
+ * no send queued to anyone, no receive posted from src or from any rank, nothing arrived
+ * from src unclaimed or half read. 1 clear, 0 not, -1 on an error. */
+static int receive_clear(PyObject *backend, Py_ssize_t src, Py_ssize_t size) {
+    int r;
+    if ((r = item_empty(backend, x_posted, src, 0)) != 1
+        || (r = attr_set(backend, x_posted_any, 0)) != 0
+        || (r = item_empty(backend, x_unexpected, src, 0)) != 1
+        || (r = item_empty(backend, x_incoming, src, 1)) != 1)
+        return r < 0 ? -1 : 0;
+    for (Py_ssize_t j = 0; j < size; j++)
+        if ((r = item_empty(backend, x_sendq, j, 0)) != 1) return r < 0 ? -1 : 0;
+    return 1;
+}
+
+/* The core's send into dst's ring, then take from src's (as send_now, receive_now): 1 both
+ * done, 0 the send not done, 2 the send done and the take not; -1 on an error. */
+static int exchange_core(PyObject *backend, PyObject *x, Py_ssize_t dst, PyObject *y,
+                         Py_ssize_t src, PyObject *tag, PyObject *code_x, PyObject *code_y,
+                         Py_ssize_t size) {
+    int r = item_empty(backend, x_sendq, dst, 0);
+    if (r != 1) return r;
+    PyObject *lane = list_item(backend, x_send_lanes, dst);
+    PyObject *pos = lane == NULL ? NULL : list_item(backend, x_sent, dst);
+    PyObject *got = NULL;
+    if (pos != NULL) {
+        PyObject *sargs[5] = {lane, pos, tag, code_x, x};
+        got = send(NULL, sargs, 5);
+    }
+    Py_XDECREF(lane);
+    Py_XDECREF(pos);
+    if (got == NULL) return -1;
+    r = PyObject_IsTrue(got);
+    if (r == 1) r = set_list_item(backend, x_sent, dst, got) < 0 ? -1 : 1;
+    Py_DECREF(got);
+    if (r != 1) return r;
+    if ((r = receive_clear(backend, src, size)) != 1) return r < 0 ? -1 : 2;
+    lane = list_item(backend, x_take_lanes, src);
+    pos = lane == NULL ? NULL : list_item(backend, x_consumed, src);
+    PyObject *spin = pos == NULL ? NULL : PyObject_GetAttr(backend, x_spin_ns);
+    got = NULL;
+    if (spin != NULL) {
+        PyObject *targs[6] = {lane, pos, tag, code_y, y, spin};
+        got = take(NULL, targs, 6);
+    }
+    Py_XDECREF(lane);
+    Py_XDECREF(pos);
+    Py_XDECREF(spin);
+    if (got == NULL) return -1;
+    r = PyObject_IsTrue(got);
+    if (r == 1 && set_list_item(backend, x_consumed, src, got) < 0) r = -1;
+    Py_DECREF(got);
+    if (r != 1) return r < 0 ? -1 : 2;
+    PyObject *arrivals = PyObject_GetAttr(backend, x_arrivals);
+    if (arrivals == NULL) return -1;
+    PyObject *one = PyLong_FromLong(1);
+    PyObject *more = one == NULL ? NULL : PyNumber_Add(arrivals, one);
+    Py_DECREF(arrivals);
+    Py_XDECREF(one);
+    r = more == NULL || PyObject_SetAttr(backend, x_arrivals, more) < 0 ? -1 : 1;
+    Py_XDECREF(more);
+    return r;
+}
+
+/* The exchange itself, the drive lock held: 0 done, -1 on an error to raise (the record then
+ * exists when *record_out is set). */
+static int exchange_run(PyObject **ctx, PyObject *x, PyObject *dst, PyObject *y, PyObject *src,
+                        PyObject *tag, PyObject *code_x, PyObject *code_y, Py_ssize_t nbytes,
+                        PyObject **record_out) {
+    PyObject *key = PyTuple_Pack(3, ctx[X_NAME], dst, src);
+    PyObject *counter = key == NULL ? NULL : PyObject_GetItem(ctx[X_SEQS], key);
+    Py_XDECREF(key);
+    PyObject *seq = counter == NULL ? NULL : PyIter_Next(counter);
+    Py_XDECREF(counter);
+    if (seq == NULL) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "exchange: no number");
+        return -1;
+    }
+    PyObject *nb = PyLong_FromSsize_t(nbytes);
+    PyObject *text = nb == NULL ? NULL : PyTuple_Pack(6, ctx[X_TEXT], ctx[X_NAME], dst, tag, nb,
+                                                      src);
+    PyObject *record = NULL;
+    if (text != NULL) {
+        PyObject *rargs[4] = {ctx[X_NAME], seq, text, nb};
+        record = PyObject_Vectorcall(ctx[X_RECORD], rargs, 4, NULL);
+    }
+    Py_DECREF(seq);
+    Py_XDECREF(nb);
+    Py_XDECREF(text);
+    if (record == NULL) return -1;
+    *record_out = record;
+    PyObject *logged = PyObject_CallOneArg(ctx[X_LOG], record);
+    if (logged == NULL) return -1;
+    Py_DECREF(logged);
+    PyObject *issued = PyObject_GetAttr(record, h_issued_at);   /* started as issued */
+    int bad = issued == NULL || PyObject_SetAttr(record, h_state, h_started) < 0
+              || PyObject_SetAttr(record, h_started_at, issued) < 0;
+    Py_XDECREF(issued);
+    if (bad) return -1;
+    Py_ssize_t d = PyLong_AsSsize_t(dst), s = PyLong_AsSsize_t(src);
+    int r = exchange_core(ctx[X_BACKEND], x, d, y, s, tag, code_x, code_y,
+                          PyLong_AsSsize_t(ctx[X_SIZE_OF]));
+    if (r < 0) return -1;
+    if (r != 1) {   /* the rest the general way (HostEngine.exchange_rest) */
+        PyObject *rargs[7] = {record, x, dst, y, src, tag, r == 2 ? Py_True : Py_False};
+        PyObject *rest = PyObject_Vectorcall(ctx[X_REST], rargs, 7, NULL);
+        if (rest == NULL) return -1;
+        Py_DECREF(rest);
+        return 0;   /* (the rest marks the record done) */
+    }
+    if (PyObject_SetAttr(record, h_state, h_done) < 0
+        || set_double(record, h_ended_at, monotonic_s()) < 0)
+        return -1;
+    return 0;
+}
+
+static PyObject *exchange(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 7 || !PyTuple_Check(args[0]) || PyTuple_GET_SIZE(args[0]) != X_SIZE) {
+        PyErr_SetString(PyExc_TypeError, "exchange(ctx, comm, x, dst, y, src, tag)");
+        return NULL;
+    }
+    if (exchange_names() < 0) return NULL;
+    PyObject **ctx = &PyTuple_GET_ITEM(args[0], 0);
+    PyObject *comm = args[1], *x = args[2], *dst = args[3], *y = args[4], *src = args[5],
+             *tag = args[6];
+    PyTypeObject *ndarray = (PyTypeObject *)ctx[X_NDARRAY];
+    if (Py_TYPE(x) != ndarray || Py_TYPE(y) != ndarray || !PyLong_CheckExact(dst)
+        || !PyLong_CheckExact(src) || !PyLong_CheckExact(tag))
+        Py_RETURN_NONE;
+    long rank = PyLong_AsLong(ctx[X_RANK]), size = PyLong_AsLong(ctx[X_SIZE_OF]);
+    long d = PyLong_AsLong(dst), s = PyLong_AsLong(src);
+    long long t = PyLong_AsLongLong(tag);
+    if (PyErr_Occurred()) {   /* out of range of C's integers: the full path says what */
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    if (d < 0 || d >= size || d == rank || s < 0 || s >= size || s == rank || t < 0)
+        Py_RETURN_NONE;
+    Py_buffer xv, yv;
+    if (PyObject_GetBuffer(x, &xv, PyBUF_C_CONTIGUOUS) < 0) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    if (PyObject_GetBuffer(y, &yv, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+        PyErr_Clear();
+        PyBuffer_Release(&xv);
+        Py_RETURN_NONE;
+    }
+    const char *xb = (const char *)xv.buf, *yb = (const char *)yv.buf;
+    Py_ssize_t nbytes = xv.len;
+    int apart = xv.len == 0 || yv.len == 0 || xb + xv.len <= yb || yb + yv.len <= xb;
+    PyBuffer_Release(&xv);
+    PyBuffer_Release(&yv);
+    if (!apart) Py_RETURN_NONE;
+    PyObject *xd = PyObject_GetAttr(x, h_dtype), *yd = PyObject_GetAttr(y, h_dtype);
+    PyObject *code_x = xd == NULL ? NULL : PyDict_GetItemWithError(ctx[X_CODES], xd);
+    PyObject *code_y = code_x == NULL || yd == NULL ? NULL
+                                                    : PyDict_GetItemWithError(ctx[X_CODES], yd);
+    Py_XDECREF(xd);
+    Py_XDECREF(yd);
+    if (code_y == NULL) {
+        if (PyErr_Occurred()) return NULL;
+        Py_RETURN_NONE;
+    }
+    PyObject *engine = ctx[X_ENGINE];
+    int clear = hot_clear(comm);
+    if (clear == 1) {   /* not inside a batch of GPU messages */
+        PyObject *gpu = PyObject_GetAttr(comm, h_gpu_side);
+        clear = gpu == NULL ? -1 : attr_set(gpu, x_batched, 1) == 0;
+        if (gpu != NULL && PyErr_Occurred()) clear = -1;
+        Py_XDECREF(gpu);
+    }
+    if (clear == 1) {   /* HostEngine._may_drive(after_posted=True), with nothing held */
+        int r;
+        if ((r = attr_set(engine, x_held, 0)) != 0 || (r = attr_set(engine, x_queue, 0)) != 0)
+            clear = r < 0 ? -1 : 0;
+    }
+    PyObject *drive = clear == 1 ? PyObject_GetAttr(engine, h_drive) : NULL;
+    PyObject *got = drive == NULL ? NULL : PyObject_CallMethodOneArg(drive, h_acquire, Py_False);
+    if (got == Py_True) {
+        PyObject *now = PyObject_GetAttr(engine, h_backend);
+        int r;
+        if (now == NULL) clear = -1;
+        else if (now != ctx[X_BACKEND]) clear = 0;
+        else if ((r = attr_set(engine, x_queue, 0)) != 0 || (r = attr_set(engine, h_failure, 1)) != 0
+                 || (r = attr_set(engine, h_closing, 0)) != 0)
+            clear = r < 0 ? -1 : 0;
+        Py_XDECREF(now);
+        if (clear != 1) {
+            PyObject *released = PyObject_CallMethodNoArgs(drive, h_release);
+            if (released == NULL) clear = -1;
+            Py_XDECREF(released);
+            Py_CLEAR(got);
+        }
+    }
+    if (got != Py_True) {   /* another thread drives the engine, or not the common case */
+        Py_XDECREF(got);
+        Py_XDECREF(drive);
+        if (clear < 0 || PyErr_Occurred()) return NULL;
+        Py_RETURN_NONE;
+    }
+    Py_DECREF(got);
+    PyObject *record = NULL;
+    int rc = exchange_run(ctx, x, dst, y, src, tag, code_x, code_y, nbytes, &record);
+    PyObject *type, *value, *tb;
+    if (rc < 0) {   /* the engine's failure handling (HostEngine.sendrecv), then raise */
+        PyErr_Fetch(&type, &value, &tb);
+        PyErr_NormalizeException(&type, &value, &tb);
+        if (tb != NULL) PyException_SetTraceback(value, tb);
+        PyObject *r = PyObject_CallOneArg(ctx[X_FAILED], value);
+        if (r == NULL) {
+            Py_XDECREF(type);
+            Py_XDECREF(value);
+            Py_XDECREF(tb);
+        } else {
+            Py_DECREF(r);
+            PyErr_Restore(type, value, tb);
+        }
+    }
+    Py_XDECREF(record);
+    PyErr_Fetch(&type, &value, &tb);
+    PyObject *released = PyObject_CallMethodNoArgs(drive, h_release);
+    Py_DECREF(drive);
+    if (released == NULL) {
+        if (type != NULL) {
+            PyErr_Clear();
+            PyErr_Restore(type, value, tb);
+        }
+        return NULL;
+    }
+    Py_DECREF(released);
+    if (type != NULL) {
+        PyErr_Restore(type, value, tb);
+        return NULL;
+    }
+    Py_INCREF(src);
+    return src;
+}
+
 static PyObject *set_spin_yield(PyObject *self, PyObject *flag) {
     int on = PyObject_IsTrue(flag);
     if (on < 0) return NULL;
@@ -952,6 +1254,10 @@ static PyMethodDef methods[] = {
      "whole (kind 0 all_reduce, arg its ReduceOp; 1 broadcast, arg the source rank; 2 "
      "all_gather, arg the output array), or None where the call is not that common case and "
      "nothing was done."},
+    {"exchange", (PyCFunction)(void (*)(void))exchange, METH_FASTCALL,
+     "exchange(ctx, comm, x, dst, y, src, tag) -> src once a blocking sendrecv of NumPy arrays "
+     "ran (the core's send and take, or the rest in Python), or None where the call is not "
+     "that common case and nothing was done."},
     {"reduce", reduce, METH_VARARGS,
      "reduce(out, srcs, count, dtype, op, divisor) -> bool: reduce srcs in order into out."},
     {NULL, NULL, 0, NULL},

@@ -151,6 +151,15 @@ class Backend(ABC):
         (shm: `_shmcore.hot`). `log` records each operation issued."""
         return None
 
+    def exchange_context(self, engine: Any, log: Callable[[Any], Any],
+                         seqs: Any) -> tuple[Callable, tuple] | None:
+        """A compiled call and its context that run a blocking sendrecv of NumPy arrays whole,
+        as the communicator, `engine` and this backend would: `call(context, comm, x, dst, y,
+        src, tag)` returns src once done, None where it does not take the call (nothing done).
+        None where this transport has none (shm: `_shmcore.exchange`). `log` records each
+        operation issued; `seqs[(kind, dst, src)]` numbers them (MessageCalls.record)."""
+        return None
+
     def lost_peer(self) -> tuple[int, str] | None:
         """If this transport can tell that a peer process left: its rank and what happened
         (called from other threads, e.g. the GPU backend's watchdog). None when all seem alive."""

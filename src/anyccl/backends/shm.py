@@ -52,7 +52,7 @@ from ..errors import (
 )
 from ..ops import COLLECTIVES, ReduceOp, check_reduce_op
 from ..store import Store
-from ..trace import OpRecord, about_text, format_bytes
+from ..trace import OpRecord, about_text, format_bytes, message_text
 from . import cross_memory
 from .base import Backend, Completion
 from .doorbell import Doorbell, cores_available
@@ -896,6 +896,18 @@ class SharedMemoryBackend(Backend):
                                 agreement.DTYPE_BITS, _CORE_REDUCTIONS, np.ndarray, ReduceOp,
                                 float(engine.timeout_s), self._core_max_bytes, kinds,
                                 self._hot_rest, engine.failed)
+
+    def exchange_context(self, engine: Any, log: Callable[[OpRecord], Any],
+                         seqs: Any) -> tuple[Callable, tuple] | None:
+        """`_shmcore.exchange` and its context: a blocking sendrecv whose send fits dst's ring
+        and whose message from src is the next there runs whole in one compiled call (the
+        core's send and take, as send_now and receive_now), from the communicator's checks to
+        the record's end. None without the compiled core."""
+        if self._core is None or self.size == 1:
+            return None
+        return self._core.exchange, (engine, self, log, OpRecord, message_text, seqs,
+                                     _DTYPE_CODE, np.ndarray, engine.exchange_rest,
+                                     engine.exchange_failed, "sendrecv", self.rank, self.size)
 
     def _hot_rest(self, x: np.ndarray, record: OpRecord, arg: Any, status: int) -> None:
         """`_core_step_rest` for `_shmcore.hot`: arg is a broadcast's source rank, an
