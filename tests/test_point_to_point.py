@@ -150,6 +150,56 @@ def test_receiving_into_a_wrong_sized_array_is_a_clear_error():
     assert "rank 0 sent float32 x 10" in message and "float32 x 12" in message, message
 
 
+def check_large_messages_are_read_out_of_the_sender(comm):
+    """Rank 0 sends three messages larger than its ring (and a small one); rank 1 reads each
+    straight out of rank 0's memory, whether its receive was posted first (a) or the message
+    came while it waited for another (b), and refuses one of another size (c). Returns rank
+    1's results, or on rank 0 the bytes its ring carried."""
+    from anyccl.errors import InvalidArgumentError
+
+    b = comm._engine.backend
+    if not b.direct:
+        return "no cross-memory attach"
+    peer, n = 1 - comm.rank, 4 << 20      # 16 MiB of float32: > the ring, >= direct_min
+    big = np.arange(n, dtype=np.float32) + 1
+    if comm.rank == 0:
+        before = b._sent[peer]
+        comm.barrier()
+        comm.send(big, peer, tag=1)                     # (a)
+        work = comm.isend(big * 2, peer, tag=2)         # (b), then a small one
+        comm.send(np.ones(2, np.float32), peer, tag=3)
+        work.wait()
+        comm.send(big, peer, tag=4)                     # (c)
+        comm.barrier()
+        return b._sent[peer] - before
+    got = np.zeros(n, np.float32)
+    posted = comm.irecv(got, peer, tag=1)
+    comm.barrier()
+    posted.wait()
+    first = bool((got == big).all())
+    comm.recv(np.empty(2, np.float32), peer, tag=3)    # (b) arrived meanwhile, then this
+    comm.recv(got, peer, tag=2)
+    second = bool((got == big * 2).all())
+    try:
+        comm.recv(np.zeros(n // 2, np.float32), peer, tag=4)
+        refused = "no error"
+    except InvalidArgumentError as exc:
+        refused = str(exc)
+    comm.barrier()                                      # rank 0's send completed
+    return first, second, refused
+
+
+@pytest.mark.skipif(suite_backend() != "shm", reason="the shm backend's direct messages")
+def test_a_message_larger_than_its_ring_is_read_straight_out_of_the_sender():
+    carried, got = run_ranks(check_large_messages_are_read_out_of_the_sender, 2)
+    if carried == "no cross-memory attach":
+        pytest.skip("cross-memory attach is not usable here")
+    assert carried == 3 * 32 + 64       # three headers and the small message: no data
+    first, second, refused = got
+    assert first and second
+    assert "float32 x 4194304" in refused and "float32 x 2097152" in refused, refused
+
+
 def check_torch_tensors(comm):
     import torch
 

@@ -56,6 +56,11 @@ TABLE: dict[str, Threshold] = {t.key: t for t in (
               "gather from this size: the root reads directly from the peers' arrays"),
     Threshold("shm.direct_min.scatter", "size", 256 * _K,
               "scatter from this size: read directly from the root's pieces"),
+    Threshold("shm.direct_min.message", "size", 8 * _M,
+              "a message from this size, where it is also larger than its channel: the "
+              "receiver reads it directly out of the sender's memory (one copy) instead of "
+              "taking it through the channel in pieces (with more ranks than cores: every "
+              "message larger than its channel)"),
     Threshold("shm.direct_chunk", "size", 8 * _M,
               "direct all_reduce: the chunk each rank takes a slice of, so that every rank "
               "works at once"),

@@ -3,8 +3,11 @@
 Each rank creates one POSIX shared-memory segment (mode 0600) and maps every peer's:
 
     control   counters this rank alone writes (barrier arrivals, bytes sent and consumed per
-              channel), its pid, a closed flag, what it is doing now, and its doorbell
-    channels  one byte ring per destination for point-to-point messages
+              channel, messages read directly per sender), its pid, a closed flag, what it is
+              doing now, and its doorbell
+    channels  one byte ring per destination for point-to-point messages (a large message
+              sends only its header there: the receiver reads the data directly out of the
+              sender's memory, then counts the read)
     staging   two halves that the collective schedules of `algorithms.symmetric` write and
               peers read
 
@@ -16,7 +19,8 @@ Safety: the first barrier of every collective carries its signature (op, dtype, 
 reduce op), and every rank compares all of them before any rank reads or writes a peer's
 memory, so ranks that disagree all raise `CollectiveMismatchError` with their arrays untouched.
 Direct process-to-process copies are bounded, besides, by the address and length the peer
-published for the operation. A peer's segment is mapped only if this user owns it with mode
+published for the operation; a direct message is only ever read, into the receiver's own
+memory. A peer's segment is mapped only if this user owns it with mode
 0600, and a copy that fails because the peer died is a `PeerLostError` naming it.
 
 Once every rank has mapped every segment, the names are unlinked: the memory lives exactly as
@@ -82,7 +86,8 @@ _W_STATUS_FOR = 45                 # the _W_DOING value the status text describe
 _W_AGREE = 46                      # words 46..49: the current collective's signature, in the
                                    # slot of its first barrier's parity (agreement.py)
 _W_SENT = 64                       # words 64 .. 64+n: bytes this rank wrote into channel to j
-_HEADER = 32                       # message header: tag, nbytes, dtype code, 0 (int64 each)
+_HEADER = 32                       # message header: tag, nbytes, dtype code, and 0, or for a
+                                   # message read directly, its address in the sender (int64 each)
 _HEADER_WORDS = struct.Struct("<4q")
 _PEER_CHECK_S = 0.25
 _DEADLINE_CHECK_S = 0.001  # how often progress() looks for posted messages past their deadline
@@ -138,8 +143,10 @@ class _Layout:
         self.size = size
         self.w_consumed = _W_SENT + size  # words: bytes this rank consumed from channel of j
         self.w_published = self.w_consumed + size  # words: (address, bytes) of the current op's
-        # arrays, then the reason this rank gave for refusing its arguments
-        self.refusal = (self.w_published + 2 * size) * 8
+        # arrays, then the messages this rank read directly out of each rank's memory, then the
+        # reason this rank gave for refusing its arguments
+        self.w_read = self.w_published + 2 * size
+        self.refusal = (self.w_read + size) * 8
         self.control = _round_up(self.refusal + _REFUSAL_BYTES, 4096)
         self.channel_bytes = channel_bytes
         self.channels = self.control
@@ -289,12 +296,18 @@ def reclaim_dead_segments(directory: str = "/dev/shm") -> list[str]:
 
 
 class _Send:
-    __slots__ = ("data", "header", "total", "written", "record", "deadline", "on_done")
+    """A message on its way: streamed through the channel after its header; or, `direct`,
+    the header alone, which tells the receiver where to read the data in this process (then
+    the send is done once the receiver says it read it: `ticket`, its count of such reads)."""
 
-    def __init__(self, data, tag, dtype, record, on_done):
+    __slots__ = ("data", "header", "total", "written", "record", "deadline", "on_done",
+                 "direct", "ticket")
+
+    def __init__(self, data, tag, dtype, record, on_done, direct=False):
         self.data = data
-        self.header = (tag, data.size, _DTYPE_CODE[dtype], 0)
-        self.total = _HEADER + _round_up(data.size, _HEADER)
+        self.direct, self.ticket = direct, 0
+        self.header = (tag, data.size, _DTYPE_CODE[dtype], data.ctypes.data if direct else 0)
+        self.total = _HEADER + (0 if direct else _round_up(data.size, _HEADER))
         self.written = 0
         self.record, self.deadline, self.on_done = record, record.deadline, on_done
 
@@ -315,9 +328,10 @@ class _Incoming:
     __slots__ = ("tag", "nbytes", "dtype", "sink", "received", "stream_bytes", "target", "error",
                  "arrival")
 
-    def __init__(self, tag: int, nbytes: int, dtype: np.dtype, arrival: int) -> None:
+    def __init__(self, tag: int, nbytes: int, dtype: np.dtype, arrival: int,
+                 direct: bool = False) -> None:
         self.tag, self.nbytes, self.dtype, self.arrival = tag, nbytes, dtype, arrival
-        self.stream_bytes = _round_up(nbytes, _HEADER)
+        self.stream_bytes = 0 if direct else _round_up(nbytes, _HEADER)
         self.received = 0
         self.sink: np.ndarray | None = None
         self.target: _Recv | None = None
@@ -403,6 +417,11 @@ class SharedMemoryBackend(Backend):
         self._sent = [0] * size
         self._consumed = [0] * size
         self._sendq: list[deque[_Send]] = [deque() for _ in range(size)]
+        # direct sends whose header went, until the receiver read them; the direct reads
+        # this rank made of each sender's memory, and asked for of each receiver
+        self._unread: list[deque[_Send]] = [deque() for _ in range(size)]
+        self._read = [0] * size
+        self._tickets = [0] * size
         self._posted: list[list[_Recv]] = [[] for _ in range(size)]
         self._posted_any: list[_Recv] = []   # receives from any rank, in the order posted
         self._posts = self._arrivals = 0     # receives posted and message headers read so far
@@ -415,6 +434,9 @@ class SharedMemoryBackend(Backend):
         self.one_shot_max_bytes = tuning.value("shm.one_shot_max")
         self.chunk_bytes = tuning.value("shm.direct_chunk")
         self.block_bytes = tuning.value("shm.direct_block")
+        # with more ranks than cores, every piece of a streamed message waits for its peer to
+        # get a core: there any message larger than its channel is read directly
+        self._direct_message_min = 0 if self._yields else tuning.value("shm.direct_min.message")
         self._direct_min = {op: tuning.value(f"shm.direct_min.{op}")
                             for op in ("all_reduce", "broadcast", "all_gather", "gather",
                                        "scatter")}
@@ -1072,9 +1094,21 @@ class SharedMemoryBackend(Backend):
             on_done(None)
             return
         self._waits_in(record)
-        self._sendq[dst].append(_Send(x.reshape(-1).view(np.uint8), tag, x.dtype, record,
-                                      self._until_done(record, on_done)))
+        data = x.reshape(-1).view(np.uint8)
+        self._sendq[dst].append(_Send(data, tag, x.dtype, record,
+                                      self._until_done(record, on_done),
+                                      self._direct_message(data.size, dst)))
         self._progress_send(dst)
+
+    def _direct_message(self, nbytes: int, dst: int) -> bool:
+        """Whether a message of `nbytes` to `dst` is read by the receiver straight out of this
+        process's memory (one copy, as MPICH's large messages) rather than streamed through
+        the channel: cross-memory attach works between the ranks, the message is larger than
+        the channel (so that a send that could complete before its receive is posted still
+        does) and, unless this host's ranks outnumber its cores, at least
+        shm.direct_min.message."""
+        return self.direct and nbytes >= self._direct_message_min and \
+            _HEADER + _round_up(nbytes, _HEADER) > self._out_rings[dst].size
 
     def post_recv(self, x: np.ndarray, src: int | None, tag: int, record: OpRecord,
                   on_done: Completion, found: Callable[[int], None] | None = None) -> None:
@@ -1132,14 +1166,14 @@ class SharedMemoryBackend(Backend):
         self._next_deadline_check = now + _DEADLINE_CHECK_S
         if self._words[_W_DOING] & 1:   # a message has waited a while: say what in, for peers
             self._describe_waiting()
-        for queue in (*self._sendq, *self._posted, self._posted_any):
+        for queue in (*self._sendq, *self._unread, *self._posted, self._posted_any):
             for req in list(queue):
                 if now >= req.deadline:
                     queue.remove(req)
                     req.on_done(self._timeout_error(req.record, "its peer"))
 
     def abort(self, error: BaseException) -> None:
-        for queue in (*self._sendq, *self._posted, self._posted_any):
+        for queue in (*self._sendq, *self._unread, *self._posted, self._posted_any):
             while queue:
                 queue.pop().on_done(error)
         for msg in self._incoming:
@@ -1154,6 +1188,8 @@ class SharedMemoryBackend(Backend):
                 continue
             if self._sendq[j]:
                 moved |= self._progress_send(j)
+            if self._unread[j]:
+                moved |= self._progress_read(j)
             if self._ctl[j][_W_SENT + self.rank] != self._consumed[j]:
                 moved |= self._progress_receive(j)
         return moved
@@ -1183,7 +1219,22 @@ class SharedMemoryBackend(Backend):
             moved = True
             if msg.written == msg.total:
                 queue.popleft()
-                msg.on_done(None)
+                if msg.direct:   # done once the receiver read it
+                    self._tickets[dst] += 1
+                    msg.ticket = self._tickets[dst]
+                    self._unread[dst].append(msg)
+                    self._progress_read(dst)
+                else:
+                    msg.on_done(None)
+        return moved
+
+    def _progress_read(self, dst: int) -> bool:
+        """Complete the direct sends to `dst` that it has read (its count of reads)."""
+        unread, moved = self._unread[dst], False
+        done = self._ctl[dst][self._layout.w_read + self.rank]
+        while unread and unread[0].ticket <= done:
+            unread.popleft().on_done(None)
+            moved = True
         return moved
 
     def _take_whole(self, src: int) -> bool:
@@ -1249,12 +1300,14 @@ class SharedMemoryBackend(Backend):
                 self._bells[src].ring()
             msg = self._incoming[src]
             if msg is None:
-                tag, nbytes, code, _ = _HEADER_WORDS.unpack_from(ring, pos % ring.size)
+                tag, nbytes, code, address = _HEADER_WORDS.unpack_from(ring, pos % ring.size)
                 pos, available = pos + _HEADER, available - _HEADER
                 self._arrivals += 1
                 msg = self._incoming[src] = _Incoming(tag, nbytes, SUPPORTED_DTYPES[code],
-                                                      self._arrivals)
+                                                      self._arrivals, address != 0)
                 self._match(msg, src)
+                if address:
+                    self._read_direct(msg, src, address)
             n = min(available, msg.stream_bytes - msg.received, piece)
             a, b = msg.received, min(msg.received + n, msg.nbytes)
             if b > a and msg.sink is not None:
@@ -1269,6 +1322,26 @@ class SharedMemoryBackend(Backend):
         self._own.words[self._layout.w_consumed + src] = pos
         self._bells[src].ring()
         return True
+
+    def _read_direct(self, msg: _Incoming, src: int, address: int) -> None:
+        """A direct message's data, read out of the sender's memory into the receive it
+        matched (or a buffer until one is posted; nothing where it failed to match), then
+        the sender told, whatever happened, so that its send completes."""
+        try:
+            if msg.error is None and msg.sink is not None and msg.nbytes:
+                pid = self._pids[src]
+                try:
+                    cross_memory.read(pid, address, msg.sink)
+                except OSError as exc:
+                    gone = not process_alive(pid) or self._ctl[src][_W_CLOSED]
+                    msg.error = PeerLostError(
+                        f"rank {self.rank}: a message of {format_bytes(msg.nbytes)} from rank "
+                        f"{src} (pid {pid}) could not be read out of its memory"
+                        + (f": rank {src} {self._gone(src)}" if gone else f" ({exc})"), src)
+        finally:
+            self._read[src] += 1
+            self._own.words[self._layout.w_read + src] = self._read[src]
+            self._bells[src].ring()
 
     def _match(self, msg: _Incoming, src: int) -> None:
         """Give the message whose header just arrived to the earliest posted receive it fits
