@@ -667,19 +667,85 @@ static int hot_clear(PyObject *comm) {
     return r != 0 ? (r < 0 ? -1 : 0) : 1;
 }
 
-/* With the engine's drive lock held (HostEngine.collective's common case): nothing
- * outstanding, no failure, not closing, and still on the backend the context was made for.
- * 1 clear, 0 not, -1 on an error. */
-static int engine_clear(PyObject *engine, PyObject *backend) {
+/* With the engine's drive lock held: nothing in its attribute `busy` (a collective: nothing
+ * outstanding; a message: nothing queued), no failure, not closing, and still on the backend
+ * the context was made for. 1 clear, 0 not, -1 on an error. */
+static int engine_clear(PyObject *engine, PyObject *backend, PyObject *busy) {
     int r;
     PyObject *now = PyObject_GetAttr(engine, h_backend);
     if (now == NULL) return -1;
     Py_DECREF(now);
     if (now != backend) return 0;
-    if ((r = attr_set(engine, h_outstanding, 0)) != 0 || (r = attr_set(engine, h_failure, 1)) != 0
+    if ((r = attr_set(engine, busy, 0)) != 0 || (r = attr_set(engine, h_failure, 1)) != 0
         || (r = attr_set(engine, h_closing, 0)) != 0)
         return r < 0 ? -1 : 0;
     return 1;
+}
+
+/* The engine's drive lock, taken without waiting where `clear` (1: the caller's own checks
+ * passed) and `engine_clear` agree (HostEngine._may_drive). Returns the lock (a new
+ * reference; the caller releases it with `end_locked`), or NULL: with an error set, or
+ * without one where another thread drives the engine or the call is not the common case. */
+static PyObject *take_drive(PyObject *engine, PyObject *backend, int clear, PyObject *busy) {
+    PyObject *drive = clear == 1 ? PyObject_GetAttr(engine, h_drive) : NULL;
+    PyObject *got = drive == NULL ? NULL : PyObject_CallMethodOneArg(drive, h_acquire, Py_False);
+    if (got == Py_True && (clear = engine_clear(engine, backend, busy)) != 1) {
+        PyObject *released = PyObject_CallMethodNoArgs(drive, h_release);
+        if (released == NULL) clear = -1;
+        Py_XDECREF(released);
+        Py_CLEAR(got);
+    }
+    if (got != Py_True) {
+        Py_XDECREF(got);
+        Py_XDECREF(drive);
+        if (clear < 0 && !PyErr_Occurred())
+            PyErr_SetString(PyExc_RuntimeError, "the engine's state could not be read");
+        return NULL;
+    }
+    Py_DECREF(got);
+    return drive;
+}
+
+/* The end of a compiled call that holds the drive lock: where `failing` (its run raised),
+ * the engine's failure handling runs first, `failed(record, exc)` (`failed(exc)` where record
+ * is NULL), its own error replacing the operation's, as in Python; then the lock is released
+ * (and its reference dropped). Returns `result` (a new reference), or NULL with the error. */
+static PyObject *end_locked(PyObject *drive, int failing, PyObject *failed, PyObject *record,
+                            PyObject *result) {
+    PyObject *type, *value, *tb;
+    if (failing) {
+        PyErr_Fetch(&type, &value, &tb);
+        PyErr_NormalizeException(&type, &value, &tb);
+        if (tb != NULL) PyException_SetTraceback(value, tb);
+        PyObject *fargs[2] = {record, value};
+        PyObject *r = record != NULL ? PyObject_Vectorcall(failed, fargs, 2, NULL)
+                                     : PyObject_CallOneArg(failed, value);
+        if (r == NULL) {
+            Py_XDECREF(type);
+            Py_XDECREF(value);
+            Py_XDECREF(tb);
+        } else {
+            Py_DECREF(r);
+            PyErr_Restore(type, value, tb);
+        }
+    }
+    PyErr_Fetch(&type, &value, &tb);
+    PyObject *released = PyObject_CallMethodNoArgs(drive, h_release);
+    Py_DECREF(drive);
+    if (released == NULL) {
+        if (type != NULL) {
+            PyErr_Clear();
+            PyErr_Restore(type, value, tb);
+        }
+        return NULL;
+    }
+    Py_DECREF(released);
+    if (type != NULL) {
+        PyErr_Restore(type, value, tb);
+        return NULL;
+    }
+    Py_INCREF(result);
+    return result;
 }
 
 static int set_double(PyObject *obj, PyObject *name, double v) {
@@ -873,63 +939,21 @@ static PyObject *hot(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
         Py_RETURN_NONE;
     }
     long dbits = PyLong_AsLong(dbits_obj);
-    PyObject *engine = ctx[HOT_ENGINE];
-    int clear = hot_clear(comm);
-    PyObject *drive = clear == 1 ? PyObject_GetAttr(engine, h_drive) : NULL;
-    PyObject *got = drive == NULL ? NULL : PyObject_CallMethodOneArg(drive, h_acquire, Py_False);
-    if (got == Py_True && (clear = engine_clear(engine, ctx[HOT_BACKEND])) != 1) {
-        PyObject *released = PyObject_CallMethodNoArgs(drive, h_release);
-        if (released == NULL) clear = -1;
-        Py_XDECREF(released);
-        Py_CLEAR(got);
-    }
-    if (got != Py_True) {   /* another thread drives the engine, or not the common case */
-        Py_XDECREF(got);
-        Py_XDECREF(drive);
+    PyObject *drive = take_drive(ctx[HOT_ENGINE], ctx[HOT_BACKEND], hot_clear(comm),
+                                 h_outstanding);
+    if (drive == NULL) {   /* another thread drives the engine, or not the common case */
         Py_DECREF(dtype);
-        if (clear < 0 || PyErr_Occurred()) return NULL;
+        if (PyErr_Occurred()) return NULL;
         Py_RETURN_NONE;
     }
-    Py_DECREF(got);
     PyObject *record = NULL;
     int rc = hot_run(ctx, comm, kind, kindinfo, x, arg, dtype, dbits, codes, nbytes / itemsize,
                      nbytes, root, &record);
     Py_DECREF(dtype);
-    if (rc < 0 && record != NULL) {   /* the engine's failure handling (`_run`), then raise */
-        PyObject *type, *value, *tb;
-        PyErr_Fetch(&type, &value, &tb);
-        PyErr_NormalizeException(&type, &value, &tb);
-        if (tb != NULL) PyException_SetTraceback(value, tb);
-        PyObject *fargs[2] = {record, value};
-        PyObject *r = PyObject_Vectorcall(ctx[HOT_FAILED], fargs, 2, NULL);
-        if (r == NULL) {   /* its own error replaces the operation's, as in Python */
-            Py_XDECREF(type);
-            Py_XDECREF(value);
-            Py_XDECREF(tb);
-        } else {
-            Py_DECREF(r);
-            PyErr_Restore(type, value, tb);
-        }
-    }
+    /* the engine's failure handling (`_run`) where the record exists, then raise */
+    PyObject *result = end_locked(drive, rc < 0 && record != NULL, ctx[HOT_FAILED], record, x);
     Py_XDECREF(record);
-    PyObject *type, *value, *tb;
-    PyErr_Fetch(&type, &value, &tb);
-    PyObject *released = PyObject_CallMethodNoArgs(drive, h_release);
-    Py_DECREF(drive);
-    if (released == NULL) {
-        if (type != NULL) {
-            PyErr_Clear();
-            PyErr_Restore(type, value, tb);
-        }
-        return NULL;
-    }
-    Py_DECREF(released);
-    if (type != NULL) {
-        PyErr_Restore(type, value, tb);
-        return NULL;
-    }
-    Py_INCREF(x);
-    return x;
+    return result;
 }
 
 /* ---- exchange(ctx, comm, x, dst, y, src, tag): a blocking sendrecv of NumPy arrays, whole ---
@@ -1159,79 +1183,27 @@ static PyObject *exchange(PyObject *self, PyObject *const *args, Py_ssize_t narg
         if (PyErr_Occurred()) return NULL;
         Py_RETURN_NONE;
     }
-    PyObject *engine = ctx[X_ENGINE];
     int clear = hot_clear(comm);
-    if (clear == 1) {   /* not inside a batch of GPU messages */
+    if (clear == 1) {   /* not inside a batch of GPU messages, nothing held by the engine */
         PyObject *gpu = PyObject_GetAttr(comm, h_gpu_side);
         clear = gpu == NULL ? -1 : attr_set(gpu, x_batched, 1) == 0;
         if (gpu != NULL && PyErr_Occurred()) clear = -1;
         Py_XDECREF(gpu);
-    }
-    if (clear == 1) {   /* HostEngine._may_drive(after_posted=True), with nothing held */
         int r;
-        if ((r = attr_set(engine, x_held, 0)) != 0 || (r = attr_set(engine, x_queue, 0)) != 0)
-            clear = r < 0 ? -1 : 0;
+        if (clear == 1 && (r = attr_set(ctx[X_ENGINE], x_held, 0)) != 0) clear = r < 0 ? -1 : 0;
     }
-    PyObject *drive = clear == 1 ? PyObject_GetAttr(engine, h_drive) : NULL;
-    PyObject *got = drive == NULL ? NULL : PyObject_CallMethodOneArg(drive, h_acquire, Py_False);
-    if (got == Py_True) {
-        PyObject *now = PyObject_GetAttr(engine, h_backend);
-        int r;
-        if (now == NULL) clear = -1;
-        else if (now != ctx[X_BACKEND]) clear = 0;
-        else if ((r = attr_set(engine, x_queue, 0)) != 0 || (r = attr_set(engine, h_failure, 1)) != 0
-                 || (r = attr_set(engine, h_closing, 0)) != 0)
-            clear = r < 0 ? -1 : 0;
-        Py_XDECREF(now);
-        if (clear != 1) {
-            PyObject *released = PyObject_CallMethodNoArgs(drive, h_release);
-            if (released == NULL) clear = -1;
-            Py_XDECREF(released);
-            Py_CLEAR(got);
-        }
-    }
-    if (got != Py_True) {   /* another thread drives the engine, or not the common case */
-        Py_XDECREF(got);
-        Py_XDECREF(drive);
-        if (clear < 0 || PyErr_Occurred()) return NULL;
+    /* HostEngine._may_drive(after_posted=True) */
+    PyObject *drive = take_drive(ctx[X_ENGINE], ctx[X_BACKEND], clear, x_queue);
+    if (drive == NULL) {   /* another thread drives the engine, or not the common case */
+        if (PyErr_Occurred()) return NULL;
         Py_RETURN_NONE;
     }
-    Py_DECREF(got);
     PyObject *record = NULL;
     int rc = exchange_run(ctx, x, dst, y, src, tag, code_x, code_y, nbytes, &record);
-    PyObject *type, *value, *tb;
-    if (rc < 0) {   /* the engine's failure handling (HostEngine.sendrecv), then raise */
-        PyErr_Fetch(&type, &value, &tb);
-        PyErr_NormalizeException(&type, &value, &tb);
-        if (tb != NULL) PyException_SetTraceback(value, tb);
-        PyObject *r = PyObject_CallOneArg(ctx[X_FAILED], value);
-        if (r == NULL) {
-            Py_XDECREF(type);
-            Py_XDECREF(value);
-            Py_XDECREF(tb);
-        } else {
-            Py_DECREF(r);
-            PyErr_Restore(type, value, tb);
-        }
-    }
+    /* the engine's failure handling (HostEngine.sendrecv), then raise */
+    PyObject *result = end_locked(drive, rc < 0, ctx[X_FAILED], NULL, src);
     Py_XDECREF(record);
-    PyErr_Fetch(&type, &value, &tb);
-    PyObject *released = PyObject_CallMethodNoArgs(drive, h_release);
-    Py_DECREF(drive);
-    if (released == NULL) {
-        if (type != NULL) {
-            PyErr_Clear();
-            PyErr_Restore(type, value, tb);
-        }
-        return NULL;
-    }
-    Py_DECREF(released);
-    if (type != NULL) {
-        PyErr_Restore(type, value, tb);
-        return NULL;
-    }
-    Py_INCREF(src);
-    return src;
+    return result;
 }
 
 static PyObject *set_spin_yield(PyObject *self, PyObject *flag) {
