@@ -48,7 +48,7 @@ TABLE: dict[str, Threshold] = {t.key: t for t in (
     Threshold("shm.direct_min.all_reduce", "size", 2 * _M,
               "all_reduce from this size: ranks read each other's arrays directly "
               "(process_vm_readv) instead of staging through shared memory"),
-    Threshold("shm.direct_min.broadcast", "size", 256 * _K,
+    Threshold("shm.direct_min.broadcast", "size", 4 * _M,
               "broadcast from this size: read directly from the root's array"),
     Threshold("shm.direct_min.all_gather", "size", 256 * _K,
               "all_gather from this size: read directly from the peers' arrays"),
