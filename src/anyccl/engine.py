@@ -680,18 +680,17 @@ class HostEngine(Engine):
         """`exchange` of one send and one receive (comm.sendrecv), its common case first: on
         this thread, both through the transport's fast paths (started as issued: it runs
         now); what they do not take goes the general way. Returns the sender."""
-        both = (("send", x, dst, tag), ("recv", y, src, tag))
         if src is None or self._held or not self._may_drive(after_posted=True):
-            return self.exchange(record, both)
+            return self.exchange(record, (("send", x, dst, tag), ("recv", y, src, tag)))
         try:
             backend = self.backend
             record.state, record.started_at = "started", record.issued_at
             if not backend.send_now(x, dst, tag):
-                self._exchange_now(record, both, [])
+                self.exchange_rest(record, x, dst, y, src, tag, False)
             elif backend.receive_now(y, src, tag):
                 record.state, record.ended_at = "done", time.monotonic()
             else:   # the send went: the receive alone is left
-                self._exchange_now(record, both[1:], [])
+                self.exchange_rest(record, x, dst, y, src, tag, True)
         except BaseException as exc:
             self._note_failure(exc)
             raise
@@ -701,8 +700,9 @@ class HostEngine(Engine):
 
     def exchange_rest(self, record: OpRecord, x: np.ndarray, dst: int, y: np.ndarray,
                       src: int, tag: int, sent: bool) -> None:
-        """What the compiled sendrecv (Backend.exchange_context) left, `_drive` held: the
-        receive alone once the send went (`sent`), else both, the general way."""
+        """What `sendrecv`'s fast paths (its own, or the compiled one of
+        Backend.exchange_context) left, `_drive` held: the receive alone once the send went
+        (`sent`), else both, the general way."""
         both = (("send", x, dst, tag), ("recv", y, src, tag))
         self._exchange_now(record, both[1:] if sent else both, [])
 
