@@ -2,7 +2,8 @@
 GPUs (as many as are visible): every op the kernels serve x float32/float16/bfloat16 x
 SUM/AVG/MIN/MAX against a float64 reference, through the one-shot, two-shot, several-kernel and
 copy-engine paths (small buffers and thresholds force them), with the blocks of a kernel
-split into pushers and takers and without, unaligned views, tagged messages
+split into pushers and takers and without, unaligned views, all_gather and reduce_scatter in
+place, tagged messages
 and batched rings larger than the message ring, what the kernels do not serve falling to NCCL,
 a CUDA graph replaying a captured all_reduce, and a deadline that stops spinning kernels. Needs
 CUDA GPUs, NVRTC and nccl4py; skipped without."""
@@ -101,6 +102,19 @@ def check_ipc_collectives(comm) -> int:
             comm.all_gather(outs, xs[r])
             for q in range(n):
                 _close(outs[q], xs[q].double(), 0.0, f"all_gather {name} x {count} from {q}")
+            whole = torch.full((n * count,), float("nan"), device=x.device, dtype=dtype)
+            whole[r * count:(r + 1) * count] = xs[r]
+            comm.all_gather(whole, whole[r * count:(r + 1) * count])   # in place
+            for q in range(n):
+                _close(whole[q * count:(q + 1) * count], xs[q].double(), 0.0,
+                       f"all_gather in place {name} x {count} from {q}")
+            if n == 2:                # reduce_scatter in place: out is this rank's own piece
+                ins = _inputs(torch, comm, seed + 7000, count * n, dtype)
+                own = slice(r * count, (r + 1) * count)
+                want, scale = _reduce(torch, ins, "sum")[own], _magnitude(torch, ins, "sum")[own]
+                comm.reduce_scatter(ins[r][own], ins[r])
+                _close(ins[r][own], want, TOLERANCE[name],
+                       f"reduce_scatter in place {name} x {count}", scale)
             for root in range(n):
                 y = xs[r].clone() if r == root else torch.full_like(xs[r], float("nan"))
                 comm.broadcast(y, root)

@@ -1,9 +1,10 @@
-"""The copy-engine all_reduce (backends/ipc/ce.py), checked without a GPU: what each rank
-queues -- copies, flag writes, flag waits, events, the local reduction kernel -- is executed by a
-simulator of N ranks' streams in random orders (every order CUDA could choose), with several
-calls queued back to back as an eager program does. It must always finish (no wait that is
-never satisfied, also with every stream of a rank sharing one hardware queue) and every rank
-must end with the exact sum; the cut must cover every element once. The copy engines and
+"""The copy-engine ring (backends/ipc/ce.py: all_reduce, reduce_scatter, all_gather), checked
+without a GPU: what each rank queues -- copies, flag writes, flag waits, events, the local
+reducing and copying kernels -- is executed by a simulator of N ranks' streams in random orders
+(every order CUDA could choose), with several calls queued back to back as an eager program
+does. It must always finish (no wait that is never satisfied, also with every stream of a rank
+sharing one hardware queue) and every rank must end with the exact result; the cut must cover
+every element once. The copy engines and
 kernels themselves are tested on GPUs (tests/test_gpu_ipc.py)."""
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def test_the_cut_covers_every_element_once_in_aligned_chunks_that_fit_the_slots(
     for q in range(nranks):
         for k in range(p.chunks):
             start, n = p.extent(q, k)
-            assert n == 0 or start == covered                       # in order, no gap
+            assert n == 0 or q * p.seg + start == covered           # in order, no gap
             covered += n
     assert covered == count
     if ce.CHUNKS * ce.MIN_CHUNK_BYTES <= p.seg * itemsize <= ce.CHUNKS * (slot // 2):
@@ -119,15 +120,17 @@ class Simulator:
                     self.word(address)[0] = 0
                 for address in op[2]:
                     self.word(address)[0] = 1
+            elif kind == "copy kernel":       # ce_copy: bytes
+                _, dst, src, nbytes = op
+                self.view(dst, nbytes)[...] = self.view(src, nbytes).copy()
             elif kind == "kernel":            # ce_step: out = (inp + arrived) * scale, or
                 _, inp, arrived, out, count, scale = op              # out = arrived
                 got = self.view(arrived, 4 * count).view(np.float32).astype(np.float64)
-                if inp:
-                    got = (got + self.view(inp, 4 * count).view(np.float32)) * scale
+                got = (got + self.view(inp, 4 * count).view(np.float32)) * scale
                 self.view(out, 4 * count).view(np.float32)[...] = got
 
 
-FLAGS_KERNEL, WAIT_KERNEL = 2, 3   # simulated function handles (ce_step's: 1)
+FLAGS_KERNEL, WAIT_KERNEL, COPY_KERNEL = 2, 3, 4   # simulated function handles (ce_step's: 1)
 
 
 class SimMemory(PeerAddresses):
@@ -161,7 +164,9 @@ def make_ranks(sim: Simulator, nranks: int, monkeypatch,
     ce_bases = [sim.alloc(layout.ce_ring_bytes) for _ in range(nranks)]
     sig_bases = [sim.alloc(8 * layout.ce_flag_words) for _ in range(nranks)]
     kernels = {f"ce_step_float32_{op}": 1 for op in ("sum", "min", "max")}
-    kernels["ce_flags"], kernels["ce_wait"] = FLAGS_KERNEL, WAIT_KERNEL
+    kernels["ce_flags"], kernels["ce_wait"], kernels["ce_copy"] = \
+        FLAGS_KERNEL, WAIT_KERNEL, COPY_KERNEL
+    kernels["reduce_scatter_float32_sum"] = 5     # the SM kernels (not simulated)
     monkeypatch.setattr(compiler, "kernels", lambda device: kernels)
     ranks = []
     for r in range(nranks):
@@ -169,7 +174,8 @@ def make_ranks(sim: Simulator, nranks: int, monkeypatch,
                            [base - layout.ce_sig_offset for base in sig_bases])
         b = ipc.IpcBackend(SimNccl(r, nranks), memory, "ipc")
         b.max_blocks, b.ll_bytes, b.one_shot_bytes, b.ce_bytes = 128, 16 << 10, 256 << 10, 1 << 20
-        b.routes = Routes.kernels(b.ll_bytes, b.one_shot_bytes, b.ce_bytes, "test thresholds")
+        b.routes = Routes.kernels(b.ll_bytes, b.one_shot_bytes, b.ce_bytes, "test thresholds",
+                                  ranks=nranks)
         b.ce_chunks, b.ce_memop_wait = ce.CHUNKS, sync == "memop-wait"
         ranks.append(b)
 
@@ -178,6 +184,8 @@ def make_ranks(sim: Simulator, nranks: int, monkeypatch,
         if function == FLAGS_KERNEL:
             sim.queue(stream, ("flags", [p for p in a.ins[:nranks] if p],
                                [p for p in a.outs[:nranks] if p]))
+        elif function == COPY_KERNEL:
+            sim.queue(stream, ("copy kernel", a.out, a.ins[0], a.count))
         elif function == WAIT_KERNEL:
             for p in a.ins[:nranks]:
                 if p:
@@ -236,3 +244,70 @@ def test_every_flag_a_call_raises_is_cleared_when_it_ends(sync, monkeypatch):
     for m in (b.memory for b in ranks):
         flags = sim.view(m.sigs[m.rank] + layout.ce_sig_offset, 8 * layout.ce_flag_words)
         assert not flags.any()                 # the next call (or a graph replay) starts clean
+
+
+def _array(address: int, count: int, dtype=np.float32) -> GpuArray:
+    return GpuArray(address, count, np.dtype(dtype), 0, 7, "test", None)
+
+
+@pytest.mark.parametrize("nranks", [2, 3, 4])
+@pytest.mark.parametrize("shared_queue", [False, True])
+@pytest.mark.parametrize("seed", range(3))
+def test_reduce_scatter_and_all_gather_back_to_back_finish_in_any_order_exactly(
+        nranks, shared_queue, seed, monkeypatch):
+    sim = Simulator(nranks, shared_queue, seed)
+    sim.install(monkeypatch)
+    ranks = make_ranks(sim, nranks, monkeypatch)
+    count = 300_007        # a rank's piece: 1.2 MB, three chunks of a 1 MiB area's halves
+    values = [[(np.arange(count) % 89 + 3 * r + q).astype(np.float32) for q in range(nranks)]
+              for r in range(nranks)]
+    inputs = [[sim.alloc(4 * count) for _ in range(nranks)] for _ in range(nranks)]
+    for r in range(nranks):
+        for q in range(nranks):
+            sim.view(inputs[r][q], 4 * count).view(np.float32)[...] = values[r][q]
+    sums, avgs = ([sim.alloc(4 * count) for _ in range(nranks)] for _ in range(2))
+    # all_gather: rank 0 in place (its input is its own piece of the output), the others apart
+    pieces = [np.frombuffer(np.random.default_rng(seed * 8 + r).bytes(4 * count + 3), np.uint8)
+              for r in range(nranks)]
+    gathered = [[sim.alloc(4 * count + 3) for _ in range(nranks)] for _ in range(nranks)]
+    xs = [gathered[0][0]] + [sim.alloc(4 * count + 3) for _ in range(1, nranks)]
+    for r in range(nranks):
+        sim.view(xs[r], pieces[r].size)[...] = pieces[r]
+    for r, b in enumerate(ranks):              # queued back to back, then run
+        sim.rank = r
+        ins = [_array(a, count) for a in inputs[r]]
+        b.reduce_scatter(_array(sums[r], count), ins, ReduceOp.SUM)(7)
+        b.all_gather([_array(a, 4 * count + 3, np.uint8) for a in gathered[r]],
+                     _array(xs[r], 4 * count + 3, np.uint8))(7)
+        b.reduce_scatter(_array(avgs[r], count), ins, ReduceOp.AVG)(7)
+    sim.run()
+    for r in range(nranks):
+        want = np.sum([values[q][r] for q in range(nranks)], axis=0, dtype=np.float64)
+        got = sim.view(sums[r], 4 * count).view(np.float32)
+        np.testing.assert_allclose(got, want, rtol=1e-6, err_msg=f"reduce_scatter, rank {r}")
+        got = sim.view(avgs[r], 4 * count).view(np.float32)
+        np.testing.assert_allclose(got, want / nranks, rtol=1e-6, err_msg=f"AVG, rank {r}")
+        for q in range(nranks):
+            assert np.array_equal(sim.view(gathered[r][q], pieces[q].size), pieces[q]), \
+                f"all_gather: rank {r}'s piece from {q}"
+    layout = ranks[0].layout
+    for m in (b.memory for b in ranks):        # every flag cleared again
+        assert not sim.view(m.sigs[m.rank] + layout.ce_sig_offset, 8 * layout.ce_flag_words).any()
+
+
+@pytest.mark.parametrize("nranks", [2, 3])
+def test_reduce_scatter_in_place_takes_the_ring_only_where_it_reads_before_it_writes(
+        nranks, monkeypatch):
+    sim = Simulator(nranks, False, 0)
+    sim.install(monkeypatch)
+    ranks = make_ranks(sim, nranks, monkeypatch)
+    count = 300_007
+    b = ranks[0]
+    whole = sim.alloc(4 * count * nranks)
+    ins = [_array(whole + 4 * count * q, count) for q in range(nranks)]
+    queued = b.reduce_scatter(ins[0], ins, ReduceOp.SUM)
+    # 2 ranks: the one step reads out (= the own input) where it writes it; more ranks keep
+    # partial results in out before reading the own input there: the SM kernels run it
+    assert isinstance(queued, gpu.KernelLaunch) == (nranks > 2)
+    shifted = _array(whole + 4, count)           # partly shared with the own input: kernels
+    assert isinstance(b.reduce_scatter(shifted, ins, ReduceOp.SUM), gpu.KernelLaunch)

@@ -122,7 +122,7 @@ def test_every_kernel_the_backend_launches_is_an_entry_point_of_the_source(tmp_p
     import subprocess
 
     names = compiler.kernel_names()
-    assert len(names) == len(set(names)) == 7 + 6 * 3 * 3
+    assert len(names) == len(set(names)) == 8 + 6 * 3 * 3
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         pytest.skip("no nvcc here to compile the kernels without a GPU")

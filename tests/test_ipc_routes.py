@@ -37,15 +37,24 @@ def test_a_route_names_the_implementation_for_a_size_and_nccl_outside_every_span
 
 
 def test_the_ipc_policy_routes_all_reduce_by_the_tuning_thresholds_and_the_rest_to_the_kernels():
-    routes = Routes.kernels(16 << 10, 256 << 10, 512 << 20, "ipc")
+    routes = Routes.kernels(16 << 10, 256 << 10, 512 << 20, "ipc", ranks=4)
     assert routes.pick("all_reduce", 16 << 10) == "low_latency"
     assert routes.pick("all_reduce", (16 << 10) + 1) == "one_shot"
     assert routes.pick("all_reduce", (256 << 10) + 4) == "two_shot"
     assert routes.pick("all_reduce", (512 << 20) - 4) == "two_shot"
     assert routes.pick("all_reduce", 512 << 20) == "copy_engines"     # from ce_min on
-    assert all(routes.pick(op, n) == "kernels" for op in ("broadcast", "all_gather",
-                                                           "reduce_scatter", "send", "recv")
+    assert all(routes.pick(op, n) == "kernels" for op in ("broadcast", "send", "recv")
                for n in (1, 1 << 40))
+    # reduce_scatter and all_gather on the copy engines where the 4 pieces make ce_min
+    for op in ("all_gather", "reduce_scatter"):
+        assert routes.pick(op, 1) == routes.pick(op, (128 << 20) - 4) == "kernels"
+        assert routes.pick(op, 128 << 20) == routes.pick(op, 1 << 40) == "copy_engines"
+    # without a copy-engine area (ce_min beyond every size): the kernels at every size
+    routes = Routes.kernels(16 << 10, 256 << 10, 1 << 62, "ipc", ranks=4)
+    assert routes.pick("all_reduce", 1 << 40) == "two_shot"
+    assert routes.pick("all_gather", 1 << 40) == routes.pick("reduce_scatter", 1 << 40) == \
+        "kernels"
+    assert Routes.from_json(Routes.kernels(1, 2, 3, "ipc", ranks=8).as_json(), "round trip")
 
 
 @pytest.mark.parametrize("bad, says", [
@@ -213,3 +222,21 @@ def test_the_links_are_the_fewest_nvlinks_between_any_two_of_the_jobs_gpus(monke
     assert r.link_summary(["00000000:18:00.0", "0000:3a:00"]) == "NV12"
     monkeypatch.setattr(info, "_nvidia_smi_pci_topology", lambda: {})
     assert r.link_summary(pcis) == "unknown"
+
+
+def test_tune_times_the_copy_engines_ring_only_for_large_wholes_and_where_it_has_an_area():
+    from types import SimpleNamespace
+
+    from anyccl.tools.tune import candidates
+
+    def backend(area: int, size: int = 4):
+        layout = SimpleNamespace(ce_ring_bytes=area, slot_bytes=1 << 20)
+        return SimpleNamespace(layout=layout, size=size, lines_per_slot=lambda *a: 1)
+
+    for op in ("reduce_scatter", "all_gather"):
+        assert candidates(op, 8, backend(512 << 20)) == [NCCL, "kernels"]
+        assert candidates(op, 16 << 20, backend(512 << 20)) == [NCCL, "kernels", "copy_engines"]
+        assert candidates(op, 16 << 20, backend(0)) == [NCCL, "kernels"]       # no ring area
+    assert candidates("broadcast", 1 << 30, backend(512 << 20)) == [NCCL, "kernels"]
+    assert "copy_engines" in candidates("all_reduce", 64 << 20, backend(512 << 20))
+    assert "copy_engines" not in candidates("all_reduce", 64 << 20, backend(512 << 20, size=1))

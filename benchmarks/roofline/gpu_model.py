@@ -30,10 +30,15 @@ from anyccl._units import parse_size
 from anyccl.backends.ipc.routes import NCCL, Routes
 from anyccl.tools.bench import bus_factor
 
-# the `ipc` policy's routes (the tuning table's thresholds), for runs that recorded none
-IPC_POLICY = Routes.kernels(tuning.value("ipc.ll_max"), tuning.value("ipc.one_shot_max"),
-                            tuning.value("ipc.ce_min"), "policy ipc",
-                            ll_two_shot_max=tuning.value("ipc.ll_two_shot_max"))
+
+def ipc_policy(n: int) -> Routes:
+    """The `ipc` policy's routes on `n` GPUs (the tuning table's thresholds), for runs that
+    recorded none."""
+    return Routes.kernels(tuning.value("ipc.ll_max"), tuning.value("ipc.one_shot_max"),
+                          tuning.value("ipc.ce_min"), "policy ipc",
+                          ll_two_shot_max=tuning.value("ipc.ll_two_shot_max"), ranks=n)
+
+
 EGRESS = {"two_shot": "two shots", "copy_engines": "copy engines"}
 
 
@@ -46,9 +51,10 @@ def algorithm(library: str, routes: dict[str, Routes], op: str, size: int,
               n: int) -> tuple[str, float]:
     """(algorithm, egress per GPU in units of N) for `op` of nccl-tests size `size`, run by
     `library` with its recorded `routes` (an anyccl library without any: the ipc policy's;
-    any other library: NCCL)."""
+    anyccl on its nccl backend and any other library: NCCL)."""
     f = (n - 1) / n
-    table = routes.get(library) or (IPC_POLICY if library.startswith("anyccl") else None)
+    kernels = library.startswith("anyccl") and not library.endswith("-nccl")  # anyccl-nccl: NCCL
+    table = routes.get(library) or (ipc_policy(n) if kernels else None)
     per_rank = {"all_gather": size // n, "reduce_scatter": size // n}.get(op, size)
     impl = table.pick("send" if op == "sendrecv" else op, per_rank) if table else NCCL
     if op == "all_reduce":
@@ -65,6 +71,8 @@ def algorithm(library: str, routes: dict[str, Routes], op: str, size: int,
         return ("ipc root push", n - 1.0) if impl != NCCL else ("nccl", 1.0)
     if op == "sendrecv":
         return ("ipc" if impl != NCCL else "nccl"), 1.0
+    if impl == "copy_engines":   # reduce_scatter, all_gather: the ring's n - 1 steps
+        return "ipc copy engines", f
     return ("ipc" if impl != NCCL else "nccl"), f
 
 

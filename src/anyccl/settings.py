@@ -213,7 +213,8 @@ IPC_HALF_MB = _declare("IPC_HALF_MB", "size", 256 << 20,
 IPC_RING_MB = _declare("IPC_RING_MB", "size", 128 << 20,
                        "The ipc message ring from each sender.", unit="MiB", minimum=2 << 20)
 IPC_CE_MB = _declare("IPC_CE_MB", "size", 512 << 20,
-                     "The copy-engine all_reduce's ring area on each GPU, into which the "
+                     "The copy-engine ring's area on each GPU (all_reduce, reduce_scatter and "
+                     "all_gather of large arrays), into which the "
                      "previous rank pushes; 0 turns the copy engines off and saves that memory.",
                      unit="MiB",
                      minimum=0)

@@ -106,9 +106,10 @@ TABLE: dict[str, Threshold] = {t.key: t for t in (
               "all_reduce up to this size: one shot (every rank pushes everything); two shots "
               "above"),
     Threshold("ipc.ce_min", "size", 256 * _M,
-              "all_reduce from this size: the copy engines move the data, in a ring"),
+              "all_reduce from this size (reduce_scatter and all_gather from a whole of it): "
+              "the copy engines move the data, in a ring"),
     Threshold("ipc.ce_chunks", "count", 4,
-              "chunks per segment of the copy-engine all_reduce, at most (a chunk stays at "
+              "chunks per segment of the copy-engine ring, at most (a chunk stays at "
               "32 MiB or more)"),
 )}
 

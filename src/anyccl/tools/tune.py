@@ -96,8 +96,11 @@ def candidates(op: str, nbytes: int, backend: Any) -> list[str]:
     """NCCL and the kernels' implementations worth timing for `op` at `nbytes` per rank."""
     from ..backends.ipc.routes import IMPLEMENTATIONS, NCCL
 
+    ring = backend.layout.ce_ring_bytes and backend.size > 1
     if op != "all_reduce":
-        return [NCCL, *IMPLEMENTATIONS[op]]
+        # the copy engines' ring where the whole (every rank's piece) is 64 MiB or more
+        return [NCCL, *(impl for impl in IMPLEMENTATIONS[op] if impl != "copy_engines"
+                        or (ring and nbytes * backend.size >= 64 << 20))]
     slot = backend.layout.slot_bytes
     found = [NCCL]
     if nbytes <= 4 << 20 and backend.lines_per_slot("low_latency", nbytes):
@@ -108,7 +111,7 @@ def candidates(op: str, nbytes: int, backend: Any) -> list[str]:
     if nbytes <= min(slot, 32 << 20):
         found.append("one_shot")
     found.append("two_shot")
-    if nbytes >= 64 << 20 and backend.layout.ce_ring_bytes:
+    if nbytes >= 64 << 20 and ring:
         # the copy engines' ring (ce.py): 0.97-1.01x NCCL's busbw at 128 MiB - 1 GiB on 4 H100s,
         # 1.09-1.11x on 2, in anyccl bench's long loops, eager and CUDA graphs
         # (2026-11-28-h100x4-copy-engine-ring-all-reduce.md)

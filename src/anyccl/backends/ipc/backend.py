@@ -6,7 +6,8 @@ It serves all_reduce (data and flags in one word for small arrays, one shot -- e
 pushes everything -- for medium, two shots -- reduce-scatter then all-gather -- for large, and
 for the largest the copy engines move the data while a kernel only reduces: `ce.py`) and
 reduce_scatter on float32/float16/bfloat16 (accumulated in float32) with SUM, AVG, MIN, MAX;
-all_gather, broadcast and messages (send/recv, tags checked) on any dtype. The rest (other
+all_gather, broadcast and messages (send/recv, tags checked) on any dtype (reduce_scatter and
+all_gather of large arrays on the copy engines' ring too). The rest (other
 dtypes and ops; reduce, gather, scatter, all_to_all) runs on the NCCL communicator this
 backend keeps beside its kernels; both queue through the same ordered stream machinery
 (`NcclBackend.run`), so operations stay in issue order whichever runs them.
@@ -28,7 +29,7 @@ from typing import Callable
 import numpy as np
 
 from ... import gpu, settings, tuning
-from ...buffers import BFLOAT16, GpuArray
+from ...buffers import BFLOAT16, GpuArray, overlaps
 from ...errors import AnycclError, UnsupportedError
 from ...ops import ReduceOp
 from ...store import Store
@@ -100,8 +101,8 @@ class IpcBackend(QueuedGpuBackend):
         self.routes = routes or Routes.kernels(
             self.ll_bytes, self.one_shot_bytes, self.ce_bytes,
             "policy ipc: the kernels for every op they serve; all_reduce by the tuning table",
-            ll_two_shot_max=self.ll2_bytes)
-        self._ce = ce.CopyEngineAllReduce(memory, self.device)
+            ll_two_shot_max=self.ll2_bytes, ranks=self.size)
+        self._ce = ce.CopyEngineRing(memory, self.device)
         self._side: list[tuple[int, int]] = []   # (stream, event) for batched messages
         self._fork = gpu.new_event(self.device)
         nccl.queue.watch(health=self._health, abort=memory.aborted,
@@ -218,7 +219,9 @@ class IpcBackend(QueuedGpuBackend):
         total = x.size
         if algorithm == "copy_engines":
             if self.layout.ce_ring_bytes and n > 1:
-                return self._all_reduce_ce(x, f"ce_step_{dtype}_{kind}", scale)
+                p = ce.plan(x.size, size, n, self.layout.ce_ring_bytes, self.ce_chunks)
+                return self._ring(ce.all_reduce(ptr, p, size, n, scale),
+                                  f"ce_step_{dtype}_{kind}")
             algorithm = "two_shot"   # no copy-engine area (ANYCCL_IPC_CE_MB=0): the SMs
         if algorithm in _LINES:
             lines = self.lines_per_slot(algorithm, x.nbytes)
@@ -262,19 +265,34 @@ class IpcBackend(QueuedGpuBackend):
                 start += count
         return enqueue
 
-    def _all_reduce_ce(self, x: GpuArray, kernel: str, scale: float) -> Callable[[int], None]:
-        size = x.dtype.itemsize
-        plan = ce.plan(x.size, size, self.size, self.layout.ce_ring_bytes, self.ce_chunks)
-        kernels = _CeKernels(self, kernel, size)
-        return lambda stream: self._ce.enqueue(stream, x.ptr, plan, size, scale, kernels)
+    def _ring(self, job: ce.Ring, kernel: str | None) -> Callable[[int], None]:
+        """The enqueue function of the copy engines' `job`, reducing with `kernel`."""
+        kernels = _CeKernels(self, kernel, job.itemsize)
+        return lambda stream: self._ce.enqueue(stream, job, kernels)
+
+    def _ring_serves(self, mine: GpuArray, x: GpuArray) -> bool:
+        """Whether the copy engines' ring can run a reduce_scatter or all_gather whose own
+        piece is `mine` and whose other array is `x`: there is a ring area, and the two are
+        apart or the very same array (in place; the ring would overwrite a partly shared
+        one before reading it). reduce_scatter in place on more than 2 ranks keeps partial
+        results in the output before it reads its own input there: not served either."""
+        if not self.layout.ce_ring_bytes or self.size == 1:
+            return False
+        return not overlaps(mine, x) or (mine.ptr == x.ptr and mine.nbytes == x.nbytes)
 
     def reduce_scatter(self, out: GpuArray, inputs: list[GpuArray],
                        op: ReduceOp) -> Callable[[int], None]:
         dtype, kind = _TYPES.get(out.dtype), _OPS.get(op)
-        if dtype is None or kind is None or not self._ipc("reduce_scatter", out.nbytes):
+        impl = self.routes.pick("reduce_scatter", out.nbytes)
+        if dtype is None or kind is None or impl == NCCL:
             return self.nccl.reduce_scatter(out, inputs, op)
-        size = out.dtype.itemsize
-        scale = 1.0 / self.size if op is ReduceOp.AVG else 1.0
+        size, n = out.dtype.itemsize, self.size
+        scale = 1.0 / n if op is ReduceOp.AVG else 1.0
+        if impl == "copy_engines" and self._ring_serves(out, inputs[self.rank]) and \
+                (n == 2 or not overlaps(out, inputs[self.rank])):
+            p = ce.cut(out.size, out.size * n, size, self.layout.ce_ring_bytes, self.ce_chunks)
+            return self._ring(ce.reduce_scatter(out.ptr, [i.ptr for i in inputs], p, size,
+                                                scale), f"ce_step_{dtype}_{kind}")
         slot = self.layout.slot_bytes // size
         launches = [(0, out.ptr + start * size, [piece.ptr + start * size for piece in inputs],
                      count, *self._tiling(count * size))
@@ -283,8 +301,14 @@ class IpcBackend(QueuedGpuBackend):
         return self._launches(f"reduce_scatter_{dtype}_{kind}", launches, scale=scale)
 
     def all_gather(self, outs: list[GpuArray], x: GpuArray) -> Callable[[int], None]:
-        if not self._ipc("all_gather", x.nbytes):
+        impl = self.routes.pick("all_gather", x.nbytes)
+        if impl == NCCL:
             return self.nccl.all_gather(outs, x)
+        mine = outs[self.rank]
+        if impl == "copy_engines" and self._ring_serves(mine, x):
+            p = ce.cut(x.nbytes, x.nbytes * self.size, 1, self.layout.ce_ring_bytes,
+                       self.ce_chunks)
+            return self._ring(ce.all_gather([o.ptr for o in outs], x.ptr, self.rank, p), None)
         slot = self.layout.slot_bytes
         launches = [(x.ptr + start, 0, [o.ptr + start for o in outs], count, *self._tiling(count))
                     for start in range(0, x.nbytes, slot)
@@ -438,12 +462,12 @@ def _measured(policy: str, store: Store, key: str, rank: int, size: int, device:
 
 
 class _CeKernels:
-    """ce.Kernels for one copy-engine all_reduce: `ce_step` (the `kernel` named), flags
-    raised by a one-thread kernel (ce_flags) and waited for by another (ce_wait) or, where
-    `ce_memop_wait` is set (lab/ce_modes.py), by stream memory operations
-    (cuStreamWaitValue32)."""
+    """ce.Kernels for one copy-engine collective: `ce_step` (the `kernel` named; None where
+    the collective only copies), `ce_copy`, flags raised by a one-thread kernel (ce_flags) and
+    waited for by another (ce_wait) or, where `ce_memop_wait` is set (lab/ce_modes.py), by
+    stream memory operations (cuStreamWaitValue32)."""
 
-    def __init__(self, backend: IpcBackend, kernel: str, itemsize: int) -> None:
+    def __init__(self, backend: IpcBackend, kernel: str | None, itemsize: int) -> None:
         self.b, self.kernel, self.itemsize = backend, kernel, itemsize
 
     def _pointers(self, first: list[int], second: list[int]) -> None:
@@ -457,7 +481,14 @@ class _CeKernels:
         self._pointers([arrived], [])
         a = self.b._args
         a.inp, a.out, a.count, a.scale = inp, out, count, scale
+        assert self.kernel is not None, "a collective that only copies has no reducing step"
         self.b._launch(self.kernel, self.b._blocks(count * self.itemsize), stream)
+
+    def copy(self, stream: int, dst: int, src: int, nbytes: int) -> None:
+        self._pointers([src], [])
+        a = self.b._args
+        a.inp, a.out, a.count = 0, dst, nbytes
+        self.b._launch("ce_copy", self.b._blocks(nbytes), stream)
 
     def flags(self, stream: int, clear: list[int], raise_: list[int]) -> None:
         self._pointers(clear, raise_)

@@ -76,7 +76,8 @@ def cubin(device: int) -> bytes:
 
 def kernel_names() -> list[str]:
     """Every kernel the backend launches, by the name it has in the source."""
-    names = ["all_gather", "broadcast", "barrier", "send", "recv", "ce_flags", "ce_wait"]
+    names = ["all_gather", "broadcast", "barrier", "send", "recv", "ce_flags", "ce_wait",
+             "ce_copy"]
     return names + [f"{kind}_{dtype}_{op}" for kind in KINDS
                     for dtype in ("float32", "float16", "bfloat16") for op in ("sum", "min", "max")]
 

@@ -57,7 +57,7 @@ class Layout:
         self.chunk_bytes = 1 << 20
         self.slots = max(2, settings.IPC_RING_MB.get() // self.chunk_bytes)
         self.p2p_offset = 2 * self.half_bytes
-        # ANYCCL_IPC_CE_MB: the copy-engine all_reduce's ring area, into which the previous
+        # ANYCCL_IPC_CE_MB: the copy-engine ring's area, into which the previous
         # rank pushes (0: no copy-engine path; none alone); an area under 128 KiB (two 64 KiB
         # chunks) is none
         ce = settings.IPC_CE_MB.get() if nranks > 1 else 0

@@ -32,8 +32,8 @@ NCCL = "nccl"
 # the implementations of the kernels for each op they serve; all_reduce has five algorithms
 IMPLEMENTATIONS: dict[str, tuple[str, ...]] = {
     "all_reduce": ("low_latency", "low_latency_two_shot", "one_shot", "two_shot", "copy_engines"),
-    "reduce_scatter": ("kernels",),
-    "all_gather": ("kernels",),
+    "reduce_scatter": ("kernels", "copy_engines"),
+    "all_gather": ("kernels", "copy_engines"),
     "broadcast": ("kernels",),
     "send": ("kernels",),
     "recv": ("kernels",),
@@ -83,11 +83,12 @@ class Routes:
 
     @classmethod
     def kernels(cls, ll_max: int, one_shot_max: int, ce_min: int, source: str,
-                ll_two_shot_max: int = 0) -> Routes:
+                ll_two_shot_max: int = 0, ranks: int = 1) -> Routes:
         """The `ipc` policy: every op the kernels serve on them; all_reduce by the tuning
         table's thresholds (lines of data and flags, one shot up to `ll_max`, then two shots
         up to `ll_two_shot_max`; one shot of tiles up to `one_shot_max`, two shots below
-        `ce_min`, the copy engines from it)."""
+        `ce_min`, the copy engines from it); reduce_scatter and all_gather on the copy engines
+        where the whole (`ranks` pieces) is `ce_min` or more."""
         ll_max = min(ll_max, one_shot_max)
         ll2 = max(ll_max, min(ll_two_shot_max, ce_min - 1))
         one = max(ll2, one_shot_max)
@@ -96,6 +97,12 @@ class Routes:
                 (max(one, ce_min - 1), NO_END, "copy_engines")]
         spans = {op: [(0, NO_END, "kernels")] for op in IMPLEMENTATIONS if op != "all_reduce"}
         spans["all_reduce"] = [(lo, hi, impl) for lo, hi, impl in cuts if lo < hi]
+        if ce_min < NO_END:
+            piece = max(1, -(-ce_min // max(1, ranks)))   # a rank's piece of ce_min
+            for op in ("reduce_scatter", "all_gather"):
+                spans[op] = [(lo, hi, impl) for lo, hi, impl in
+                             [(0, piece - 1, "kernels"), (piece - 1, NO_END, "copy_engines")]
+                             if lo < hi]
         return cls(spans, source)
 
     @classmethod

@@ -274,20 +274,16 @@ __device__ void reduce_scatter(const Args& a) {
     leave(a, epoch);
 }
 
-// ---- all_reduce by copy engines: the local step of the ring ---------------------------------
+// ---- collectives by copy engines: the reducing step of the ring -----------------------------
 // The copy engines move the data (ce.py queues the copies; copy_engine_flags.cu's kernels raise
-// and wait for the flags between them); this kernel only handles, in local memory, a chunk
-// that arrived in the ring area (`ins[0]`): out = in (+) it, times `scale` (a reduce-scatter
-// step); or, where `in` is null, out = it (an all-gather step).
+// and wait for the flags between them); this kernel only reduces, in local memory, a chunk
+// that arrived in the ring area (`ins[0]`): out = in (+) it, times `scale`. (A copying step
+// is movement.cu's ce_copy.)
 template <typename T, int OP>
 __device__ void ce_step(const Args& a) {
     const u64 E = Elem<T>::SIZE, tile = a.tile_bytes / E, tiles = ceil_div(a.count, tile);
     for (u64 t = blockIdx.x; t < tiles; t += gridDim.x) {
         const u64 e0 = t * tile, e1 = umin(e0 + tile, a.count);
-        if (!a.in) {
-            block_copy(a.out + e0 * E, a.ins[0] + e0 * E, (e1 - e0) * E, true);
-            continue;
-        }
         const char* src[2] = {a.in + e0 * E, a.ins[0] + e0 * E};
         char* dst[1] = {a.out + e0 * E};
         block_reduce<T, OP>(src, 2, dst, 1, e1 - e0, a.scale);

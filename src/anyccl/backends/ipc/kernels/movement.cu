@@ -1,4 +1,5 @@
-// Data movement without arithmetic, on bytes of any dtype: all_gather, broadcast, barrier.
+// Data movement without arithmetic, on bytes of any dtype: all_gather, broadcast, barrier, and
+// the copy-engine ring's copying takes.
 
 // ---- all_gather (bytes): my piece goes to every peer's slot r; piece q lands in outs[q] ------
 extern "C" __global__ void __launch_bounds__(THREADS) all_gather(Args a) {
@@ -43,6 +44,16 @@ extern "C" __global__ void __launch_bounds__(THREADS) broadcast(Args a) {
         if (!run_tiles(all, tiles, [](u64) {}, take)) return;
     }
     leave(a, epoch);
+}
+
+// ---- ce_copy (bytes): a copying step of the copy-engine ring (ce.py) takes the `count` bytes
+// that arrived at ins[0] (this rank's ring area) to `out`, a tile per block in turn ----------
+extern "C" __global__ void __launch_bounds__(THREADS) ce_copy(Args a) {
+    const u64 tiles = ceil_div(a.count, (u64)a.tile_bytes);
+    for (u64 t = blockIdx.x; t < tiles; t += gridDim.x) {
+        const u64 b0 = t * a.tile_bytes, b1 = umin(b0 + a.tile_bytes, a.count);
+        block_copy(a.out + b0, a.ins[0] + b0, b1 - b0, true);
+    }
 }
 
 // ---- barrier: one block; every rank tells every peer, then waits for all -------------------
