@@ -338,6 +338,17 @@ class _Incoming:
         self.error: BaseException | None = None
 
 
+def channel_bytes(size: int) -> int:
+    """Each message ring's bytes on `size` ranks (the same on every rank):
+    ANYCCL_SHM_CHANNEL_BYTES where set; else 4 MiB on 2 ranks, where a message of up to 4 MiB
+    less its header goes whole, one copy in and one out (2 rings per rank), and 1 MiB on more,
+    where the rings grow with the ranks (results:
+    2026-11-28-ci2core-shm-4mib-message-rings-on-2-ranks.md)."""
+    if settings.SHM_CHANNEL_BYTES.is_set():
+        return settings.SHM_CHANNEL_BYTES.get()
+    return (4 if size == 2 else 1) << 20
+
+
 class SharedMemoryBackend(Backend):
     """The shm transport for one communicator (see the module docstring)."""
 
@@ -350,7 +361,7 @@ class SharedMemoryBackend(Backend):
         self.rank, self.size = rank, size
         self._layout = layout = _Layout(
             size, _round_up(settings.SHM_STAGING_BYTES.get(), 4096),
-            _round_up(settings.SHM_CHANNEL_BYTES.get(), _HEADER))
+            _round_up(channel_bytes(size), _HEADER))
         self.half_bytes = layout.staging_bytes
         self._store, self._job_id, self._timeout_s = store, job_id, timeout_s
         # more ranks than cores: a spin that pauses holds the core the awaited peer needs, so
