@@ -182,3 +182,59 @@ def test_the_core_refuses_an_array_larger_than_a_staging_half_and_any_step_after
         staging.one_shot(np.ones(2, np.float32), 1, None, 0, 0, True, -1)
     with pytest.raises(ValueError, match="closed"):
         staging.sync(None)
+
+
+def _envelopes(*heads_and_data):
+    """Envelopes (backends/mpi.py: Envelope) of (word, count, code, status, data bytes)."""
+    from anyccl.backends import _shmcore
+
+    out = []
+    for word, count, code, status, data in heads_and_data:
+        e = np.zeros(_shmcore.ENVELOPE_BYTES, np.uint8)
+        e[:32].view(np.int64)[:] = (word, count, code, status)
+        e[32:32 + len(data)] = np.frombuffer(data, np.uint8)
+        out.append(e)
+    return out
+
+
+def _envelope_op(a, b, count=1):
+    import ctypes
+
+    from anyccl.backends import _shmcore
+
+    op = ctypes.CDLL(_shmcore.__file__).anyccl_envelope_op
+    n = ctypes.c_int(count)
+    op(ctypes.c_void_p(a.ctypes.data), ctypes.c_void_p(b.ctypes.data), ctypes.byref(n), None)
+
+
+def test_the_mpi_envelope_op_reduces_only_where_every_signature_agrees():
+    pytest.importorskip("anyccl.backends._shmcore")
+    from anyccl.backends import _shmcore
+    from anyccl.backends.shm import CORE_REDUCTIONS
+
+    f32 = np.dtype(np.float32)
+    dt, op = CORE_REDUCTIONS[(f32, ReduceOp.SUM)]
+    code = dt * _shmcore.N_OPS + op
+    x, y = np.arange(5, dtype=np.float32), np.full(5, 10, np.float32)
+    a, b = _envelopes((7, 5, code, 0, x.tobytes()), (7, 5, code, 0, y.tobytes()))
+    _envelope_op(a, b)
+    assert b[24:32].view(np.int64)[0] == 0 and np.array_equal(b[32:52].view(np.float32), x + y)
+    dt, op = CORE_REDUCTIONS[(f32, ReduceOp.MAX)]
+    a, b = _envelopes((7, 5, dt * _shmcore.N_OPS + op, 0, x.tobytes()),
+                      (7, 5, dt * _shmcore.N_OPS + op, 0, (y - 8).tobytes()))
+    _envelope_op(a, b)
+    assert np.array_equal(b[32:52].view(np.float32), np.maximum(x, y - 8))
+    room = (_shmcore.ENVELOPE_BYTES - 32) // 4
+    for first, second in [((7, 5, code, 0), (8, 5, code, 0)),        # another word
+                          ((7, 5, code, 0), (7, 6, code, 0)),        # another count
+                          ((7, 5, code, 0), (7, 5, -1, 0)),          # data on one rank only
+                          ((7, 5, code, 1), (7, 5, code, 0)),        # already a mismatch
+                          ((7, room + 1, code, 0), (7, room + 1, code, 0)),   # over the room
+                          ((7, 5, 10 * _shmcore.N_OPS, 0),) * 2]:    # no such dtype
+        a, b = _envelopes((*first, y.tobytes()), (*second, y.tobytes()))
+        _envelope_op(a, b)
+        assert b[24:32].view(np.int64)[0] == 1, (first, second)
+        assert np.array_equal(b[32:52].view(np.float32), y), "data reduced though they differ"
+    a, b = _envelopes((7, 5, -1, 0, b""), (7, 5, -1, 0, b""))        # a signature alone
+    _envelope_op(a, b)
+    assert b[24:32].view(np.int64)[0] == 0

@@ -190,8 +190,9 @@ SPIN_US = _declare("SPIN_US", "float", None,
 # ---- mpi -------------------------------------------------------------------------------------
 MPI_AGREE = _declare("MPI_AGREE", "bool", True,
                      "Compare every host collective's op, dtype, count, root and reduce op across "
-                     "ranks before it runs (one small MPI all-reduce each, about 3 us on one "
-                     "machine). Off: mismatches MPI does not catch itself give wrong numbers.")
+                     "ranks before it runs (one all-reduce of a 96-byte envelope each; an "
+                     "all_reduce of up to 64 bytes rides inside it, one MPI call for both). "
+                     "Off: mismatches MPI does not catch itself give wrong numbers.")
 MPI_STAGING_CHUNK = _declare("MPI_STAGING_CHUNK", "size", 4 << 20,
                              "GPU arrays on mpi: the chunk that all_reduce and broadcast stream "
                              "through pinned host memory.", unit="bytes", minimum=1)

@@ -306,6 +306,39 @@ static int reduce_into(void *out, void *const *srcs, Py_ssize_t nsrc, Py_ssize_t
     return 0;
 }
 
+/* ---- the mpi backend's agreement envelope (mpi.py: Envelope) ------------------------------
+ * An MPI user function (MPI_User_function) over envelopes of ENVELOPE_BYTES: int64 words
+ * (agreement word, count, code, status), then data. Where the two envelopes' word, count or code
+ * differ, or either's status is set, the result's status is 1 (the ranks disagree) and its data
+ * is left; else, where code >= 0, the result's data = both data reduced (code: dtype * N_OPS +
+ * op, `count` elements that fit the data area; anything else is a disagreement too). Commutative,
+ * and associative as the reduction is: a status once set stays set. */
+#define ENVELOPE_BYTES 96
+#define ENVELOPE_WORDS 4
+static const Py_ssize_t envelope_item[N_DTYPES] = {4, 8, 1, 2, 4, 8, 1, 2, 4, 8};
+
+void anyccl_envelope_op(void *in, void *inout, int *len, void *datatype) {
+    (void)datatype;
+    for (int i = 0; i < *len; i++) {
+        const int64_t *a = (const int64_t *)((const char *)in + (size_t)i * ENVELOPE_BYTES);
+        int64_t *b = (int64_t *)((char *)inout + (size_t)i * ENVELOPE_BYTES);
+        if (a[0] != b[0] || a[1] != b[1] || a[2] != b[2] || a[3] || b[3]) {
+            b[3] = 1;
+            continue;
+        }
+        if (b[2] < 0) continue;   /* a signature alone */
+        int64_t dtype = b[2] / N_OPS, op = b[2] % N_OPS, count = b[1];
+        if (dtype >= N_DTYPES || op == AVG || count < 0
+            || count * envelope_item[dtype] > ENVELOPE_BYTES - 8 * ENVELOPE_WORDS) {
+            b[3] = 1;
+            continue;
+        }
+        void *srcs[2] = {b + ENVELOPE_WORDS, (void *)(a + ENVELOPE_WORDS)};
+        if (!reduce_into(b + ENVELOPE_WORDS, srcs, 2, (Py_ssize_t)count, (int)dtype, (int)op, 1))
+            b[3] = 1;
+    }
+}
+
 static PyObject *reduce(PyObject *self, PyObject *args) {
     Py_buffer out;
     PyObject *srcs;
@@ -1241,6 +1274,11 @@ PyMODINIT_FUNC PyInit__shmcore(void) {
     if (PyType_Ready(&StagingType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
+    if (PyModule_AddIntConstant(m, "ENVELOPE_BYTES", ENVELOPE_BYTES) < 0
+        || PyModule_AddIntConstant(m, "N_OPS", N_OPS) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
     Py_INCREF(&StagingType);
     if (PyModule_AddObject(m, "Staging", (PyObject *)&StagingType) < 0) {
         Py_DECREF(&StagingType);

@@ -111,7 +111,7 @@ def _defined(op: ReduceOp, dtype: np.dtype) -> bool:
     return True
 
 
-_CORE_REDUCTIONS = {(np.dtype(d), op): (i, k) for i, d in enumerate(_CORE_DTYPES)
+CORE_REDUCTIONS = {(np.dtype(d), op): (i, k) for i, d in enumerate(_CORE_DTYPES)
                     for k, op in enumerate(_CORE_OPS) if _defined(op, np.dtype(d))}
 _NAMES = ("an operation", *COLLECTIVES, "barrier", "send", "recv", "batch", "sendrecv")
 _NAME_CODE = {name: i for i, name in enumerate(_NAMES)}
@@ -926,7 +926,7 @@ class SharedMemoryBackend(Backend):
         kinds = tuple((name, agreement.NAME_BITS[name], _DOING[name], more[name],
                        direct_min(name)) for name in self.HOT_KINDS)
         return self._core.hot, (engine, self, self._steps, log, OpRecord, about_text,
-                                agreement.DTYPE_BITS, _CORE_REDUCTIONS, np.ndarray, ReduceOp,
+                                agreement.DTYPE_BITS, CORE_REDUCTIONS, np.ndarray, ReduceOp,
                                 float(engine.timeout_s), self._core_max_bytes, kinds,
                                 self._hot_rest, engine.failed)
 
@@ -952,10 +952,10 @@ class SharedMemoryBackend(Backend):
             self._core_step_rest(x.view(np.uint8), record, (0, 0), False, -1, status)
             self._gathered(list(arg.reshape(self.size, -1)), x)
         else:
-            self._core_step_rest(x, record, _CORE_REDUCTIONS[(x.dtype, arg)], True, -1, status)
+            self._core_step_rest(x, record, CORE_REDUCTIONS[(x.dtype, arg)], True, -1, status)
 
     def all_reduce(self, x: np.ndarray, op: ReduceOp, record: OpRecord) -> None:
-        codes = _CORE_REDUCTIONS.get((x.dtype, op))
+        codes = CORE_REDUCTIONS.get((x.dtype, op))
         if codes is not None and self._hot(record, x.nbytes):
             self._core_step(x, record, _DOING["all_reduce"], codes, True, -1)
             return
@@ -978,7 +978,7 @@ class SharedMemoryBackend(Backend):
         step (stage, barrier, reduce in rank order), run by the compiled core in one call;
         False (nothing done) without the core, where it does not reduce this dtype and op, or
         for a larger message."""
-        codes = _CORE_REDUCTIONS.get((x.dtype, op))
+        codes = CORE_REDUCTIONS.get((x.dtype, op))
         if codes is None or x.nbytes > self._core_max_bytes:
             return False
         self._one_shot(x, codes, root is None or root == self.rank, -1)
