@@ -174,9 +174,10 @@ SHM_STAGING_BYTES = _declare("SHM_STAGING_BYTES", "size", 1 << 20,
                              "stream through them).", unit="bytes", minimum=4096)
 SHM_CHANNEL_BYTES = _declare("SHM_CHANNEL_BYTES", "size", None,
                              "The message ring from each rank to each other rank. Default: "
-                             "4 MiB on 2 ranks (a message that fits whole goes in one call "
-                             "each way: sendrecv of 1-2 MiB at 1.45-1.59x MPICH's busbw, "
-                             "0.77-0.81x through a 1 MiB ring in pieces), 1 MiB on more.",
+                             "4 MiB and a 32-byte header on 2 ranks (a message that fits "
+                             "whole goes in one call each way: sendrecv of 1-2 MiB at "
+                             "1.38-1.76x MPICH's busbw, 0.82-0.98x through a 1 MiB ring in "
+                             "pieces), 1 MiB on more.",
                              unit="bytes", minimum=64)
 SHM_CMA = _declare("SHM_CMA", "bool", True,
                    "Move large messages once, reading the peer's memory directly "

@@ -340,13 +340,13 @@ class _Incoming:
 
 def channel_bytes(size: int) -> int:
     """Each message ring's bytes on `size` ranks (the same on every rank):
-    ANYCCL_SHM_CHANNEL_BYTES where set; else 4 MiB on 2 ranks, where a message of up to 4 MiB
-    less its header goes whole, one copy in and one out (2 rings per rank), and 1 MiB on more,
-    where the rings grow with the ranks (results:
+    ANYCCL_SHM_CHANNEL_BYTES where set; else on 2 ranks 4 MiB and room for a message's header,
+    so that a message of up to 4 MiB goes whole, one copy in and one out (2 rings per rank),
+    and 1 MiB on more, where the rings grow with the ranks (results:
     2026-11-28-ci2core-shm-4mib-message-rings-on-2-ranks.md)."""
     if settings.SHM_CHANNEL_BYTES.is_set():
         return settings.SHM_CHANNEL_BYTES.get()
-    return (4 if size == 2 else 1) << 20
+    return (4 << 20) + _HEADER if size == 2 else 1 << 20
 
 
 class SharedMemoryBackend(Backend):
