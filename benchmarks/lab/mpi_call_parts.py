@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 import numpy as np
 from mpi4py import MPI
+from mpi_small_calls import per_call_us  # (this folder's; scripts run from it)
 
 import anyccl
 from anyccl.trace import OpRecord
@@ -31,13 +32,7 @@ def main() -> None:
     signature, signatures = array.array("q", bytes(32)), array.array("q", bytes(32))
 
     def per_call(call: Callable[[], object]) -> float:
-        for _ in range(WARM):
-            call()
-        world.Barrier()
-        start = time.perf_counter()
-        for _ in range(CALLS):
-            call()
-        return (time.perf_counter() - start) / CALLS * 1e6
+        return per_call_us(world, CALLS, call, WARM)
 
     def polled(request: Any) -> None:
         while not request.Test():

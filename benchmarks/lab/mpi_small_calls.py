@@ -21,8 +21,10 @@ import anyccl
 from anyccl.backends import mpi as anyccl_mpi
 
 
-def per_call_us(world, calls: int, fn: Callable[[], object]) -> float:
-    for _ in range(calls // 10):
+def per_call_us(world, calls: int, fn: Callable[[], object], warm: int | None = None) -> float:
+    """us per call of `fn` on this rank: `calls` calls after `warm` (a tenth of them) and a
+    barrier."""
+    for _ in range(calls // 10 if warm is None else warm):
         fn()
     world.Barrier()
     start = time.perf_counter()
