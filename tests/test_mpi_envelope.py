@@ -119,3 +119,33 @@ def test_a_mismatch_across_the_envelopes_room_is_refused_on_every_rank(case):
         assert error is not None and error.startswith(f"rank {rank}: "), (rank, error)
         assert "disagree" in error, error
         assert untouched and usable, (rank, untouched, usable)
+
+
+def check_one_rank_without_the_envelope(comm) -> tuple[bool, str | None, bool]:
+    from anyccl.backends import mpi
+
+    if comm.rank == 1:      # as if this rank's compiled core or MPI library were missing
+        mpi._envelope[:] = [None]
+    sub = comm.split(0)
+    try:
+        plain = sub._engine.backend._envelope is None
+        x = np.full(3, comm.rank + 1.0)
+        sub.all_reduce(x)
+        try:
+            sub.all_reduce(np.ones(3 + comm.rank, np.float32))
+        except anyccl.CollectiveMismatchError as exc:
+            error = str(exc)
+        else:
+            error = None
+        return plain, error, bool((x == comm.size * (comm.size + 1) / 2).all())
+    finally:
+        sub.close()
+        mpi._envelope.clear()   # made again for the next test
+
+
+def test_where_one_rank_cannot_make_the_envelope_every_rank_agrees_without_it():
+    for rank, (plain, error, right) in enumerate(
+            run_ranks(check_one_rank_without_the_envelope, 2)):
+        assert plain, f"rank {rank} kept the envelope that rank 1 could not make"
+        assert error is not None and "disagree" in error, (rank, error)
+        assert right, rank

@@ -249,7 +249,7 @@ def envelope(MPI: Any) -> Envelope | None:
             if create(function, 1, handle) == 0:
                 op = MPI.Op.fromhandle(int.from_bytes(bytes(handle)[:size], sys.byteorder))
                 made = Envelope(MPI, op, _shmcore.ENVELOPE_BYTES, _shmcore.N_OPS)
-    except (ImportError, OSError, AttributeError, MPI.Exception):
+    except Exception:  # noqa: BLE001 - whatever stops it, the agreement works without it
         made = None
     _envelope.append(made)
     return made
