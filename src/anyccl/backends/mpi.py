@@ -68,8 +68,9 @@ _SPIN_S = 0.02  # how long a wait spins on MPI_Test before it tests every 100 us
 # host's ranks outnumber its cores, each turn of the spin yields the core: os.sched_yield)
 _DEPARTURE_CHECK_S = 0.25  # how often a waiting rank asks the store whether a peer left
 _DEPARTURE_GRACE_S = 2.0   # a peer that left may have done its part: wait this long first
-_SIGNATURE = struct.Struct("=4q")  # (word, count, -word, -count): one MAX finds any difference
-_ENVELOPE_WORDS = struct.Struct("=4q")  # (word, count, code, status): an Envelope's head
+# four int64 words: the signature alone (word, count, -word, -count: one MAX finds any
+# difference), or an Envelope's head (word, count, code, status)
+_WORDS = struct.Struct("=4q")
 _QUICK_TESTS = 64   # MPI_Test calls before an agreement waits the way every operation waits
 
 
@@ -473,7 +474,7 @@ class MpiBackend(PolledMessages, Backend):
             return False
         head, end = 8 * Envelope.WORDS, 8 * Envelope.WORDS + x.nbytes
         data = memoryview(x).cast("B")
-        _ENVELOPE_WORDS.pack_into(self._env_out, 0, agree[0], agree[1],
+        _WORDS.pack_into(self._env_out, 0, agree[0], agree[1],
                                   codes[0] * env.n_ops + codes[1], 0)
         self._env_out_bytes[head:end] = data
         self._complete(self._start_envelope(), "the other ranks to reach the collective")
@@ -496,10 +497,10 @@ class MpiBackend(PolledMessages, Backend):
         word, count = agree[0], agree[1]
         env = self._envelope
         if env is not None:   # the signature alone in the envelope (code -1: no data)
-            _ENVELOPE_WORDS.pack_into(self._env_out, 0, word, count, -1, 0)
+            _WORDS.pack_into(self._env_out, 0, word, count, -1, 0)
             request = self._start_envelope()
         else:
-            _SIGNATURE.pack_into(self._signature, 0, word, count, -word, -count)
+            _WORDS.pack_into(self._signature, 0, word, count, -word, -count)
             request = self._comm.Iallreduce(self._signature, self._signature_max, self.MPI.MAX)
 
         def finish() -> None:
@@ -509,14 +510,13 @@ class MpiBackend(PolledMessages, Backend):
             else:
                 self._complete(request, "the other ranks to reach the collective")
             if env is not None:
-                if not self._env_got[3]:
-                    return
+                agreed = not self._env_got[3]
             else:
-                top_word, top_count, low_word, low_count = _SIGNATURE.unpack_from(
+                top_word, top_count, low_word, low_count = _WORDS.unpack_from(
                     self._signature_max)
-                if top_word == -low_word and top_count == -low_count:
-                    return
-            self._disagree(agree)
+                agreed = top_word == -low_word and top_count == -low_count
+            if not agreed:
+                self._disagree(agree)
         return finish
 
     def _disagree(self, agree: tuple) -> None:

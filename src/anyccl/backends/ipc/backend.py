@@ -270,15 +270,16 @@ class IpcBackend(QueuedGpuBackend):
         kernels = _CeKernels(self, kernel, job.itemsize)
         return lambda stream: self._ce.enqueue(stream, job, kernels)
 
-    def _ring_serves(self, mine: GpuArray, x: GpuArray) -> bool:
+    def _ring_serves(self, mine: GpuArray, x: GpuArray, in_place: bool) -> bool:
         """Whether the copy engines' ring can run a reduce_scatter or all_gather whose own
         piece is `mine` and whose other array is `x`: there is a ring area, and the two are
-        apart or the very same array (in place; the ring would overwrite a partly shared
-        one before reading it). reduce_scatter in place on more than 2 ranks keeps partial
-        results in the output before it reads its own input there: not served either."""
+        apart, or (where `in_place`) the very same array; the ring would overwrite a partly
+        shared one before reading it. (reduce_scatter in place on more than 2 ranks keeps
+        partial results in the output before it reads its own input there.)"""
         if not self.layout.ce_ring_bytes or self.size == 1:
             return False
-        return not overlaps(mine, x) or (mine.ptr == x.ptr and mine.nbytes == x.nbytes)
+        return not overlaps(mine, x) or (in_place and mine.ptr == x.ptr
+                                         and mine.nbytes == x.nbytes)
 
     def reduce_scatter(self, out: GpuArray, inputs: list[GpuArray],
                        op: ReduceOp) -> Callable[[int], None]:
@@ -288,8 +289,7 @@ class IpcBackend(QueuedGpuBackend):
             return self.nccl.reduce_scatter(out, inputs, op)
         size, n = out.dtype.itemsize, self.size
         scale = 1.0 / n if op is ReduceOp.AVG else 1.0
-        if impl == "copy_engines" and self._ring_serves(out, inputs[self.rank]) and \
-                (n == 2 or not overlaps(out, inputs[self.rank])):
+        if impl == "copy_engines" and self._ring_serves(out, inputs[self.rank], n == 2):
             p = ce.cut(out.size, out.size * n, size, self.layout.ce_ring_bytes, self.ce_chunks)
             return self._ring(ce.reduce_scatter(out.ptr, [i.ptr for i in inputs], p, size,
                                                 scale), f"ce_step_{dtype}_{kind}")
@@ -305,7 +305,7 @@ class IpcBackend(QueuedGpuBackend):
         if impl == NCCL:
             return self.nccl.all_gather(outs, x)
         mine = outs[self.rank]
-        if impl == "copy_engines" and self._ring_serves(mine, x):
+        if impl == "copy_engines" and self._ring_serves(mine, x, True):
             p = ce.cut(x.nbytes, x.nbytes * self.size, 1, self.layout.ce_ring_bytes,
                        self.ce_chunks)
             ring = self._ring(ce.all_gather([o.ptr for o in outs], x.ptr, self.rank, p), None)
