@@ -344,6 +344,9 @@ class MpiBackend(PolledMessages, Backend):
         self._closed = False
         self._agrees = self.size > 1 and settings.MPI_AGREE.get()
         self._split_min = tuning.value("mpi.split_all_reduce_min")   # the tuning table
+        # the all_reduce ring's messages, apart from the program's own (any tag is theirs)
+        self._ring_comm = self._comm.Dup() if self.size >= 3 else None
+        self._rings = 0
         self._signature = array.array("q", bytes(32))      # this rank's, for _agree
         self._signature_max = array.array("q", bytes(32))  # every rank's, reduced
         self._envelope: Envelope | None = None
@@ -530,34 +533,20 @@ class MpiBackend(PolledMessages, Backend):
     def all_reduce_start(self, x: np.ndarray, op: ReduceOp) -> Callable[[], None]:
         """Start an all_reduce of `x` and return the function that finishes it (x holds the
         result after), so that a caller can overlap it with work of its own. On 3 ranks or
-        more and 256 KiB or more: a reduce-scatter, then an all-gather, each rank sending
-        2(n-1)/n of x in all (MPICH's own all_reduce of 3 ranks was seen to send 2x from one
-        of them)."""
-        _, mpi_op = self._reduction(op, x.dtype)
+        more and `mpi.split_all_reduce_min` or more: a ring over point-to-point messages
+        (`_Ring`), each rank sending 2(n-1)/n of x. MPICH's all_reduce, and its reduce-scatter
+        and all-gather, of 3 ranks reached 37-47% of a 500 Mbit/s link at 1-16 MiB where the
+        ring reached 98-100% (benchmarks/lab/mpi_column_ring.py)."""
         if self.size < 3 or x.nbytes < self._split_min:
+            _, mpi_op = self._reduction(op, x.dtype)
             request = self._comm.Iallreduce(self.MPI.IN_PLACE, self._reduced(x, op), mpi_op)
 
             def finish() -> None:
                 self._complete(request, "the other ranks' all_reduce")
                 finish_op(x, op, self.size)
             return finish
-        piece = -(-x.size // self.size)
-        whole = x if piece * self.size == x.size else np.zeros(piece * self.size, x.dtype)
-        if whole is not x:
-            whole[:x.size] = x
-        mine = np.empty(piece, x.dtype)
-        request = self._comm.Ireduce_scatter_block(self._reduced(whole, op, piece),
-                                                   self._reduced(mine, op), mpi_op)
-
-        def finish_split() -> None:
-            self._complete(request, "the other ranks' all_reduce (its reduce-scatter)")
-            self._complete(self._comm.Iallgather(self._bytes(mine), self._bytes(whole)),
-                           "the other ranks' all_reduce (its all-gather)")
-            if whole is not x:
-                x[...] = whole[:x.size]
-            finish_op(x, op, self.size)
-        return finish_split
-
+        ring = _Ring(self, x, op)
+        return ring.finish
 
     def _complete(self, request: Any, what: str) -> None:
         """Poll `request` until done: MPI progresses only inside its calls, so spin on Test as
@@ -914,8 +903,67 @@ class MpiBackend(PolledMessages, Backend):
         try:
             if not self.MPI.Is_finalized():
                 self._comm.Free()
+                if self._ring_comm is not None:
+                    self._ring_comm.Free()
         except Exception:  # noqa: BLE001
             pass
+
+
+class _Ring:
+    """One all_reduce of `x` on a ring of the backend's ranks, over point-to-point messages:
+    n - 1 steps in which each rank sends a piece to the next rank and adds the piece that
+    arrives from the previous one (after them rank r holds piece r + 1 reduced), then n - 1
+    steps passing the reduced pieces on. Each rank sends 2(n-1)/n of x; every rank ends with
+    the same bits (each piece is reduced once, by one chain of additions, then copied).
+
+    The first step's messages are posted when the ring is made; `finish` runs the rest. Its
+    messages travel on a communicator of their own, under a tag of this call, so that no
+    message of the program's, nor of another ring still in flight, can match them."""
+
+    def __init__(self, backend: MpiBackend, x: np.ndarray, op: ReduceOp) -> None:
+        self.b, self.x, self.op = backend, x, op
+        self.base = ReduceOp.SUM if op is ReduceOp.AVG else op
+        n, r = backend.size, backend.rank
+        self.flat = x.reshape(-1)
+        self.bounds = [i * x.size // n for i in range(n + 1)]
+        self.right, self.left = (r + 1) % n, (r - 1) % n
+        self.tag = backend._rings % 32767        # MPI promises tags up to 32767
+        backend._rings += 1
+        self.arrived = np.empty(max(self.bounds[i + 1] - self.bounds[i] for i in range(n)),
+                                x.dtype)
+        self.step = 0
+        self.posted = self._post(0)
+
+    def _piece(self, i: int) -> np.ndarray:
+        return self.flat[self.bounds[i % self.b.size]:self.bounds[i % self.b.size + 1]]
+
+    def _post(self, step: int) -> tuple[Any, Any]:
+        """(the receive, the send) of `step`: the first n - 1 reduce, the rest copy."""
+        n, r, comm = self.b.size, self.b.rank, self.b._ring_comm
+        if step < n - 1:
+            send, recv = self._piece(r - step), self.arrived[:self._piece(r - step - 1).size]
+        else:
+            k = step - (n - 1)
+            send, recv = self._piece(r + 1 - k), self._piece(r - k)
+        return (comm.Irecv(self.b._bytes(recv), self.left, self.tag),
+                comm.Isend(self.b._bytes(send), self.right, self.tag))
+
+    def finish(self) -> None:
+        n, b = self.b.size, self.b
+        steps = 2 * (n - 1)
+        while self.step < steps:
+            recv, send = self.posted
+            b._complete(recv, f"rank {self.left}'s piece (step {self.step + 1} of {steps} of "
+                              f"the all_reduce ring)")
+            if self.step < n - 1:
+                mine = self._piece(b.rank - self.step - 1)
+                accumulate(mine, self.arrived[:mine.size], self.base)
+            b._complete(send, f"rank {self.right} to take its piece (step {self.step + 1} of "
+                              f"{steps} of the all_reduce ring)")
+            self.step += 1
+            if self.step < steps:
+                self.posted = self._post(self.step)
+        finish_op(self.x, self.op, n)
 
 
 def _spinning(comm: Any, MPI: Any) -> tuple[float, bool]:

@@ -308,14 +308,7 @@ class IpcBackend(QueuedGpuBackend):
         if impl == "copy_engines" and self._ring_serves(mine, x, True):
             p = ce.cut(x.nbytes, x.nbytes * self.size, 1, self.layout.ce_ring_bytes,
                        self.ce_chunks)
-            ring = self._ring(ce.all_gather([o.ptr for o in outs], x.ptr, self.rank, p), None)
-            if mine.ptr == x.ptr:
-                return ring
-
-            def enqueue(stream: int) -> None:
-                gpu.copy_async(mine.ptr, x.ptr, x.nbytes, stream)   # this rank's own piece
-                ring(stream)
-            return enqueue
+            return self._ring(ce.all_gather([o.ptr for o in outs], x.ptr, self.rank, p), None)
         slot = self.layout.slot_bytes
         launches = [(x.ptr + start, 0, [o.ptr + start for o in outs], count, *self._tiling(count))
                     for start in range(0, x.nbytes, slot)

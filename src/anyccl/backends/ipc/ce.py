@@ -33,7 +33,8 @@ takes:
 S is the caller's stream; the P streams fork from it and join it again at the end, after
 waiting for (and clearing) the taken flags of the last uses of every position, so that every
 flag a call raises is cleared when it ends (a CUDA graph replays the same values; the next call
-finds every position free).
+finds every position free). all_gather's copy of the rank's own piece runs on a side stream
+that forks and joins the same way, beside the ring rather than ahead of its takes.
 
 Flags are written by a one-thread kernel (`ce_flags`) and waited for by another (`ce_wait`),
 or by cuStreamWaitValue32 (the backend's `ce_memop_wait`, set only by lab/ce_modes.py). Not
@@ -123,6 +124,7 @@ class Ring:
     segments: tuple[int, ...]
     inputs: tuple[int, ...]
     scale: float = 1.0
+    own: tuple[int, int, int] | None = None   # (dst, src, bytes) copied beside the ring
 
 
 def all_reduce(ptr: int, p: Plan, itemsize: int, nranks: int, scale: float) -> Ring:
@@ -139,11 +141,12 @@ def reduce_scatter(out: int, inputs: list[int], p: Plan, itemsize: int, scale: f
 
 
 def all_gather(outs: list[int], x: int, rank: int, p: Plan) -> Ring:
-    """Every rank's `x` (`p.seg` bytes) into `outs[q]` (the caller copies this rank's own):
-    n - 1 copying steps, the first pushing `x` itself."""
+    """Every rank's `x` (`p.seg` bytes) into `outs[q]`: n - 1 copying steps, the first pushing
+    `x` itself; this rank's own piece copied beside them (unless `x` is it: in place)."""
     n = len(outs)
     first = tuple(x if q == rank else outs[q] for q in range(n))
-    return Ring(p, 1, n - 1, 0, 0, first, tuple(outs), tuple(outs))
+    own = (outs[rank], x, p.seg) if outs[rank] != x else None
+    return Ring(p, 1, n - 1, 0, 0, first, tuple(outs), tuple(outs), own=own)
 
 
 class Kernels(Protocol):
@@ -176,6 +179,7 @@ class CopyEngineRing:
 
     def _make(self) -> None:
         self.push = [gpu.new_stream(self.device) for _ in range(PUSH_STREAMS)]
+        self.side = gpu.new_stream(self.device)   # a copy that nothing in the ring waits for
         self.fork, self.pushed = gpu.new_event(self.device), gpu.new_event(self.device)
         self._made = True
 
@@ -196,8 +200,11 @@ class CopyEngineRing:
         ready, sent = self.ready, self.sent
         chunk_bytes = p.chunk * size
         gpu.record(self.fork, stream)
-        for push in self.push:
+        joins = [*self.push, self.side] if job.own else self.push
+        for push in joins:
             gpu.stream_wait(push, self.fork)
+        if job.own:
+            gpu.copy_async(*job.own, self.side)
         uses = job.steps * p.chunks
         for s in range(job.steps):
             for c in range(p.chunks):
@@ -233,7 +240,7 @@ class CopyEngineRing:
                         kernels.copy(stream, out, arrival, taking * size)
                 kernels.flags(stream, arrived, [m.taken_flag(prev, pos, r)])
                 gpu.record(ready[c], stream)
-        for push in self.push[1:]:
+        for push in joins[1:]:
             gpu.record(self.pushed, push)
             gpu.stream_wait(self.push[0], self.pushed)
         last = sorted({u % p.positions for u in range(max(0, uses - p.positions), uses)})
@@ -250,6 +257,6 @@ class CopyEngineRing:
         for event in (self.fork, self.pushed, *self.ready, *self.sent):
             gpu.destroy_event(event)
         self.ready, self.sent = [], []
-        for push in self.push:
+        for push in (*self.push, self.side):
             gpu.destroy_stream(push)
         self._made = False
