@@ -10,7 +10,10 @@ without.
 The ranks run in a child process with CUDA_DEVICE_MAX_CONNECTIONS=32: one process queues
 every rank's streams, and with fewer hardware queues than streams one rank's waiting kernel
 could sit in front of the push another rank queued later on the same queue (across
-processes, every rank's own order keeps that from blocking)."""
+processes, every rank's own order keeps that from blocking). So each rank count's streams
+are released before the next count's are made: 4 ranks use 16 streams (their own, two
+pushing, one copying the own piece of an all_gather), the 9 of all three counts would use
+36."""
 
 from __future__ import annotations
 
@@ -54,6 +57,9 @@ class _Memory(PeerAddresses):
     def aborted(self) -> None:
         pass
 
+    def close(self) -> None:
+        gpu.host_free(self.status_host)
+
 
 def _ranks(n: int):
     """(n ipc backends on GPU 0, each with its own ring area and flags; a stream for each)."""
@@ -66,7 +72,7 @@ def _ranks(n: int):
         gpu.memset(sig, 0, layout.sig_bytes)
     ranks = []
     for r in range(n):
-        nccl = SimpleNamespace(rank=r, size=n, device=0,
+        nccl = SimpleNamespace(rank=r, size=n, device=0, close=lambda: None,
                                queue=SimpleNamespace(watch=lambda **kinds: None))
         ranks.append(ipc.IpcBackend(nccl, _Memory(layout, r, n, datas, sigs), "ipc"))
     return ranks, [gpu.new_stream(0) for _ in range(n)]
@@ -178,6 +184,9 @@ def main() -> None:
                            8 * b.layout.ce_flag_words, stream)
             torch.cuda.synchronize()
             assert not flags.any(), f"n={n}: rank {b.rank} left flags raised"
+        for b, stream in zip(*ranks):   # their streams released before the next n's are made
+            b.close()
+            gpu.destroy_stream(stream)
     print(f"checked {checked} ring collectives on one GPU")
 
 
