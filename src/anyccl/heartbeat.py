@@ -132,13 +132,14 @@ class Heartbeat:
                 f"be the one cut off from the others")
 
     def tell_lost(self, what: str) -> None:
-        """Leave in the store why this rank is failing (it lost a peer), for the ranks of its
-        own host, which see only that it left; gives up after a second."""
+        """Leave in the store why this rank is failing (it lost a peer, or its deadline passed
+        waiting across hosts), for the ranks of its own host, which see only that it left;
+        gives up after a second."""
         self._in_thread(lambda: self._store.set(f"lost/{self.rank}", what.encode()))
 
     def lost_said(self, ranks: list[int]) -> tuple[int, str] | None:
-        """(rank, what it said) of the first of `ranks` that left in the store word of a peer
-        it lost, if any (waits at most about a second: the store may be unreachable)."""
+        """(rank, what it said) of the first of `ranks` that left in the store why it failed,
+        if any (waits at most about a second: the store may be unreachable)."""
         said: list[tuple[int, bytes]] = []
 
         def read() -> None:

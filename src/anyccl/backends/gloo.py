@@ -350,7 +350,7 @@ class GlooBackend(PolledMessages, Backend):
                 who = ", ".join(map(str, lost))
                 heartbeat = self.peers.heartbeat
                 said = heartbeat.lost_said(lost) if heartbeat is not None else None
-                cause = (f"; rank {said[0]} had lost a peer itself: "
+                cause = (f"; rank {said[0]} had failed first: "
                          f"{said[1].split(': ', 1)[-1]}") if said else \
                     f": the process{'es' if len(lost) > 1 else ''} there died or the host went away"
                 there = [r for r, h in enumerate(self.peers.hosts) if h == host]

@@ -46,13 +46,14 @@ def _plain(record: OpRecord) -> OpRecord:
 
 
 def _explains_losses(method: Callable) -> Callable:
-    """A peer lost across hosts is told to this host's other ranks (through the store), which
-    only see this rank leave (see `_Local`)."""
+    """A peer lost across hosts, or a deadline passed waiting across hosts, is told to this
+    host's other ranks (through the store), which would otherwise only see this rank leave
+    (see `_Local`, and gloo's lost connections)."""
     @functools.wraps(method)
     def guarded(self: HierarchicalBackend, *args: Any) -> Any:
         try:
             return method(self, *args)
-        except PeerLostError as exc:
+        except (PeerLostError, TimeoutError) as exc:
             if self._heartbeat is not None and not getattr(exc, "inside_host", False):
                 self._heartbeat.tell_lost(str(exc))
             raise
@@ -163,7 +164,7 @@ class HierarchicalBackend(Backend):
         said = self._heartbeat.lost_said([lost]) if self._heartbeat is not None else None
         why = text.split(": ", 1)[1] if ": " in text else text
         renamed = why.replace(f"rank {exc.lost_rank} ", f"rank {lost} ", 1)
-        more = f"; it had lost a peer on another host: {said[1].split(': ', 1)[-1]}" \
+        more = f"; it had failed across hosts first: {said[1].split(': ', 1)[-1]}" \
             if said else ""
         error = PeerLostError(f"rank {self.rank} (on {socket.gethostname()}): {renamed}{more}",
                               lost)
