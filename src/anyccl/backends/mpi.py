@@ -536,7 +536,7 @@ class MpiBackend(PolledMessages, Backend):
         more and `mpi.split_all_reduce_min` or more: a ring over point-to-point messages
         (`_Ring`), each rank sending 2(n-1)/n of x. MPICH's all_reduce, and its reduce-scatter
         and all-gather, of 3 ranks reached 37-47% of a 500 Mbit/s link at 1-16 MiB where the
-        ring reached 98-100% (benchmarks/lab/mpi_column_ring.py)."""
+        ring reached 95-100% (benchmarks/lab/mpi_column_ring.py)."""
         if self.size < 3 or x.nbytes < self._split_min:
             _, mpi_op = self._reduction(op, x.dtype)
             request = self._comm.Iallreduce(self.MPI.IN_PLACE, self._reduced(x, op), mpi_op)
