@@ -3,14 +3,18 @@ first all-reduces an envelope -- its signature, and for an all_reduce small enou
 data -- with anyccl's compiled MPI op, so that a small all_reduce is one MPI call. It must give
 the numbers NumPy gives for every dtype and op the core reduces, at sizes on both sides of the
 envelope's room, and still refuse every mismatch on every rank, also between an all_reduce
-that rides in the envelope and one that does not. Runs in the mpi suite (ANYCCL_TEST_BACKEND=mpi,
-under mpiexec)."""
+that rides in the envelope and one that does not. A broadcast or all_gather whose bytes fit rides
+in it too (bitwise OR over bytes, every other rank's place zero). The blocking all_reduce that
+fits runs whole
+in compiled code (`_shmcore.hot` with `MpiStep`): the same numbers, the same refusals, with a
+rank on it beside a rank on the Python path, and the same deadline where a peer never comes.
+Runs in the mpi suite (ANYCCL_TEST_BACKEND=mpi, under mpiexec)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from harness import run_ranks, suite_backend
+from harness import run_ranks, run_ranks_outcomes, suite_backend
 
 import anyccl
 
@@ -38,6 +42,14 @@ class _Counting:
         self.calls += 1
         return self._comm.Iallreduce(*args)
 
+    def Ibcast(self, *args):   # noqa: N802 - mpi4py's name
+        self.calls += 1
+        return self._comm.Ibcast(*args)
+
+    def Iallgather(self, *args):   # noqa: N802 - mpi4py's name
+        self.calls += 1
+        return self._comm.Iallgather(*args)
+
     def __getattr__(self, name):
         return getattr(self._comm, name)
 
@@ -49,6 +61,13 @@ def _expected(values: list[np.ndarray], op: str, dtype: np.dtype) -> np.ndarray:
     fold = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum,
             "band": np.bitwise_and, "bxor": np.bitwise_xor}[op]
     return fold.reduce(stack, axis=0, dtype=dtype)
+
+
+def _assert_reduced(x: np.ndarray, want: np.ndarray, what: str) -> None:
+    if x.dtype.kind == "f":
+        np.testing.assert_allclose(x, want, rtol=2e-3, err_msg=what)
+    else:
+        assert np.array_equal(x, want), what
 
 
 def check_every_dtype_and_op_around_the_room(comm) -> tuple[int, list[tuple[str, str, int, int]]]:
@@ -72,12 +91,7 @@ def check_every_dtype_and_op_around_the_room(comm) -> tuple[int, list[tuple[str,
                     assert dtype.kind in "iuf" and (op in ("band", "bxor") or
                                                     op == "avg" and dtype.kind in "iu")
                     continue
-                want = _expected(values, op, dtype)
-                if dtype.kind == "f":
-                    np.testing.assert_allclose(x, want, rtol=2e-3,
-                                               err_msg=f"{name} {op} x {count}")
-                else:
-                    assert np.array_equal(x, want), f"{name} {op} x {count}"
+                _assert_reduced(x, _expected(values, op, dtype), f"{name} {op} x {count}")
                 rows.append((name, op, count, counting.calls))
     return env.room, rows
 
@@ -149,3 +163,169 @@ def test_where_one_rank_cannot_make_the_envelope_every_rank_agrees_without_it():
         assert plain, f"rank {rank} kept the envelope that rank 1 could not make"
         assert error is not None and "disagree" in error, (rank, error)
         assert right, rank
+
+
+def check_the_compiled_call(comm) -> tuple[list[tuple[str, str, int, int]], int]:
+    """Every dtype and op the envelope carries, by ReduceOp (the compiled call takes those;
+    a name such as "sum" takes the Python path), at sizes around the room: (name, op, count,
+    envelopes the compiled step started for it) and the step's count at the end."""
+    assert comm._hot is not None, "no compiled call: the core or the MPI library's calls"
+    step = comm._hot[2]
+    room = comm._engine.backend._envelope.room
+    rows = []
+    for name in DTYPES:
+        dtype = np.dtype(name)
+        for op in OPS:
+            for count in (0, 1, 7, room // dtype.itemsize, room // dtype.itemsize + 1):
+                values = [((np.arange(count) * 7 + 3 * q) % 11 + 1).astype(dtype)
+                          for q in range(comm.size)]
+                x = values[comm.rank].copy()
+                before = step.starts
+                try:
+                    comm.all_reduce(x, anyccl.ReduceOp[op.upper()])
+                except anyccl.UnsupportedError:
+                    continue
+                _assert_reduced(x, _expected(values, op, dtype), f"{name} {op} x {count}")
+                rows.append((name, op, count, step.starts - before))
+    y, before = np.full(2, comm.rank, np.float32), step.starts
+    comm.broadcast(y, 1)                               # broadcast and all_gather: compiled too
+    assert y.tolist() == [1.0, 1.0] and step.starts == before + 1, (y, step.starts - before)
+    out = np.zeros(2 * comm.size, np.float32)
+    comm.all_gather(out, np.full(2, comm.rank + 1.0, np.float32))
+    assert out.tolist() == [q + 1.0 for q in range(comm.size) for _ in range(2)], out
+    assert step.starts == before + 2, step.starts - before
+    return rows, step.starts
+
+
+def test_the_compiled_call_gives_numpys_result_and_takes_what_fits():
+    for rows, _ in run_ranks(check_the_compiled_call, 2):
+        for name, op, count, started in rows:
+            fits = name != "float16" and count * np.dtype(name).itemsize <= 64
+            assert started == (1 if fits else 0), (name, op, count, started)
+
+
+def check_compiled_beside_python(comm, case: str) -> tuple[str | None, list[float], int]:
+    """Rank 0 on the compiled call, rank 1 on the Python path (the op by name): the same
+    envelope either way. case "agree": the result; "dtype": rank 1 another dtype."""
+    step = comm._hot[2]
+    x = np.full(4, comm.rank + 1.0, np.float32)
+    if case == "dtype" and comm.rank == 1:
+        x = x.astype(np.float64)
+    try:
+        comm.all_reduce(x, anyccl.ReduceOp.SUM if comm.rank == 0 else "sum")
+    except anyccl.CollectiveMismatchError as exc:
+        error = str(exc)
+    else:
+        error = None
+    y = np.full(2, comm.rank + 1.0)
+    comm.all_reduce(y, anyccl.ReduceOp.AVG)
+    return error, x.tolist() + y.tolist(), step.starts
+
+
+@pytest.mark.parametrize("case", ["agree", "dtype"])
+def test_a_rank_on_the_compiled_call_and_one_on_the_python_path_agree(case):
+    for rank, (error, values, starts) in enumerate(
+            run_ranks(check_compiled_beside_python, 2, case)):
+        if case == "agree":
+            assert error is None and values == [3.0] * 4 + [1.5, 1.5], (rank, error, values)
+        else:
+            assert error is not None and error.startswith(f"rank {rank}: "), (rank, error)
+            assert "disagree" in error and values[4:] == [1.5, 1.5], (rank, error, values)
+        assert starts >= (2 if rank == 0 else 1), (rank, starts)
+
+
+def check_a_peer_that_never_comes(comm) -> str | None:
+    import time
+
+    if comm.rank == 1:
+        time.sleep(4)
+        return None
+    try:
+        comm.all_reduce(np.ones(2, np.float32), anyccl.ReduceOp.SUM)
+    except anyccl.TimeoutError as exc:
+        return str(exc)
+    return "finished"
+
+
+def test_the_compiled_call_waits_until_the_deadline_and_names_the_operation():
+    outcomes = run_ranks_outcomes(check_a_peer_that_never_comes, 2,
+                                  env={"ANYCCL_TIMEOUT": "2"})
+    error = outcomes[0]
+    assert isinstance(error, str) and error.startswith("rank 0: all_reduce(float32 x 2"), error
+    assert "timed out" in error, error
+
+
+def check_broadcast_and_all_gather_around_the_room(comm) -> list[tuple[str, str, int, int]]:
+    backend = comm._engine.backend
+    room = backend._envelope.room
+    counting = _Counting(backend)
+    step = comm._hot[2]        # the compiled call's envelopes count too
+    rows = []
+    n = comm.size
+
+    def calls(before: int) -> int:
+        return counting.calls + step.starts - before
+    for name in ("float32", "int8", "float16", "uint64", "bool"):
+        dtype = np.dtype(name)
+        per = room // dtype.itemsize
+        for count in (0, 1, per, per + 1):
+            values = [((np.arange(count) * 5 + 7 * q) % 13).astype(dtype) for q in range(n)]
+            x = values[comm.rank].copy()
+            counting.calls, before = 0, step.starts
+            comm.broadcast(x, n - 1)
+            assert np.array_equal(x, values[n - 1]), f"broadcast {name} x {count}"
+            rows.append(("broadcast", name, count * dtype.itemsize, calls(before)))
+        for count in (0, 1, per // n, per // n + 1):
+            values = [((np.arange(count) * 5 + 7 * q) % 13).astype(dtype) for q in range(n)]
+            outs = [np.full(count, 99, dtype) for _ in range(n)]
+            counting.calls, before = 0, step.starts
+            comm.all_gather(outs, values[comm.rank].copy())
+            for q in range(n):
+                assert np.array_equal(outs[q], values[q]), f"all_gather {name} x {count}: {q}"
+            rows.append(("all_gather", name, n * count * dtype.itemsize, calls(before)))
+            out = np.full(n * count, 99, dtype)      # into one array (the compiled call)
+            counting.calls, before = 0, step.starts
+            comm.all_gather(out, values[comm.rank].copy())
+            assert np.array_equal(out, np.concatenate(values)), f"all_gather into one {name}"
+            rows.append(("all_gather into one", name, n * count * dtype.itemsize,
+                         calls(before)))
+            whole = np.zeros((n, count), dtype)      # in place: x is this rank's row
+            whole[comm.rank] = values[comm.rank]
+            comm.all_gather(list(whole), whole[comm.rank])
+            assert np.array_equal(whole, np.stack(values)), f"all_gather in place {name}"
+            columns = np.zeros((count, n), dtype)    # outputs that are strided columns
+            comm.all_gather([columns[:, q] for q in range(n)], values[comm.rank])
+            assert np.array_equal(columns.T, np.stack(values)), f"all_gather columns {name}"
+    return rows
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_broadcast_and_all_gather_that_fit_ride_in_the_envelope(n):
+    for rank_rows in run_ranks(check_broadcast_and_all_gather_around_the_room, n):
+        for op, name, span, calls in rank_rows:
+            assert calls == (1 if span <= 64 else 2), (op, name, span, calls)
+
+
+def check_carried_mismatches(comm, case: str) -> str | None:
+    x = np.ones(4, np.float32)
+    try:
+        if case == "root":
+            comm.broadcast(x, comm.rank)
+        elif case == "broadcast vs all_gather":
+            if comm.rank == 0:
+                comm.broadcast(x, 0)
+            else:
+                comm.all_gather([np.zeros(4, np.float32) for _ in range(comm.size)], x)
+        else:   # all_gather pieces of different sizes
+            comm.all_gather([np.zeros(2 + comm.rank, np.float32) for _ in range(comm.size)],
+                            np.ones(2 + comm.rank, np.float32))
+    except anyccl.CollectiveMismatchError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.parametrize("case", ["root", "broadcast vs all_gather", "piece sizes"])
+def test_a_carried_broadcast_or_all_gather_that_disagrees_is_refused_on_every_rank(case):
+    for rank, error in enumerate(run_ranks(check_carried_mismatches, 2, case)):
+        assert error is not None and error.startswith(f"rank {rank}: "), (rank, error)
+        assert "disagree" in error, error

@@ -634,25 +634,197 @@ static PyTypeObject StagingType = {
     .tp_members = staging_members,
 };
 
+/* ---- MpiStep: the mpi backend's small all_reduce inside its agreement's envelope ------------
+ * MpiStep(start, test, handle, out, into, rank, size, spin_ns, yields): the addresses of the
+ * MPI library's MPI_Start and MPI_Test, the persistent request's handle (the bytes of an
+ * MPI_Request), the envelope sent and the one received (ENVELOPE_BYTES each, writable buffers
+ * this object keeps), this rank and the number of ranks, how long a wait spins, whether each
+ * turn yields the core. `hot` runs it in place of the shm core's step where ctx's staging is
+ * one: it fills the envelope (the signature's words, the data: an all_reduce's array; a
+ * broadcast's at the root, zeros elsewhere; an all_gather's at this rank's place, zeros
+ * elsewhere, the last two reduced by bitwise OR over bytes, as the backend's `_carry_bytes`),
+ * starts the request and tests it for spin_ns.
+ * Status: 1 done (the result in x or out, AVG divided), 2 the signatures differed (nothing
+ * written), 0
+ * started but not done within the spin (the caller's Python completes it), 3 an MPI call
+ * failed (not started, or no longer known). The MPI library's own threads and error handler
+ * are not touched: the request is the one the backend's Python also starts and tests. */
+enum { HOT_ALL_REDUCE, HOT_BROADCAST, HOT_ALL_GATHER };   /* Backend.HOT_KINDS, in order */
+
+typedef int (*mpi_start_fn)(void *request);
+typedef int (*mpi_test_fn)(void *request, int *flag, void *status);
+
+typedef struct {
+    PyObject_HEAD
+    mpi_start_fn start;
+    mpi_test_fn test;
+    unsigned char request[16];       /* the MPI_Request (4 or 8 bytes, the rest zero) */
+    unsigned char status[512];       /* an MPI_Status, written by MPI_Test, never read */
+    int64_t *out, *into;             /* the envelopes (8-byte aligned: NumPy's allocations) */
+    PyObject *keep;                  /* (out, into) */
+    Py_ssize_t rank, size;
+    long long bytes_code;            /* the envelope's code of bitwise OR over bytes */
+    unsigned long long spin_ns, starts;
+    int yields;
+} MpiStep;
+
+static int mpi_step_init(MpiStep *self, PyObject *args, PyObject *kwds) {
+    unsigned long long start, test, spin_ns;
+    Py_buffer handle, out, into;
+    Py_ssize_t rank, size;
+    int yields;
+    (void)kwds;
+    if (!PyArg_ParseTuple(args, "KKy*w*w*nnKp", &start, &test, &handle, &out, &into, &rank,
+                          &size, &spin_ns, &yields))
+        return -1;
+    int bad = handle.len < 1 || handle.len > (Py_ssize_t)sizeof(self->request)
+              || out.len != ENVELOPE_BYTES || into.len != ENVELOPE_BYTES || size < 2
+              || rank < 0 || rank >= size
+              || start == 0 || test == 0 || ((uintptr_t)out.buf | (uintptr_t)into.buf) % 8;
+    if (!bad) {
+        memset(self->request, 0, sizeof(self->request));
+        memcpy(self->request, handle.buf, (size_t)handle.len);
+        self->start = (mpi_start_fn)(uintptr_t)start;
+        self->test = (mpi_test_fn)(uintptr_t)test;
+        self->out = (int64_t *)out.buf;
+        self->into = (int64_t *)into.buf;
+        self->rank = rank;
+        self->size = size;
+        self->bytes_code = (long long)U8 * N_OPS + BOR;
+        self->spin_ns = spin_ns;
+        self->yields = yields;
+        self->starts = 0;
+        Py_XSETREF(self->keep, PyTuple_Pack(2, out.obj, into.obj));
+    }
+    PyBuffer_Release(&handle);
+    PyBuffer_Release(&out);
+    PyBuffer_Release(&into);
+    if (bad) {
+        PyErr_SetString(PyExc_ValueError, "MpiStep: bad arguments");
+        return -1;
+    }
+    return self->keep == NULL ? -1 : 0;
+}
+
+static void mpi_step_dealloc(MpiStep *self) {
+    Py_XDECREF(self->keep);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyMemberDef mpi_step_members[] = {
+    {"starts", T_ULONGLONG, offsetof(MpiStep, starts), READONLY,
+     "envelopes started here (the step's own count)"},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyTypeObject MpiStepType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "anyccl.backends._shmcore.MpiStep",
+    .tp_basicsize = sizeof(MpiStep),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "MpiStep(start, test, handle, out, into, rank, size, spin_ns, yields): the mpi "
+              "backend's small collectives in its agreement's envelope, for hot()",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)mpi_step_init,
+    .tp_dealloc = (destructor)mpi_step_dealloc,
+    .tp_members = mpi_step_members,
+};
+
+/* One collective of `kind` in the envelope: x (nbytes); an all_reduce with signature (word,
+ * count) and the core's (dtype, op) codes, `divide` an AVG of floats, divided by the ranks
+ * after; a broadcast from `root`; an all_gather into `out` (size * nbytes). The caller has
+ * checked that it fits the envelope's room. */
+static long mpi_step_run(MpiStep *m, int kind, PyObject *x, PyObject *out, Py_ssize_t nbytes,
+                         long long word, Py_ssize_t count, long long dtype, long long op,
+                         int divide, long root) {
+    const Py_ssize_t head = 8 * ENVELOPE_WORDS;
+    Py_ssize_t span = kind == HOT_ALL_GATHER ? nbytes * m->size : nbytes;
+    if (span > ENVELOPE_BYTES - head || (kind == HOT_ALL_REDUCE && (dtype < 0 || dtype >= N_DTYPES)))
+        return 3;
+    Py_buffer view, whole;
+    if (PyObject_GetBuffer(x, &view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) return -1;
+    if (kind == HOT_ALL_GATHER
+        && PyObject_GetBuffer(out, &whole, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&view);
+        return -1;
+    }
+    char *data = (char *)m->out + head;
+    m->out[0] = word;
+    if (kind == HOT_ALL_REDUCE) {
+        m->out[1] = count;
+        m->out[2] = dtype * N_OPS + op;
+        memcpy(data, view.buf, (size_t)nbytes);
+    } else {   /* the bytes' places: zero but this rank's */
+        m->out[1] = span;
+        m->out[2] = m->bytes_code;
+        memset(data, 0, (size_t)span);
+        if (kind == HOT_ALL_GATHER)
+            memcpy(data + m->rank * nbytes, view.buf, (size_t)nbytes);
+        else if (root == m->rank)
+            memcpy(data, view.buf, (size_t)nbytes);
+    }
+    m->out[3] = 0;
+    long status = 3;
+    if (m->start(m->request) == 0) {
+        m->starts++;
+        int flag = 0;
+        uint64_t until = now_ns() + m->spin_ns;
+        while (1) {
+            if (m->test(m->request, &flag, m->status) != 0) break;
+            if (flag) {
+                status = m->into[3] ? 2 : 1;
+                break;
+            }
+            if (now_ns() >= until) {
+                status = 0;
+                break;
+            }
+            if (m->yields) sched_yield();
+        }
+    }
+    if (status == 1) {
+        const char *got = (const char *)m->into + head;
+        if (kind == HOT_ALL_GATHER) {
+            memcpy(whole.buf, got, (size_t)span);
+        } else if (kind == HOT_BROADCAST) {
+            if (root != m->rank) memcpy(view.buf, got, (size_t)nbytes);
+        } else {
+            memcpy(view.buf, got, (size_t)nbytes);
+            if (divide && dtype == F32) {
+                float *o = (float *)view.buf;
+                for (Py_ssize_t i = 0; i < count; i++) o[i] = o[i] / (float)m->size;
+            } else if (divide && dtype == F64) {
+                double *o = (double *)view.buf;
+                for (Py_ssize_t i = 0; i < count; i++) o[i] = o[i] / (double)m->size;
+            }
+        }
+    }
+    if (kind == HOT_ALL_GATHER) PyBuffer_Release(&whole);
+    PyBuffer_Release(&view);
+    return status;
+}
+
 /* ---- hot(ctx, comm, kind, x, arg): a blocking small collective on a NumPy array, whole ------
  * What Communicator.all_reduce / .broadcast / .all_gather, HostEngine.collective and _run,
  * and ShmBackend's hot path (_core_step) do for the common call, in one call: the checks that
  * select it, the sequence number, the op record (logged, its signature, started, done), the
  * backend's marks and the core's one-shot step (all_gather: into one output array). Returns x when done; None when the call is not that common
  * case (nothing was done: the caller takes the full path); raises what the operation raised,
- * after the engine's failure handling (ctx's `failed`). ctx: shm.ShmBackend.hot_context. */
+ * after the engine's failure handling (ctx's `failed`). ctx: shm.ShmBackend.hot_context, or
+ * mpi.MpiBackend.hot_context, whose staging is an MpiStep: the envelope in place of the
+ * core's step. */
 enum {
     HOT_ENGINE, HOT_BACKEND, HOT_STAGING, HOT_LOG, HOT_RECORD, HOT_ABOUT, HOT_DTYPE_BITS,
     HOT_REDUCTIONS, HOT_NDARRAY, HOT_REDUCEOP, HOT_TIMEOUT, HOT_MAX_BYTES, HOT_KINDS, HOT_REST,
     HOT_FAILED, HOT_SIZE
 };
 enum { KIND_NAME, KIND_BITS, KIND_DOING, KIND_MORE, KIND_DIRECT_MIN, KIND_SIZE };
-enum { HOT_ALL_REDUCE, HOT_BROADCAST, HOT_ALL_GATHER };   /* Backend.HOT_KINDS, in order */
 
 static PyObject *h_closed, *h_debug, *h_check, *h_staged, *h_seq, *h_gpu_side, *h_plans,
     *h_outstanding, *h_failure, *h_closing, *h_drive, *h_acquire, *h_release, *h_dtype,
     *h_agree, *h_state, *h_started_at, *h_deadline, *h_ended_at, *h_issued_at, *h_record,
-    *h_agree_b, *h_doing, *h_started, *h_done, *h_agree_bits, *h_backend;
+    *h_agree_b, *h_doing, *h_started, *h_done, *h_agree_bits, *h_backend, *h_deadline_b,
+    *h_late_error;
 
 static int hot_names(void) {
     static int ready = 0;
@@ -667,6 +839,7 @@ static int hot_names(void) {
     NAME(h_ended_at, "ended_at") NAME(h_issued_at, "issued_at") NAME(h_record, "_record")
     NAME(h_agree_b, "_agree") NAME(h_doing, "_doing") NAME(h_started, "started")
     NAME(h_done, "done") NAME(h_agree_bits, "agree_bits") NAME(h_backend, "backend")
+    NAME(h_deadline_b, "_deadline") NAME(h_late_error, "_late_error")
 #undef NAME
     ready = 1;
     return 0;
@@ -812,8 +985,10 @@ static int hot_run(PyObject **ctx, PyObject *comm, Py_ssize_t kind, PyObject *ki
                                             PyTuple_GET_ITEM(kindinfo, KIND_MORE))
                             : Py_BuildValue("(OOnO(O))", ctx[HOT_ABOUT], dtype, count,
                                             PyTuple_GET_ITEM(kindinfo, KIND_MORE), arg);
-    PyObject *nb = PyLong_FromSsize_t(gather ? nbytes * ((Staging *)ctx[HOT_STAGING])->size
-                                             : nbytes);
+    Py_ssize_t world = Py_TYPE(ctx[HOT_STAGING]) == &MpiStepType
+                       ? ((MpiStep *)ctx[HOT_STAGING])->size
+                       : ((Staging *)ctx[HOT_STAGING])->size;
+    PyObject *nb = PyLong_FromSsize_t(gather ? nbytes * world : nbytes);
     PyObject *record = NULL;
     if (text != NULL && nb != NULL) {
         PyObject *cargs[4] = {PyTuple_GET_ITEM(kindinfo, KIND_NAME), next, text, nb};
@@ -847,8 +1022,40 @@ static int hot_run(PyObject **ctx, PyObject *comm, Py_ssize_t kind, PyObject *ki
           || PyObject_SetAttr(record, h_started_at, issued) < 0
           || set_double(record, h_deadline, at + PyFloat_AsDouble(ctx[HOT_TIMEOUT])) < 0;
     Py_XDECREF(issued);
-    /* the backend's marks (_core_step), then the core's step */
     PyObject *backend = ctx[HOT_BACKEND];
+    if (Py_TYPE(ctx[HOT_STAGING]) == &MpiStepType) {   /* the mpi backend's envelope */
+        PyObject *deadline = bad ? NULL : PyObject_GetAttr(record, h_deadline);
+        bad = bad || deadline == NULL || PyObject_SetAttr(backend, h_record, record) < 0
+              || PyObject_SetAttr(backend, h_deadline_b, deadline) < 0;
+        Py_XDECREF(deadline);
+        Py_DECREF(agree);
+        if (bad) return -1;
+        long long dt = -1, op = -1;
+        int divide = 0;
+        if (kind == HOT_ALL_REDUCE) {
+            dt = PyLong_AsLongLong(PyTuple_GET_ITEM(codes, 0));
+            op = PyLong_AsLongLong(PyTuple_GET_ITEM(codes, 1));
+            divide = PyTuple_GET_SIZE(codes) > 2 && PyObject_IsTrue(PyTuple_GET_ITEM(codes, 2));
+        }
+        if (PyErr_Occurred()) return -1;
+        long st = mpi_step_run((MpiStep *)ctx[HOT_STAGING], (int)kind, x, arg, nbytes, bits,
+                               count, dt, op, divide, root);
+        if (st < 0) return -1;
+        if (st != 1) {   /* not done within the spin, the signatures differed, MPI failed */
+            PyObject *code = PyLong_FromLong(st);
+            if (code == NULL) return -1;
+            PyObject *rargs[4] = {x, record, arg, code};
+            PyObject *rest = PyObject_Vectorcall(ctx[HOT_REST], rargs, 4, NULL);
+            Py_DECREF(code);
+            if (rest == NULL) return -1;
+            Py_DECREF(rest);
+        }
+        if (PyObject_SetAttr(record, h_state, h_done) < 0
+            || set_double(record, h_ended_at, monotonic_s()) < 0)
+            return -1;
+        return 0;
+    }
+    /* the backend's marks (_core_step), then the core's step */
     unsigned long long doing = (unsigned long long)seq << 24
                                | PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(kindinfo, KIND_DOING));
     PyObject *doing_obj = bad || PyErr_Occurred() ? NULL : PyLong_FromUnsignedLongLong(doing);
@@ -909,14 +1116,18 @@ static PyObject *hot(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
         PyErr_SetString(PyExc_TypeError, "hot: a kind is (name, bits, doing, more, direct_min)");
         return NULL;
     }
-    Staging *steps = (Staging *)ctx[HOT_STAGING];
+    int mpi = Py_TYPE(ctx[HOT_STAGING]) == &MpiStepType;
+    Py_ssize_t world = mpi ? ((MpiStep *)ctx[HOT_STAGING])->size
+                           : ((Staging *)ctx[HOT_STAGING])->size;
+    Py_ssize_t me = mpi ? ((MpiStep *)ctx[HOT_STAGING])->rank
+                        : ((Staging *)ctx[HOT_STAGING])->rank;
     long root = -1;   /* all_reduce: arg is the op; broadcast: the source rank; all_gather: out */
     if (kind == HOT_ALL_REDUCE) {
         if (!PyObject_TypeCheck(arg, (PyTypeObject *)ctx[HOT_REDUCEOP])) Py_RETURN_NONE;
     } else if (kind == HOT_BROADCAST) {
         if (!PyLong_CheckExact(arg)) Py_RETURN_NONE;
         root = PyLong_AsLong(arg);
-        if (root < 0 || root >= steps->size) {
+        if (root < 0 || root >= world) {
             PyErr_Clear();
             Py_RETURN_NONE;   /* the full path says what is wrong with it */
         }
@@ -938,8 +1149,8 @@ static PyObject *hot(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
             Py_RETURN_NONE;
         }
         const char *ob = (const char *)o.buf;
-        int fits = o.len == nbytes * steps->size && o.itemsize == itemsize
-                   && (xb + nbytes <= ob || ob + o.len <= xb || xb == ob + steps->rank * nbytes);
+        int fits = o.len == nbytes * world && o.itemsize == itemsize
+                   && (xb + nbytes <= ob || ob + o.len <= xb || xb == ob + me * nbytes);
         PyBuffer_Release(&o);
         if (!fits) Py_RETURN_NONE;
         PyObject *xd = PyObject_GetAttr(x, h_dtype), *od = PyObject_GetAttr(arg, h_dtype);
@@ -972,6 +1183,12 @@ static PyObject *hot(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
         Py_RETURN_NONE;
     }
     long dbits = PyLong_AsLong(dbits_obj);
+    int late = mpi ? attr_set(ctx[HOT_BACKEND], h_late_error, 1) : 0;
+    if (late != 0) {   /* a failed send's error to raise first: the full path raises it */
+        Py_DECREF(dtype);
+        if (late < 0) return NULL;
+        Py_RETURN_NONE;
+    }
     PyObject *drive = take_drive(ctx[HOT_ENGINE], ctx[HOT_BACKEND], hot_clear(comm),
                                  h_outstanding);
     if (drive == NULL) {   /* another thread drives the engine, or not the common case */
@@ -1271,7 +1488,7 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_shmcore", NULL, -1, methods};
 
 PyMODINIT_FUNC PyInit__shmcore(void) {
-    if (PyType_Ready(&StagingType) < 0) return NULL;
+    if (PyType_Ready(&StagingType) < 0 || PyType_Ready(&MpiStepType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
     if (PyModule_AddIntConstant(m, "ENVELOPE_BYTES", ENVELOPE_BYTES) < 0
@@ -1282,6 +1499,12 @@ PyMODINIT_FUNC PyInit__shmcore(void) {
     Py_INCREF(&StagingType);
     if (PyModule_AddObject(m, "Staging", (PyObject *)&StagingType) < 0) {
         Py_DECREF(&StagingType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    Py_INCREF(&MpiStepType);
+    if (PyModule_AddObject(m, "MpiStep", (PyObject *)&MpiStepType) < 0) {
+        Py_DECREF(&MpiStepType);
         Py_DECREF(m);
         return NULL;
     }

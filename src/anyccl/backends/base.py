@@ -148,7 +148,7 @@ class Backend(ABC):
         this backend would: `call(context, comm, kind, x, arg)` (kind: an index of HOT_KINDS;
         arg: the op, the source rank, the output) returns x once done, None
         where it does not take the call (nothing done). None where this transport has none
-        (shm: `_shmcore.hot`). `log` records each operation issued."""
+        (shm and mpi: `_shmcore.hot`). `log` records each operation issued."""
         return None
 
     def exchange_context(self, engine: Any, log: Callable[[Any], Any],

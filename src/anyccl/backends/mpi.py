@@ -48,6 +48,7 @@ from .. import agreement, settings, tuning
 from .._console import say
 from ..buffers import SUPPORTED_DTYPES, Pieces
 from ..errors import (
+    AnycclError,
     InvalidArgumentError,
     PeerLostError,
     RendezvousError,
@@ -57,12 +58,13 @@ from ..errors import (
 from ..ops import ReduceOp, accumulate, dtype_kind, finish
 from ..ops import finish as finish_op
 from ..store import Store
-from ..trace import OpRecord, format_bytes
+from ..trace import OpRecord, about_text, format_bytes
 from .base import Backend, Completion, PolledMessages, per_operation
 from .doorbell import PollingBell, cores_available
 from .registry import HostContext
 
 _DTYPE_CODE = {d: i for i, d in enumerate(SUPPORTED_DTYPES)}
+_BYTES = np.dtype(np.uint8)   # what a broadcast or all_gather in the envelope is reduced as
 _CODES = 16  # > len(SUPPORTED_DTYPES): the low 4 bits of an MPI tag name the dtype
 _SPIN_S = 0.02  # how long a wait spins on MPI_Test before it tests every 100 us (where this
 # host's ranks outnumber its cores, each turn of the spin yields the core: os.sched_yield)
@@ -376,6 +378,75 @@ class MpiBackend(PolledMessages, Backend):
         if can[1]:
             self._env_request = self._comm.Allreduce_init(*self._env_args)
 
+    def hot_context(self, engine: Any,
+                    log: Callable[[OpRecord], Any]) -> tuple[Callable, tuple] | None:
+        """`_shmcore.hot` with the envelope's step (`_shmcore.MpiStep`): a blocking all_reduce,
+        broadcast or all_gather (into one array) of NumPy arrays that fits the envelope runs
+        whole in one compiled call, from the communicator's checks to the record's end, its
+        data riding in the agreement's all-reduce as `_carry` and `_carry_bytes` send it (the
+        same request, the same envelope, the same words). None without the compiled core,
+        the envelope's persistent request or the MPI library's own MPI_Start and MPI_Test to
+        call."""
+        step = self._hot_step()
+        if step is None:
+            return None
+        from . import _shmcore
+        env = self._envelope
+        more = {"all_reduce": ", op={0.name}", "broadcast": ", src={}", "all_gather": ""}
+        too_large = {"all_reduce": 1 << 62, "broadcast": env.room + 1,   # x's bytes: not hot
+                     "all_gather": env.room // self.size + 1}
+        kinds = tuple((name, agreement.NAME_BITS[name], 0, more[name], too_large[name])
+                      for name in self.HOT_KINDS)
+        sum_codes = {dtype: codes for (dtype, op), codes in env.codes.items()
+                     if op is ReduceOp.SUM}
+        reductions = {(dtype, op): (*(sum_codes[dtype] if op is ReduceOp.AVG else codes),
+                                    op is ReduceOp.AVG)
+                      for (dtype, op), codes in env.codes.items()}
+        return _shmcore.hot, (engine, self, step, log, OpRecord, about_text, agreement.DTYPE_BITS,
+                                reductions, np.ndarray, ReduceOp, float(engine.timeout_s),
+                                env.room, kinds, self._hot_rest, engine.failed)
+
+    def _hot_step(self) -> Any:
+        """The compiled envelope step over this backend's persistent request, or None."""
+        request = self._env_request
+        if request is None or self._envelope is None or self.size == 1 or not self._agrees:
+            return None
+        try:
+            from . import _shmcore
+            lib = _libmpi()
+            if lib is None or not hasattr(_shmcore, "MpiStep"):
+                return None
+            mpi = ctypes.CDLL(lib)
+            start, test = (ctypes.cast(getattr(mpi, name), ctypes.c_void_p).value
+                           for name in ("MPI_Start", "MPI_Test"))
+            width = self.MPI._sizeof(self.MPI.Request)
+            handle = (request.handle % (1 << 8 * width)).to_bytes(width, sys.byteorder)
+            return _shmcore.MpiStep(start, test, handle, self._env_out, self._env_in,
+                                    self.rank, self.size, int(self._spin_s * 1e9),
+                                    self._yields)
+        except Exception:  # noqa: BLE001 - whatever stops it, the Python path runs
+            return None
+
+    def _hot_rest(self, x: np.ndarray, record: OpRecord, arg: Any, status: int) -> None:
+        """What the compiled step left of a hot collective (arg: an all_reduce's op, a
+        broadcast's root, an all_gather's output): 0, the envelope started but not back within
+        the spin (waited for here, then read); 2, the signatures differed (every rank says
+        what each called); 3, an MPI call failed."""
+        if status == 3:
+            raise AnycclError(f"rank {self.rank}: {record}: MPI_Start or MPI_Test failed on "
+                              f"the agreement's envelope (mpi backend)")
+        if status == 0:
+            self._complete(self._env_request, "the other ranks to reach the collective")
+        if self._env_got[3]:
+            self._disagree(record.agree)
+        head, got = 8 * Envelope.WORDS, self._env_in_bytes
+        if type(arg) is np.ndarray:                 # all_gather: every piece, into out
+            memoryview(arg).cast("B")[:] = got[head:head + arg.nbytes]
+        elif type(arg) is not int or arg != self.rank:   # an all_reduce; a broadcast's taker
+            memoryview(x).cast("B")[:] = got[head:head + x.nbytes]
+            if type(arg) is not int:
+                finish_op(x, arg, self.size)
+
     def _start_envelope(self) -> Any:
         """Start the all-reduce of the envelope as it is filled now; its request."""
         request = self._env_request
@@ -451,16 +522,16 @@ class MpiBackend(PolledMessages, Backend):
                             f"waiting for {waiting_for} (mpi backend)", rank)
 
     # ---- waiting -----------------------------------------------------------------------------
-    def _enter(self, record: OpRecord, carried: tuple[np.ndarray, ReduceOp] | None = None
-               ) -> bool:
+    def _enter(self, record: OpRecord,
+               carried: Callable[[tuple], bool] | None = None) -> bool:
         """Operation `record` starts (`per_operation`): its deadline, a failed delivery of an
-        earlier send raised, and its signature compared across ranks. `carried`: an
-        all_reduce's (x, op), which rides in the agreement's envelope where it fits; True when
-        it did (x then holds the result)."""
+        earlier send raised, and its signature compared across ranks. `carried(agree)`: the
+        operation itself inside the agreement's envelope where it fits (`_carry`,
+        `_carry_bytes`); True when it did (the operation is then done)."""
         self._record, self._deadline = record, record.deadline
         self._raise_late()
         if record.agree is not None and self._agrees and not self.defer_agreement:
-            if carried is not None and self._carry(record.agree, *carried):
+            if carried is not None and carried(record.agree):
                 return True
             self._agree(record.agree)
         return False
@@ -475,17 +546,58 @@ class MpiBackend(PolledMessages, Backend):
         codes = env.codes.get((x.dtype, ReduceOp.SUM if op is ReduceOp.AVG else op))
         if codes is None:
             return False
-        head, end = 8 * Envelope.WORDS, 8 * Envelope.WORDS + x.nbytes
         data = memoryview(x).cast("B")
-        _WORDS.pack_into(self._env_out, 0, agree[0], agree[1],
-                                  codes[0] * env.n_ops + codes[1], 0)
-        self._env_out_bytes[head:end] = data
+        self._in_envelope(agree, agree[1], codes[0] * env.n_ops + codes[1], 0, data,
+                          x.nbytes, ((0, data),))
+        finish_op(x, op, self.size)
+        return True
+
+    def _bytes_carrier(self, span: int, x: np.ndarray, at: int | None,
+                       pieces: Callable[[], tuple[tuple[int, np.ndarray], ...]]
+                       ) -> Callable[[tuple], bool] | None:
+        """A broadcast or all_gather inside its agreement's envelope (`_enter`'s `carried`),
+        where its `span` bytes (the same on every rank) fit, else None: this rank's `x` at
+        byte `at` (None: nothing), every other place zero, reduced by bitwise OR over bytes,
+        so that each place holds the one rank's bytes put there; then `pieces()` (byte
+        offset, array) are read out of it. One MPI call for the agreement and the data."""
+        env = self._envelope
+        if env is None or span > env.room:
+            return None
+        return lambda agree: self._carry_bytes(agree, span, x, at, pieces())
+
+    def _carry_bytes(self, agree: tuple, span: int, x: np.ndarray, at: int | None,
+                     pieces: tuple[tuple[int, np.ndarray], ...]) -> bool:
+        """(`_bytes_carrier`'s call)"""
+        env = self._envelope
+        code = env.codes[_BYTES, ReduceOp.BOR]
+        dense = tuple((start, piece, np.ascontiguousarray(piece)) for start, piece in pieces)
+        data = _byte_view(np.ascontiguousarray(x)) if at is not None else None
+        self._in_envelope(agree, span, code[0] * env.n_ops + code[1], at or 0, data, span,
+                          tuple((start, _byte_view(copy)) for start, _, copy in dense))
+        for _, piece, copy in dense:
+            if copy is not piece:   # a strided output, read into a copy: written back
+                np.copyto(piece, copy)
+        return True
+
+    def _in_envelope(self, agree: tuple, count: int, code: int, at: int, data: Any,
+                     span: int, reads: tuple[tuple[int, Any], ...]) -> None:
+        """One all-reduce of the envelope: the signature's word, `count` and the core's
+        `code`; `data` (bytes, or None) at byte `at` of its data, the rest of its first
+        `span` bytes zero where `data` does not fill them. Where every rank's words agree, each
+        (offset, view) of `reads` takes its bytes of the reduced data; else every rank says
+        what each called (CollectiveMismatchError)."""
+        head = 8 * Envelope.WORDS
+        _WORDS.pack_into(self._env_out, 0, agree[0], count, code, 0)
+        if data is None or len(data) != span:
+            self._env_out[head:head + span] = 0
+        if data is not None:
+            self._env_out_bytes[head + at:head + at + len(data)] = data
         self._complete(self._start_envelope(), "the other ranks to reach the collective")
         if self._env_got[3]:
             self._disagree(agree)
-        data[:] = self._env_in_bytes[head:end]
-        finish_op(x, op, self.size)
-        return True
+        got = self._env_in_bytes
+        for start, view in reads:
+            view[:] = got[head + start:head + start + len(view)]
 
     def _agree(self, agree: tuple) -> None:
         """The collective's signature (agreement.py) compared across ranks before it runs: one
@@ -639,7 +751,8 @@ class MpiBackend(PolledMessages, Backend):
     # ---- collectives -------------------------------------------------------------------------
     def all_reduce(self, x: np.ndarray, op: ReduceOp, record: OpRecord) -> None:
         """(per_operation's start, with x carried in the agreement where it fits)"""
-        if record is not self._record and self._enter(record, (x, op)):
+        if record is not self._record and self._enter(
+                record, lambda agree: self._carry(agree, x, op)):
             return
         _, mpi_op = self._reduction(op, x.dtype)
         self._complete(self._comm.Iallreduce(self.MPI.IN_PLACE, self._reduced(x, op), mpi_op),
@@ -657,12 +770,21 @@ class MpiBackend(PolledMessages, Backend):
         if self.rank == root:
             finish(x, op, self.size)
 
-    @per_operation
-    def broadcast(self, x: np.ndarray, root: int) -> None:
+    def broadcast(self, x: np.ndarray, root: int, record: OpRecord) -> None:
+        """(per_operation's start, with x carried in the agreement where it fits)"""
+        if record is not self._record and self._enter(record, self._bytes_carrier(
+                x.nbytes, x, 0 if self.rank == root else None,
+                lambda: () if self.rank == root else ((0, x),))):
+            return
         self._complete(self._comm.Ibcast(self._bytes(x), root), f"rank {root}'s broadcast")
 
-    @per_operation
-    def all_gather(self, outs: list[np.ndarray], x: np.ndarray) -> None:
+    def all_gather(self, outs: list[np.ndarray], x: np.ndarray, record: OpRecord) -> None:
+        """(per_operation's start, with every piece carried in the agreement where they fit)"""
+        if record is not self._record and self._enter(record, self._bytes_carrier(
+                self.size * x.nbytes, x, self.rank * x.nbytes,
+                lambda: tuple((q * x.nbytes, out) for q, out in enumerate(outs)
+                              if q != self.rank or not np.may_share_memory(out, x)))):
+            return
         whole, scatter_back = _joined(outs)
         if x.size and np.may_share_memory(outs[self.rank], x):
             if scatter_back is not None:
@@ -964,6 +1086,11 @@ class _Ring:
             if self.step < steps:
                 self.posted = self._post(self.step)
         finish_op(self.x, self.op, n)
+
+
+def _byte_view(x: np.ndarray) -> memoryview:
+    """The bytes of C-contiguous `x`, of any dtype (bfloat16's too), as a writable view."""
+    return memoryview(x.reshape(-1).view(np.uint8))
 
 
 def _spinning(comm: Any, MPI: Any) -> tuple[float, bool]:
