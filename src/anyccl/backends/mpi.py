@@ -441,9 +441,9 @@ class MpiBackend(PolledMessages, Backend):
             self._disagree(record.agree)
         head, got = 8 * Envelope.WORDS, self._env_in_bytes
         if type(arg) is np.ndarray:                 # all_gather: every piece, into out
-            memoryview(arg).cast("B")[:] = got[head:head + arg.nbytes]
+            _byte_view(arg)[:] = got[head:head + arg.nbytes]
         elif type(arg) is not int or arg != self.rank:   # an all_reduce; a broadcast's taker
-            memoryview(x).cast("B")[:] = got[head:head + x.nbytes]
+            _byte_view(x)[:] = got[head:head + x.nbytes]
             if type(arg) is not int:
                 finish_op(x, arg, self.size)
 
@@ -546,7 +546,7 @@ class MpiBackend(PolledMessages, Backend):
         codes = env.codes.get((x.dtype, ReduceOp.SUM if op is ReduceOp.AVG else op))
         if codes is None:
             return False
-        data = memoryview(x).cast("B")
+        data = _byte_view(x)
         self._in_envelope(agree, agree[1], codes[0] * env.n_ops + codes[1], 0, data,
                           x.nbytes, ((0, data),))
         finish_op(x, op, self.size)
@@ -1051,8 +1051,7 @@ class _Ring:
         self.right, self.left = (r + 1) % n, (r - 1) % n
         self.tag = backend._rings % 32767        # MPI promises tags up to 32767
         backend._rings += 1
-        self.arrived = np.empty(max(self.bounds[i + 1] - self.bounds[i] for i in range(n)),
-                                x.dtype)
+        self.arrived = np.empty(-(-x.size // n), x.dtype)   # the largest piece
         self.step = 0
         self.posted = self._post(0)
 
