@@ -165,28 +165,32 @@ def test_where_one_rank_cannot_make_the_envelope_every_rank_agrees_without_it():
         assert right, rank
 
 
-def check_the_compiled_call(comm) -> tuple[list[tuple[str, str, int, int]], int]:
+def check_the_compiled_call(comm) -> tuple[list[tuple[str, str, int, int, int]], int]:
     """Every dtype and op the envelope carries, by ReduceOp (the compiled call takes those;
-    a name such as "sum" takes the Python path), at sizes around the room: (name, op, count,
-    envelopes the compiled step started for it) and the step's count at the end."""
+    a name such as "sum" takes the Python path), at sizes around the room and around
+    `mpi.hot_max`: (name, op, count, envelopes and data calls the compiled step started for
+    it) and the step's count at the end."""
     assert comm._hot is not None, "no compiled call: the core or the MPI library's calls"
     step = comm._hot[2]
-    room = comm._engine.backend._envelope.room
+    room, most = comm._engine.backend._envelope.room, step.data_max
+    assert most == 64 << 10, most
     rows = []
     for name in DTYPES:
         dtype = np.dtype(name)
         for op in OPS:
-            for count in (0, 1, 7, room // dtype.itemsize, room // dtype.itemsize + 1):
+            for count in (0, 1, 7, room // dtype.itemsize, room // dtype.itemsize + 1,
+                          1001, most // dtype.itemsize, most // dtype.itemsize + 1):
                 values = [((np.arange(count) * 7 + 3 * q) % 11 + 1).astype(dtype)
                           for q in range(comm.size)]
                 x = values[comm.rank].copy()
-                before = step.starts
+                before, data_before = step.starts, step.data_starts
                 try:
                     comm.all_reduce(x, anyccl.ReduceOp[op.upper()])
                 except anyccl.UnsupportedError:
                     continue
                 _assert_reduced(x, _expected(values, op, dtype), f"{name} {op} x {count}")
-                rows.append((name, op, count, step.starts - before))
+                rows.append((name, op, count, step.starts - before,
+                             step.data_starts - data_before))
     y, before = np.full(2, comm.rank, np.float32), step.starts
     comm.broadcast(y, 1)                               # broadcast and all_gather: compiled too
     assert y.tolist() == [1.0, 1.0] and step.starts == before + 1, (y, step.starts - before)
@@ -198,10 +202,17 @@ def check_the_compiled_call(comm) -> tuple[list[tuple[str, str, int, int]], int]
 
 
 def test_the_compiled_call_gives_numpys_result_and_takes_what_fits():
+    """Up to the room: one envelope with the data in it. Up to mpi.hot_max: the envelope with
+    the signature, then the data call, both from compiled code. float16 (reduced by anyccl's
+    Python kernel) and larger arrays: the Python path."""
     for rows, _ in run_ranks(check_the_compiled_call, 2):
-        for name, op, count, started in rows:
-            fits = name != "float16" and count * np.dtype(name).itemsize <= 64
-            assert started == (1 if fits else 0), (name, op, count, started)
+        for name, op, count, started, data in rows:
+            nbytes = count * np.dtype(name).itemsize
+            if name == "float16" or nbytes > 64 << 10:
+                want = (0, 0)
+            else:
+                want = (1, 0) if nbytes <= 64 else (1, 1)
+            assert (started, data) == want, (name, op, count, started, data)
 
 
 def check_compiled_beside_python(comm, case: str) -> tuple[str | None, list[float], int]:
@@ -263,28 +274,28 @@ def check_broadcast_and_all_gather_around_the_room(comm) -> list[tuple[str, str,
     rows = []
     n = comm.size
 
-    def calls(before: int) -> int:
-        return counting.calls + step.starts - before
+    def calls(before: int) -> int:   # envelopes and data calls, from Python and compiled code
+        return counting.calls + step.starts + step.data_starts - before
     for name in ("float32", "int8", "float16", "uint64", "bool"):
         dtype = np.dtype(name)
         per = room // dtype.itemsize
         for count in (0, 1, per, per + 1):
             values = [((np.arange(count) * 5 + 7 * q) % 13).astype(dtype) for q in range(n)]
             x = values[comm.rank].copy()
-            counting.calls, before = 0, step.starts
+            counting.calls, before = 0, step.starts + step.data_starts
             comm.broadcast(x, n - 1)
             assert np.array_equal(x, values[n - 1]), f"broadcast {name} x {count}"
             rows.append(("broadcast", name, count * dtype.itemsize, calls(before)))
         for count in (0, 1, per // n, per // n + 1):
             values = [((np.arange(count) * 5 + 7 * q) % 13).astype(dtype) for q in range(n)]
             outs = [np.full(count, 99, dtype) for _ in range(n)]
-            counting.calls, before = 0, step.starts
+            counting.calls, before = 0, step.starts + step.data_starts
             comm.all_gather(outs, values[comm.rank].copy())
             for q in range(n):
                 assert np.array_equal(outs[q], values[q]), f"all_gather {name} x {count}: {q}"
             rows.append(("all_gather", name, n * count * dtype.itemsize, calls(before)))
             out = np.full(n * count, 99, dtype)      # into one array (the compiled call)
-            counting.calls, before = 0, step.starts
+            counting.calls, before = 0, step.starts + step.data_starts
             comm.all_gather(out, values[comm.rank].copy())
             assert np.array_equal(out, np.concatenate(values)), f"all_gather into one {name}"
             rows.append(("all_gather into one", name, n * count * dtype.itemsize,
@@ -329,3 +340,83 @@ def test_a_carried_broadcast_or_all_gather_that_disagrees_is_refused_on_every_ra
     for rank, error in enumerate(run_ranks(check_carried_mismatches, 2, case)):
         assert error is not None and error.startswith(f"rank {rank}: "), (rank, error)
         assert "disagree" in error, error
+
+
+def check_past_the_room_mismatches(comm, case: str) -> tuple[str | None, bool]:
+    """Mismatches of collectives too large for the envelope, on the compiled call: only the
+    signature rides, and the data call must never start."""
+    step = comm._hot[2]
+    data_before = step.data_starts
+    x = np.ones(100 + (100 * comm.rank if case == "count" else 0), np.float32)
+    try:
+        if case == "count":
+            comm.all_reduce(x, anyccl.ReduceOp.SUM)
+        elif case == "broadcast vs all_gather":
+            if comm.rank == 0:
+                comm.broadcast(x, 0)
+            else:
+                comm.all_gather(np.zeros(100 * comm.size, np.float32), x)
+        else:   # the root
+            comm.broadcast(x, comm.rank)
+    except anyccl.CollectiveMismatchError as exc:
+        error = str(exc)
+    else:
+        error = None
+    y = np.full(300, comm.rank + 1.0)
+    comm.all_reduce(y, anyccl.ReduceOp.SUM)
+    usable = bool((y == comm.size * (comm.size + 1) / 2).all())
+    return error, usable and step.data_starts == data_before + 1
+
+
+@pytest.mark.parametrize("case", ["count", "broadcast vs all_gather", "root"])
+def test_past_the_room_a_mismatch_is_refused_on_every_rank_before_any_data_moves(case):
+    for rank, (error, usable) in enumerate(run_ranks(check_past_the_room_mismatches, 2, case)):
+        assert error is not None and error.startswith(f"rank {rank}: "), (rank, error)
+        assert "disagree" in error, error
+        assert usable, rank
+
+
+def check_late_peers_past_the_room(comm, late: str) -> list[str]:
+    """Rank 1 comes late to collectives past the room: "envelope" (it calls 0.3 s late, so
+    rank 0's envelope is not back within the spin and Python makes the data call), or "data"
+    (it runs the Python path and starts its data call 0.3 s after the envelope, so rank 0's
+    compiled data call is not done within the spin and Python completes its request)."""
+    import time
+
+    backend = comm._engine.backend
+    if comm.rank == 1 and late == "data":
+        for name in ("_all_reduce_call", "_broadcast_call", "_all_gather_call"):
+            call = getattr(backend, name)
+
+            def later(*args, call=call):
+                time.sleep(0.3)
+                return call(*args)
+            setattr(backend, name, later)
+    wrong = []
+    op = anyccl.ReduceOp.AVG if comm.rank == 0 or late == "envelope" else "avg"
+    for count in (17, 4000):
+        if comm.rank == 1 and late == "envelope":
+            time.sleep(0.3)
+        x = np.arange(count, dtype=np.float64) + comm.rank
+        comm.all_reduce(x, op)
+        if not np.allclose(x, np.arange(count) + (comm.size - 1) / 2):
+            wrong.append(f"all_reduce x {count}")
+        if comm.rank == 1 and late == "envelope":
+            time.sleep(0.3)
+        y = np.arange(count, dtype=np.int32) * (comm.rank + 1)
+        comm.broadcast(y, 1)
+        if not np.array_equal(y, np.arange(count) * 2):
+            wrong.append(f"broadcast x {count}")
+        if comm.rank == 1 and late == "envelope":
+            time.sleep(0.3)
+        out = np.zeros(count * comm.size, np.int16)
+        comm.all_gather(out, np.full(count, comm.rank + 5, np.int16))
+        if not np.array_equal(out, np.repeat(np.arange(comm.size) + 5, count)):
+            wrong.append(f"all_gather x {count}")
+    return wrong
+
+
+@pytest.mark.parametrize("late", ["envelope", "data"])
+def test_past_the_room_a_late_peer_is_waited_for_in_python_with_the_same_result(late):
+    for rank, wrong in enumerate(run_ranks(check_late_peers_past_the_room, 2, late)):
+        assert wrong == [], (rank, wrong)

@@ -83,6 +83,10 @@ TABLE: dict[str, Threshold] = {t.key: t for t in (
               "all_reduce on 3 ranks or more from this size: reduce-scatter then all-gather "
               "(2(n-1)/n of the array per rank; MPICH's own all_reduce of 3 ranks sent 2x "
               "from one of them)"),
+    Threshold("mpi.hot_max", "size", 64 * _K,
+              "a blocking all_reduce, broadcast or all_gather of NumPy arrays up to this size "
+              "(x's bytes) runs whole in compiled code: the agreement's envelope, then the "
+              "MPI call, without the Python path between them; above, the Python path"),
     # ipc: CUDA peer memory (backends/ipc/)
     Threshold("ipc.tile", "size", 256 * _K,
               "what one block of an ipc collective moves between two flags"),

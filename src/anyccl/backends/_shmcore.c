@@ -37,6 +37,7 @@
 #include <semaphore.h>
 #include <stdint.h>
 #include <string.h>
+#include <limits.h>
 #include <sched.h>
 #include <time.h>
 
@@ -648,11 +649,29 @@ static PyTypeObject StagingType = {
  * written), 0
  * started but not done within the spin (the caller's Python completes it), 3 an MPI call
  * failed (not started, or no longer known). The MPI library's own threads and error handler
- * are not touched: the request is the one the backend's Python also starts and tests. */
+ * are not touched: the request is the one the backend's Python also starts and tests.
+ *
+ * With `calls` (the addresses of MPI_Iallreduce, MPI_Ibcast and MPI_Iallgather, the handles of
+ * the communicator and of MPI_BYTE, and the largest x it takes, data_max), a collective too
+ * large for the envelope runs here too: the envelope carries its signature alone (code -1, as
+ * the backend's start_agreement fills it), and once every rank agreed, the data call is started
+ * on the data request and tested for the spin. Its buffers never alias: an all_reduce sends a
+ * copy of x (`scratch`) and receives into x; an all_gather whose x is its own piece of out
+ * sends a copy. Status 4: the data call started, not done within the spin (the caller's Python
+ * completes the request `data_request` names); 0 then means the envelope was not back, the
+ * data call not started. Handles are passed as the integers mpi4py gives (an int in MPICH's
+ * ABI, a pointer in Open MPI's: both travel in one integer register or stack word). */
 enum { HOT_ALL_REDUCE, HOT_BROADCAST, HOT_ALL_GATHER };   /* Backend.HOT_KINDS, in order */
 
 typedef int (*mpi_start_fn)(void *request);
 typedef int (*mpi_test_fn)(void *request, int *flag, void *status);
+typedef int (*mpi_iallreduce_fn)(const void *send, void *recv, int count, uintptr_t datatype,
+                                 uintptr_t op, uintptr_t comm, void *request);
+typedef int (*mpi_ibcast_fn)(void *buffer, int count, uintptr_t datatype, int root,
+                             uintptr_t comm, void *request);
+typedef int (*mpi_iallgather_fn)(const void *send, int send_count, uintptr_t send_type,
+                                 void *recv, int recv_count, uintptr_t recv_type, uintptr_t comm,
+                                 void *request);
 
 typedef struct {
     PyObject_HEAD
@@ -666,6 +685,15 @@ typedef struct {
     long long bytes_code;            /* the envelope's code of bitwise OR over bytes */
     unsigned long long spin_ns, starts;
     int yields;
+    /* the data calls (NULL: only what fits the envelope runs here) */
+    mpi_iallreduce_fn iallreduce;
+    mpi_ibcast_fn ibcast;
+    mpi_iallgather_fn iallgather;
+    uintptr_t comm, byte;
+    Py_ssize_t data_max, request_len;
+    char *scratch;                   /* data_max bytes: what an all_reduce or all_gather sends */
+    unsigned char data_request[16];  /* the data call's MPI_Request */
+    unsigned long long data_starts;
 } MpiStep;
 
 static int mpi_step_init(MpiStep *self, PyObject *args, PyObject *kwds) {
@@ -673,15 +701,44 @@ static int mpi_step_init(MpiStep *self, PyObject *args, PyObject *kwds) {
     Py_buffer handle, out, into;
     Py_ssize_t rank, size;
     int yields;
+    PyObject *calls = Py_None;
+    unsigned long long iallreduce = 0, ibcast = 0, iallgather = 0, comm = 0, byte = 0;
+    Py_ssize_t data_max = 0;
     (void)kwds;
-    if (!PyArg_ParseTuple(args, "KKy*w*w*nnKp", &start, &test, &handle, &out, &into, &rank,
-                          &size, &spin_ns, &yields))
+    if (!PyArg_ParseTuple(args, "KKy*w*w*nnKp|O", &start, &test, &handle, &out, &into, &rank,
+                          &size, &spin_ns, &yields, &calls))
         return -1;
+    if (calls != Py_None
+        && (!PyTuple_Check(calls)
+            || !PyArg_ParseTuple(calls, "KKKKKn", &iallreduce, &ibcast, &iallgather, &comm,
+                                 &byte, &data_max)
+            || iallreduce == 0 || ibcast == 0 || iallgather == 0 || data_max < 1
+            || data_max > INT_MAX)) {
+        PyErr_Clear();
+        data_max = -1;   /* reported as bad arguments below */
+    }
     int bad = handle.len < 1 || handle.len > (Py_ssize_t)sizeof(self->request)
               || out.len != ENVELOPE_BYTES || into.len != ENVELOPE_BYTES || size < 2
               || rank < 0 || rank >= size
-              || start == 0 || test == 0 || ((uintptr_t)out.buf | (uintptr_t)into.buf) % 8;
+              || start == 0 || test == 0 || ((uintptr_t)out.buf | (uintptr_t)into.buf) % 8
+              || data_max < 0;
+    char *scratch = NULL;
+    if (!bad && data_max > 0) {
+        scratch = PyMem_Malloc((size_t)data_max);
+        bad = scratch == NULL;
+    }
     if (!bad) {
+        PyMem_Free(self->scratch);
+        self->scratch = scratch;
+        self->iallreduce = (mpi_iallreduce_fn)(uintptr_t)iallreduce;
+        self->ibcast = (mpi_ibcast_fn)(uintptr_t)ibcast;
+        self->iallgather = (mpi_iallgather_fn)(uintptr_t)iallgather;
+        self->comm = (uintptr_t)comm;
+        self->byte = (uintptr_t)byte;
+        self->data_max = data_max;
+        self->request_len = handle.len;
+        self->data_starts = 0;
+        memset(self->data_request, 0, sizeof(self->data_request));
         memset(self->request, 0, sizeof(self->request));
         memcpy(self->request, handle.buf, (size_t)handle.len);
         self->start = (mpi_start_fn)(uintptr_t)start;
@@ -707,6 +764,7 @@ static int mpi_step_init(MpiStep *self, PyObject *args, PyObject *kwds) {
 }
 
 static void mpi_step_dealloc(MpiStep *self) {
+    PyMem_Free(self->scratch);
     Py_XDECREF(self->keep);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
@@ -714,7 +772,30 @@ static void mpi_step_dealloc(MpiStep *self) {
 static PyMemberDef mpi_step_members[] = {
     {"starts", T_ULONGLONG, offsetof(MpiStep, starts), READONLY,
      "envelopes started here (the step's own count)"},
+    {"data_starts", T_ULONGLONG, offsetof(MpiStep, data_starts), READONLY,
+     "data calls started here, after an envelope that carried the signature alone"},
+    {"data_max", T_PYSSIZET, offsetof(MpiStep, data_max), READONLY,
+     "the largest x whose data call runs here (0: none, only what fits the envelope)"},
     {NULL, 0, 0, 0, NULL},
+};
+
+static PyObject *mpi_step_data_request(MpiStep *self, PyObject *unused) {
+    (void)unused;
+    uint64_t wide = 0;
+    uint32_t narrow = 0;
+    if (self->request_len == 4) {   /* the handle's bytes, as the backend wrote them */
+        memcpy(&narrow, self->data_request, 4);
+        wide = narrow;
+    } else {
+        memcpy(&wide, self->data_request, sizeof(wide));
+    }
+    return PyLong_FromUnsignedLongLong(wide);
+}
+
+static PyMethodDef mpi_step_methods[] = {
+    {"data_request", (PyCFunction)mpi_step_data_request, METH_NOARGS,
+     "the handle of the data call's request (status 4: started, not done), as an integer"},
+    {NULL, NULL, 0, NULL},
 };
 
 static PyTypeObject MpiStepType = {
@@ -728,18 +809,61 @@ static PyTypeObject MpiStepType = {
     .tp_init = (initproc)mpi_step_init,
     .tp_dealloc = (destructor)mpi_step_dealloc,
     .tp_members = mpi_step_members,
+    .tp_methods = mpi_step_methods,
 };
 
-/* One collective of `kind` in the envelope: x (nbytes); an all_reduce with signature (word,
- * count) and the core's (dtype, op) codes, `divide` an AVG of floats, divided by the ranks
- * after; a broadcast from `root`; an all_gather into `out` (size * nbytes). The caller has
- * checked that it fits the envelope's room. */
+/* Test `request` until done or spin_ns passed: 1 done, 0 not yet, 3 MPI_Test failed. */
+static long mpi_step_wait(MpiStep *m, void *request) {
+    int flag = 0;
+    uint64_t until = now_ns() + m->spin_ns;
+    while (1) {
+        if (m->test(request, &flag, m->status) != 0) return 3;
+        if (flag) return 1;
+        if (now_ns() >= until) return 0;
+        if (m->yields) sched_yield();
+    }
+}
+
+/* The data call of a collective whose data did not fit the envelope, once every rank agreed:
+ * started on the data request, then tested for the spin (1 done, 4 not yet, 3 MPI failed). */
+static long mpi_step_data(MpiStep *m, int kind, char *x, char *whole, Py_ssize_t nbytes,
+                          Py_ssize_t count, uintptr_t datatype, uintptr_t op, long root) {
+    int rc;
+    void *request = m->data_request;
+    if (kind == HOT_ALL_REDUCE) {
+        memcpy(m->scratch, x, (size_t)nbytes);
+        rc = m->iallreduce(m->scratch, x, (int)count, datatype, op, m->comm, request);
+    } else if (kind == HOT_BROADCAST) {
+        rc = m->ibcast(x, (int)nbytes, m->byte, (int)root, m->comm, request);
+    } else {
+        const char *send = x;
+        Py_ssize_t span = nbytes * m->size;
+        if (x + nbytes > whole && whole + span > x) {   /* x is its own piece of out */
+            memcpy(m->scratch, x, (size_t)nbytes);
+            send = m->scratch;
+        }
+        rc = m->iallgather(send, (int)nbytes, m->byte, whole, (int)nbytes, m->byte, m->comm,
+                           request);
+    }
+    if (rc != 0) return 3;
+    m->data_starts++;
+    long st = mpi_step_wait(m, request);
+    return st == 0 ? 4 : st;
+}
+
+/* One collective of `kind`: x (nbytes); an all_reduce with signature (word, count) and the
+ * core's (dtype, op) codes, `divide` an AVG of floats, divided by the ranks after, and the
+ * MPI datatype and op its data call takes; a broadcast from `root`; an all_gather into `out`
+ * (size * nbytes). In the envelope where it fits; else the envelope with its signature, then
+ * the data call (the caller has checked that it is at most data_max). */
 static long mpi_step_run(MpiStep *m, int kind, PyObject *x, PyObject *out, Py_ssize_t nbytes,
                          long long word, Py_ssize_t count, long long dtype, long long op,
-                         int divide, long root) {
+                         int divide, long root, uintptr_t mpi_type, uintptr_t mpi_op) {
     const Py_ssize_t head = 8 * ENVELOPE_WORDS;
     Py_ssize_t span = kind == HOT_ALL_GATHER ? nbytes * m->size : nbytes;
-    if (span > ENVELOPE_BYTES - head || (kind == HOT_ALL_REDUCE && (dtype < 0 || dtype >= N_DTYPES)))
+    int carried = span <= ENVELOPE_BYTES - head;
+    if ((!carried && (nbytes > m->data_max || m->iallreduce == NULL))
+        || (kind == HOT_ALL_REDUCE && (dtype < 0 || dtype >= N_DTYPES)))
         return 3;
     Py_buffer view, whole;
     if (PyObject_GetBuffer(x, &view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) return -1;
@@ -750,7 +874,10 @@ static long mpi_step_run(MpiStep *m, int kind, PyObject *x, PyObject *out, Py_ss
     }
     char *data = (char *)m->out + head;
     m->out[0] = word;
-    if (kind == HOT_ALL_REDUCE) {
+    if (!carried) {   /* the signature alone: word, count, code -1 (start_agreement's) */
+        m->out[1] = count;
+        m->out[2] = -1;
+    } else if (kind == HOT_ALL_REDUCE) {
         m->out[1] = count;
         m->out[2] = dtype * N_OPS + op;
         memcpy(data, view.buf, (size_t)nbytes);
@@ -767,22 +894,14 @@ static long mpi_step_run(MpiStep *m, int kind, PyObject *x, PyObject *out, Py_ss
     long status = 3;
     if (m->start(m->request) == 0) {
         m->starts++;
-        int flag = 0;
-        uint64_t until = now_ns() + m->spin_ns;
-        while (1) {
-            if (m->test(m->request, &flag, m->status) != 0) break;
-            if (flag) {
-                status = m->into[3] ? 2 : 1;
-                break;
-            }
-            if (now_ns() >= until) {
-                status = 0;
-                break;
-            }
-            if (m->yields) sched_yield();
-        }
+        status = mpi_step_wait(m, m->request);
+        if (status == 1 && m->into[3]) status = 2;
     }
-    if (status == 1) {
+    if (status == 1 && !carried) {
+        status = mpi_step_data(m, kind, (char *)view.buf,
+                               kind == HOT_ALL_GATHER ? (char *)whole.buf : NULL, nbytes, count,
+                               mpi_type, mpi_op, root);
+    } else if (status == 1) {
         const char *got = (const char *)m->into + head;
         if (kind == HOT_ALL_GATHER) {
             memcpy(whole.buf, got, (size_t)span);
@@ -790,13 +909,15 @@ static long mpi_step_run(MpiStep *m, int kind, PyObject *x, PyObject *out, Py_ss
             if (root != m->rank) memcpy(view.buf, got, (size_t)nbytes);
         } else {
             memcpy(view.buf, got, (size_t)nbytes);
-            if (divide && dtype == F32) {
-                float *o = (float *)view.buf;
-                for (Py_ssize_t i = 0; i < count; i++) o[i] = o[i] / (float)m->size;
-            } else if (divide && dtype == F64) {
-                double *o = (double *)view.buf;
-                for (Py_ssize_t i = 0; i < count; i++) o[i] = o[i] / (double)m->size;
-            }
+        }
+    }
+    if (status == 1 && kind == HOT_ALL_REDUCE && divide) {
+        if (dtype == F32) {
+            float *o = (float *)view.buf;
+            for (Py_ssize_t i = 0; i < count; i++) o[i] = o[i] / (float)m->size;
+        } else if (dtype == F64) {
+            double *o = (double *)view.buf;
+            for (Py_ssize_t i = 0; i < count; i++) o[i] = o[i] / (double)m->size;
         }
     }
     if (kind == HOT_ALL_GATHER) PyBuffer_Release(&whole);
@@ -1031,15 +1152,20 @@ static int hot_run(PyObject **ctx, PyObject *comm, Py_ssize_t kind, PyObject *ki
         Py_DECREF(agree);
         if (bad) return -1;
         long long dt = -1, op = -1;
+        uintptr_t mpi_type = 0, mpi_op = 0;   /* (dt, op, divide[, MPI datatype, MPI op]) */
         int divide = 0;
         if (kind == HOT_ALL_REDUCE) {
             dt = PyLong_AsLongLong(PyTuple_GET_ITEM(codes, 0));
             op = PyLong_AsLongLong(PyTuple_GET_ITEM(codes, 1));
             divide = PyTuple_GET_SIZE(codes) > 2 && PyObject_IsTrue(PyTuple_GET_ITEM(codes, 2));
+            if (PyTuple_GET_SIZE(codes) > 4) {
+                mpi_type = (uintptr_t)PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(codes, 3));
+                mpi_op = (uintptr_t)PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(codes, 4));
+            }
         }
         if (PyErr_Occurred()) return -1;
         long st = mpi_step_run((MpiStep *)ctx[HOT_STAGING], (int)kind, x, arg, nbytes, bits,
-                               count, dt, op, divide, root);
+                               count, dt, op, divide, root, mpi_type, mpi_op);
         if (st < 0) return -1;
         if (st != 1) {   /* not done within the spin, the signatures differed, MPI failed */
             PyObject *code = PyLong_FromLong(st);
@@ -1177,7 +1303,10 @@ static PyObject *hot(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
         codes = PyDict_GetItemWithError(ctx[HOT_REDUCTIONS], key);
         Py_DECREF(key);
     }
-    if (dbits_obj == NULL || (kind == HOT_ALL_REDUCE && codes == NULL)) {
+    /* an mpi all_reduce past the envelope's room needs its data call's MPI datatype and op */
+    if (dbits_obj == NULL || (kind == HOT_ALL_REDUCE && codes == NULL)
+        || (mpi && kind == HOT_ALL_REDUCE && nbytes > ENVELOPE_BYTES - 8 * ENVELOPE_WORDS
+            && (!PyTuple_Check(codes) || PyTuple_GET_SIZE(codes) < 5))) {
         Py_DECREF(dtype);
         if (PyErr_Occurred()) return NULL;
         Py_RETURN_NONE;

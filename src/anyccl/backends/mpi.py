@@ -353,6 +353,7 @@ class MpiBackend(PolledMessages, Backend):
         self._signature_max = array.array("q", bytes(32))  # every rank's, reduced
         self._envelope: Envelope | None = None
         self._env_request: Any = None
+        self._step: Any = None   # the compiled step (hot_context), once made
         if self._agrees:
             self._make_envelope()
 
@@ -387,24 +388,38 @@ class MpiBackend(PolledMessages, Backend):
         same request, the same envelope, the same words). None without the compiled core,
         the envelope's persistent request or the MPI library's own MPI_Start and MPI_Test to
         call."""
-        step = self._hot_step()
+        step = self._step = self._hot_step()
         if step is None:
             return None
         from . import _shmcore
         env = self._envelope
+        largest = max(step.data_max, env.room)   # x's bytes
         more = {"all_reduce": ", op={0.name}", "broadcast": ", src={}", "all_gather": ""}
-        too_large = {"all_reduce": 1 << 62, "broadcast": env.room + 1,   # x's bytes: not hot
-                     "all_gather": env.room // self.size + 1}
+        too_large = {"all_reduce": largest + 1, "broadcast": largest + 1,
+                     "all_gather": (largest if step.data_max else env.room // self.size) + 1}
         kinds = tuple((name, agreement.NAME_BITS[name], 0, more[name], too_large[name])
                       for name in self.HOT_KINDS)
         sum_codes = {dtype: codes for (dtype, op), codes in env.codes.items()
                      if op is ReduceOp.SUM}
         reductions = {(dtype, op): (*(sum_codes[dtype] if op is ReduceOp.AVG else codes),
-                                    op is ReduceOp.AVG)
+                                    op is ReduceOp.AVG, *self._data_call_handles(op, dtype))
                       for (dtype, op), codes in env.codes.items()}
         return _shmcore.hot, (engine, self, step, log, OpRecord, about_text, agreement.DTYPE_BITS,
                                 reductions, np.ndarray, ReduceOp, float(engine.timeout_s),
-                                env.room, kinds, self._hot_rest, engine.failed)
+                                largest, kinds, self._hot_rest, engine.failed)
+
+    def _handle(self, obj: Any) -> int:
+        """The MPI handle of mpi4py's `obj` as the unsigned integer the compiled calls pass."""
+        return obj.handle % (1 << 8 * self.MPI._sizeof(type(obj)))
+
+    def _data_call_handles(self, op: ReduceOp, dtype: np.dtype) -> tuple[int, ...]:
+        """(MPI datatype, MPI op) handles of the all_reduce of `dtype` with `op` where the
+        compiled step may call MPI with them (the MPI library's own datatype and op); () where
+        not (anyccl's Python kernel: the Python path)."""
+        mpi_type, mpi_op = self._reduction(op, dtype)
+        if mpi_op in self._types:      # made from a Python function
+            return ()
+        return self._handle(mpi_type), self._handle(mpi_op)
 
     def _hot_step(self) -> Any:
         """The compiled envelope step over this backend's persistent request, or None."""
@@ -417,28 +432,52 @@ class MpiBackend(PolledMessages, Backend):
             if lib is None or not hasattr(_shmcore, "MpiStep"):
                 return None
             mpi = ctypes.CDLL(lib)
-            start, test = (ctypes.cast(getattr(mpi, name), ctypes.c_void_p).value
-                           for name in ("MPI_Start", "MPI_Test"))
+            start, test, iallreduce, ibcast, iallgather = (
+                ctypes.cast(getattr(mpi, name), ctypes.c_void_p).value
+                for name in ("MPI_Start", "MPI_Test", "MPI_Iallreduce", "MPI_Ibcast",
+                             "MPI_Iallgather"))
             width = self.MPI._sizeof(self.MPI.Request)
-            handle = (request.handle % (1 << 8 * width)).to_bytes(width, sys.byteorder)
+            handle = self._handle(request).to_bytes(width, sys.byteorder)
+            hot_max = tuning.value("mpi.hot_max")
+            calls = (iallreduce, ibcast, iallgather, self._handle(self._comm),
+                     self._handle(self.MPI.BYTE), hot_max) if hot_max > 0 else None
             return _shmcore.MpiStep(start, test, handle, self._env_out, self._env_in,
                                     self.rank, self.size, int(self._spin_s * 1e9),
-                                    self._yields)
+                                    self._yields, calls)
         except Exception:  # noqa: BLE001 - whatever stops it, the Python path runs
             return None
 
     def _hot_rest(self, x: np.ndarray, record: OpRecord, arg: Any, status: int) -> None:
         """What the compiled step left of a hot collective (arg: an all_reduce's op, a
         broadcast's root, an all_gather's output): 0, the envelope started but not back within
-        the spin (waited for here, then read); 2, the signatures differed (every rank says
-        what each called); 3, an MPI call failed."""
+        the spin (waited for here, then read, or the data call made here where the data did
+        not ride in it); 4, the data call started but not done within the spin (completed
+        here); 2, the signatures differed (every rank says what each called); 3, an MPI call
+        failed."""
         if status == 3:
-            raise AnycclError(f"rank {self.rank}: {record}: MPI_Start or MPI_Test failed on "
-                              f"the agreement's envelope (mpi backend)")
+            raise AnycclError(f"rank {self.rank}: {record}: an MPI call failed in the compiled "
+                              f"step (MPI_Start or MPI_Test of the agreement's envelope, or the "
+                              f"collective's own call) (mpi backend)")
+        op = arg if isinstance(arg, ReduceOp) else None
+        if status == 4:
+            request = self.MPI.Request.fromhandle(self._step.data_request())
+            self._complete(request, f"the other ranks' {record.name}")
+            if op is not None:
+                finish_op(x, op, self.size)
+            return
         if status == 0:
             self._complete(self._env_request, "the other ranks to reach the collective")
         if self._env_got[3]:
             self._disagree(record.agree)
+        span = arg.nbytes if type(arg) is np.ndarray else x.nbytes
+        if span > self._envelope.room:   # the signature alone rode: the data call now
+            if op is not None:
+                self._all_reduce_call(x, op)
+            elif type(arg) is int:
+                self._broadcast_call(x, arg)
+            else:
+                self._all_gather_call(arg, x)
+            return
         head, got = 8 * Envelope.WORDS, self._env_in_bytes
         if type(arg) is np.ndarray:                 # all_gather: every piece, into out
             _byte_view(arg)[:] = got[head:head + arg.nbytes]
@@ -754,6 +793,10 @@ class MpiBackend(PolledMessages, Backend):
         if record is not self._record and self._enter(
                 record, lambda agree: self._carry(agree, x, op)):
             return
+        self._all_reduce_call(x, op)
+
+    def _all_reduce_call(self, x: np.ndarray, op: ReduceOp) -> None:
+        """The all_reduce's own MPI call, once the ranks agreed."""
         _, mpi_op = self._reduction(op, x.dtype)
         self._complete(self._comm.Iallreduce(self.MPI.IN_PLACE, self._reduced(x, op), mpi_op),
                        "the other ranks' all_reduce")
@@ -776,6 +819,10 @@ class MpiBackend(PolledMessages, Backend):
                 x.nbytes, x, 0 if self.rank == root else None,
                 lambda: () if self.rank == root else ((0, x),))):
             return
+        self._broadcast_call(x, root)
+
+    def _broadcast_call(self, x: np.ndarray, root: int) -> None:
+        """The broadcast's own MPI call, once the ranks agreed."""
         self._complete(self._comm.Ibcast(self._bytes(x), root), f"rank {root}'s broadcast")
 
     def all_gather(self, outs: list[np.ndarray], x: np.ndarray, record: OpRecord) -> None:
@@ -785,6 +832,13 @@ class MpiBackend(PolledMessages, Backend):
                 lambda: tuple((q * x.nbytes, out) for q, out in enumerate(outs)
                               if q != self.rank or not np.may_share_memory(out, x)))):
             return
+        self._all_gather_call(outs, x)
+
+    def _all_gather_call(self, outs: list[np.ndarray] | np.ndarray, x: np.ndarray) -> None:
+        """The all_gather's own MPI call, once the ranks agreed (outs: one array per rank, or
+        one array holding every rank's piece in order)."""
+        if isinstance(outs, np.ndarray):
+            outs = list(outs.reshape(self.size, -1))
         whole, scatter_back = _joined(outs)
         if x.size and np.may_share_memory(outs[self.rank], x):
             if scatter_back is not None:
