@@ -672,6 +672,14 @@ typedef int (*mpi_ibcast_fn)(void *buffer, int count, uintptr_t datatype, int ro
 typedef int (*mpi_iallgather_fn)(const void *send, int send_count, uintptr_t send_type,
                                  void *recv, int recv_count, uintptr_t recv_type, uintptr_t comm,
                                  void *request);
+typedef int (*mpi_isend_fn)(const void *buf, int count, uintptr_t datatype, int dest, int tag,
+                            uintptr_t comm, void *request);
+typedef int (*mpi_irecv_fn)(void *buf, int count, uintptr_t datatype, int source, int tag,
+                            uintptr_t comm, void *request);
+typedef int (*mpi_cancel_fn)(void *request);
+typedef int (*mpi_wait_fn)(void *request, void *status);
+typedef int (*mpi_test_cancelled_fn)(const void *status, int *flag);
+typedef int (*mpi_get_count_fn)(const void *status, uintptr_t datatype, int *count);
 
 typedef struct {
     PyObject_HEAD
@@ -694,6 +702,17 @@ typedef struct {
     char *scratch;                   /* data_max bytes: what an all_reduce or all_gather sends */
     unsigned char data_request[16];  /* the data call's MPI_Request */
     unsigned long long data_starts;
+    /* a sendrecv's messages (NULL: sendrecv takes the Python path) */
+    mpi_isend_fn isend;
+    mpi_irecv_fn irecv;
+    mpi_cancel_fn cancel;
+    mpi_wait_fn wait;
+    mpi_test_cancelled_fn test_cancelled;
+    mpi_get_count_fn get_count;
+    unsigned char send_request[16], recv_request[16];
+    unsigned char recv_status[512];
+    unsigned long long exchanges;
+    Py_ssize_t exchange_max;         /* the largest message a sendrecv posts here */
 } MpiStep;
 
 static int mpi_step_init(MpiStep *self, PyObject *args, PyObject *kwds) {
@@ -701,14 +720,26 @@ static int mpi_step_init(MpiStep *self, PyObject *args, PyObject *kwds) {
     Py_buffer handle, out, into;
     Py_ssize_t rank, size;
     int yields;
-    PyObject *calls = Py_None;
+    PyObject *calls = Py_None, *messages = Py_None;
     unsigned long long iallreduce = 0, ibcast = 0, iallgather = 0, comm = 0, byte = 0;
+    unsigned long long isend = 0, irecv = 0, cancel = 0, wait = 0, test_cancelled = 0,
+                       get_count = 0;
+    Py_ssize_t exchange_max = 0;
     Py_ssize_t data_max = 0;
     (void)kwds;
-    if (!PyArg_ParseTuple(args, "KKy*w*w*nnKp|O", &start, &test, &handle, &out, &into, &rank,
-                          &size, &spin_ns, &yields, &calls))
+    if (!PyArg_ParseTuple(args, "KKy*w*w*nnKp|OO", &start, &test, &handle, &out, &into, &rank,
+                          &size, &spin_ns, &yields, &calls, &messages))
         return -1;
-    if (calls != Py_None
+    if (messages != Py_None
+        && (!PyTuple_Check(messages)
+            || !PyArg_ParseTuple(messages, "KKKKKKn", &isend, &irecv, &cancel, &wait,
+                                 &test_cancelled, &get_count, &exchange_max)
+            || exchange_max < 0
+            || !isend || !irecv || !cancel || !wait || !test_cancelled || !get_count)) {
+        PyErr_Clear();
+        data_max = -1;   /* reported as bad arguments below */
+    }
+    if (data_max >= 0 && calls != Py_None
         && (!PyTuple_Check(calls)
             || !PyArg_ParseTuple(calls, "KKKKKn", &iallreduce, &ibcast, &iallgather, &comm,
                                  &byte, &data_max)
@@ -739,6 +770,14 @@ static int mpi_step_init(MpiStep *self, PyObject *args, PyObject *kwds) {
         self->request_len = handle.len;
         self->data_starts = 0;
         memset(self->data_request, 0, sizeof(self->data_request));
+        self->isend = (mpi_isend_fn)(uintptr_t)isend;
+        self->irecv = (mpi_irecv_fn)(uintptr_t)irecv;
+        self->cancel = (mpi_cancel_fn)(uintptr_t)cancel;
+        self->wait = (mpi_wait_fn)(uintptr_t)wait;
+        self->test_cancelled = (mpi_test_cancelled_fn)(uintptr_t)test_cancelled;
+        self->get_count = (mpi_get_count_fn)(uintptr_t)get_count;
+        self->exchanges = 0;
+        self->exchange_max = exchange_max;
         memset(self->request, 0, sizeof(self->request));
         memcpy(self->request, handle.buf, (size_t)handle.len);
         self->start = (mpi_start_fn)(uintptr_t)start;
@@ -774,22 +813,29 @@ static PyMemberDef mpi_step_members[] = {
      "envelopes started here (the step's own count)"},
     {"data_starts", T_ULONGLONG, offsetof(MpiStep, data_starts), READONLY,
      "data calls started here, after an envelope that carried the signature alone"},
+    {"exchanges", T_ULONGLONG, offsetof(MpiStep, exchanges), READONLY,
+     "sendrecvs whose messages were posted here"},
     {"data_max", T_PYSSIZET, offsetof(MpiStep, data_max), READONLY,
      "the largest x whose data call runs here (0: none, only what fits the envelope)"},
     {NULL, 0, 0, 0, NULL},
 };
 
-static PyObject *mpi_step_data_request(MpiStep *self, PyObject *unused) {
-    (void)unused;
+/* The handle in `bytes` (an MPI_Request as the MPI library wrote it) as an integer. */
+static PyObject *request_handle(MpiStep *self, const unsigned char *bytes) {
     uint64_t wide = 0;
     uint32_t narrow = 0;
-    if (self->request_len == 4) {   /* the handle's bytes, as the backend wrote them */
-        memcpy(&narrow, self->data_request, 4);
+    if (self->request_len == 4) {
+        memcpy(&narrow, bytes, 4);
         wide = narrow;
     } else {
-        memcpy(&wide, self->data_request, sizeof(wide));
+        memcpy(&wide, bytes, sizeof(wide));
     }
     return PyLong_FromUnsignedLongLong(wide);
+}
+
+static PyObject *mpi_step_data_request(MpiStep *self, PyObject *unused) {
+    (void)unused;
+    return request_handle(self, self->data_request);
 }
 
 static PyMethodDef mpi_step_methods[] = {
@@ -1344,15 +1390,18 @@ static PyObject *hot(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
  * Returns src when done; None when the call is not that common case (nothing was done);
  * what the core did not finish (a full ring, a message not there within the spin, another
  * one first) goes on in Python (ctx's `rest`, the drive lock held). Raises what the operation
- * raised, after the engine's failure handling. ctx: shm.ShmBackend.exchange_context. */
+ * raised, after the engine's failure handling. ctx: shm.ShmBackend.exchange_context, or
+ * mpi.MpiBackend.exchange_context, whose step (X_STEP) posts the messages to MPI instead
+ * (mpi_exchange_core). */
 enum {
     X_ENGINE, X_BACKEND, X_LOG, X_RECORD, X_TEXT, X_SEQS, X_CODES, X_NDARRAY, X_REST,
-    X_FAILED, X_NAME, X_RANK, X_SIZE_OF, X_SIZE
+    X_FAILED, X_NAME, X_RANK, X_SIZE_OF, X_STEP, X_SIZE
 };
+/* X_STEP: None (shm: the core's rings), or the mpi backend's MpiStep: the messages are MPI's */
 
 static PyObject *x_held, *x_queue, *x_batched, *x_sendq, *x_send_lanes, *x_sent, *x_posted,
     *x_posted_any, *x_unexpected, *x_incoming, *x_take_lanes, *x_consumed, *x_arrivals,
-    *x_spin_ns;
+    *x_spin_ns, *x_pending, *x_tag_limit, *x_outcome;
 
 static int exchange_names(void) {
     static int ready = 0;
@@ -1364,7 +1413,8 @@ static int exchange_names(void) {
     NAME(x_posted, "_posted") NAME(x_posted_any, "_posted_any")
     NAME(x_unexpected, "_unexpected") NAME(x_incoming, "_incoming")
     NAME(x_take_lanes, "_take_lanes") NAME(x_consumed, "_consumed")
-    NAME(x_arrivals, "_arrivals") NAME(x_spin_ns, "_spin_ns")
+    NAME(x_arrivals, "_arrivals") NAME(x_spin_ns, "_spin_ns") NAME(x_pending, "_pending")
+    NAME(x_tag_limit, "_tag_limit") NAME(x_outcome, "_exchange_outcome")
 #undef NAME
     ready = 1;
     return 0;
@@ -1462,6 +1512,117 @@ static int exchange_core(PyObject *backend, PyObject *x, Py_ssize_t dst, PyObjec
     return r;
 }
 
+/* The mpi backend's sendrecv (ctx's step an MpiStep), as its post_send and post_recv would
+ * post it: where nothing of the backend's is pending (no earlier message to order behind, no
+ * failed send to report), the tag fits and both messages are at most exchange_max bytes
+ * (mpi.exchange_max), the send leaves from a copy of x (a bytearray,
+ * buffered as post_send's) with MPI_Isend, the receive into y with MPI_Irecv, both under the
+ * tag that also names the dtype (tag * MPI_TAG_CODES + its code), and both are tested for the
+ * spin. 1: both done, the message of y's size. 0: nothing posted (the general way, both). 2: the
+ * receive not there within the spin, taken back with MPI_Cancel (the general way, the
+ * receive, which also reports a message of another dtype). Other outcomes (the send not done
+ * yet, a message of another size) go to the backend's `_exchange_outcome`, which hands the send
+ * over to its pending messages and raises the receive's error: 1 when it returns True, else 2.
+ * -1 on an error to raise. */
+#define MPI_TAG_CODES 16   /* mpi.py's _CODES: the low 4 bits of an MPI tag name the dtype */
+
+static int mpi_exchange_core(MpiStep *m, PyObject *backend, PyObject *record, PyObject *x,
+                             Py_ssize_t dst, PyObject *y, Py_ssize_t src, PyObject *tag,
+                             PyObject *code_x, PyObject *code_y) {
+    int r;
+    if (m->isend == NULL) return 0;
+    if ((r = attr_set(backend, h_late_error, 1)) != 0 || (r = attr_set(backend, x_pending, 0)) != 0)
+        return r < 0 ? -1 : 0;
+    PyObject *limit_obj = PyObject_GetAttr(backend, x_tag_limit);
+    long long limit = limit_obj == NULL ? -1 : PyLong_AsLongLong(limit_obj);
+    Py_XDECREF(limit_obj);
+    long long t = PyLong_AsLongLong(tag), cx = PyLong_AsLongLong(code_x),
+              cy = PyLong_AsLongLong(code_y);
+    if (PyErr_Occurred()) return -1;
+    if (t >= limit || t > (INT_MAX - MPI_TAG_CODES) / MPI_TAG_CODES || m->exchange_max > INT_MAX)
+        return 0;
+    Py_buffer xv, yv;
+    if (PyObject_GetBuffer(x, &xv, PyBUF_C_CONTIGUOUS) < 0) return -1;
+    PyObject *copy = xv.len > m->exchange_max ? NULL
+                                              : PyByteArray_FromStringAndSize(xv.buf, xv.len);
+    Py_ssize_t sent_len = xv.len;
+    PyBuffer_Release(&xv);
+    if (copy == NULL) return PyErr_Occurred() ? -1 : 0;
+    if (PyObject_GetBuffer(y, &yv, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+        Py_DECREF(copy);
+        return -1;
+    }
+    Py_ssize_t want = yv.len;
+    if (want > m->exchange_max
+        || m->isend(PyByteArray_AS_STRING(copy), (int)sent_len, m->byte, (int)dst,
+                    (int)(t * MPI_TAG_CODES + cx), m->comm, m->send_request) != 0) {
+        PyBuffer_Release(&yv);
+        Py_DECREF(copy);
+        return 0;   /* nothing posted: the general way says what is wrong */
+    }
+    m->exchanges++;
+    /* received: 0 not yet, 1 done, -1 not posted or taken back; sent: 0 not yet, 1 done */
+    int sent = 0, received = m->irecv(yv.buf, (int)want, m->byte, (int)src,
+                                      (int)(t * MPI_TAG_CODES + cy), m->comm,
+                                      m->recv_request) == 0 ? 0 : -1;
+    int recv_error = 0, flag = 0;
+    uint64_t until = now_ns() + m->spin_ns;
+    while (1) {
+        if (!sent) {   /* 2: its test failed (reported where it is handed over, pending) */
+            if (m->test(m->send_request, &flag, m->status) != 0)
+                sent = 2;
+            else if (flag)
+                sent = 1;
+        }
+        if (received == 0) {
+            if (m->test(m->recv_request, &flag, m->recv_status) != 0)
+                received = recv_error = 1;   /* a longer message (MPI_ERR_TRUNCATE) */
+            else if (flag)
+                received = 1;
+        }
+        if ((sent || now_ns() >= until) && (received || now_ns() >= until)) break;
+        if (m->yields) sched_yield();
+    }
+    if (received == 0) {   /* not there within the spin: taken back (or it came meanwhile) */
+        int cancelled = 0;
+        if (m->cancel(m->recv_request) == 0 && m->wait(m->recv_request, m->recv_status) == 0
+            && m->test_cancelled(m->recv_status, &cancelled) == 0)
+            received = cancelled ? -1 : 1;
+        else
+            received = recv_error = 1;
+    }
+    int count = -1;
+    if (received == 1 && !recv_error && m->get_count(m->recv_status, m->byte, &count) != 0)
+        count = -1;
+    PyBuffer_Release(&yv);
+    if (sent == 1 && received == 1 && !recv_error && count == want) {
+        Py_DECREF(copy);
+        return 1;
+    }
+    if (sent == 1 && received == -1) {
+        Py_DECREF(copy);
+        return 2;
+    }
+    PyObject *handle = sent == 1 ? Py_NewRef(Py_None) : request_handle(m, m->send_request);
+    PyObject *got = received != 1 ? Py_NewRef(Py_None)
+                    : recv_error || count < 0 ? PyLong_FromLong(-1) : PyLong_FromLong(count);
+    PyObject *src_obj = PyLong_FromSsize_t(src);
+    PyObject *done = NULL;
+    if (handle != NULL && got != NULL && src_obj != NULL) {
+        PyObject *oargs[8] = {backend, record, y, src_obj, tag, handle, copy, got};
+        done = PyObject_VectorcallMethod(x_outcome, oargs, 8 | PY_VECTORCALL_ARGUMENTS_OFFSET,
+                                         NULL);
+    }
+    Py_XDECREF(handle);
+    Py_XDECREF(got);
+    Py_XDECREF(src_obj);
+    Py_DECREF(copy);
+    if (done == NULL) return -1;
+    r = PyObject_IsTrue(done);
+    Py_DECREF(done);
+    return r < 0 ? -1 : r == 1 ? 1 : 2;
+}
+
 /* The exchange itself, the drive lock held: 0 done, -1 on an error to raise (the record then
  * exists when *record_out is set). */
 static int exchange_run(PyObject **ctx, PyObject *x, PyObject *dst, PyObject *y, PyObject *src,
@@ -1498,8 +1659,11 @@ static int exchange_run(PyObject **ctx, PyObject *x, PyObject *dst, PyObject *y,
     Py_XDECREF(issued);
     if (bad) return -1;
     Py_ssize_t d = PyLong_AsSsize_t(dst), s = PyLong_AsSsize_t(src);
-    int r = exchange_core(ctx[X_BACKEND], x, d, y, s, tag, code_x, code_y,
-                          PyLong_AsSsize_t(ctx[X_SIZE_OF]));
+    int r = ctx[X_STEP] != Py_None
+            ? mpi_exchange_core((MpiStep *)ctx[X_STEP], ctx[X_BACKEND], record, x, d, y, s, tag,
+                                code_x, code_y)
+            : exchange_core(ctx[X_BACKEND], x, d, y, s, tag, code_x, code_y,
+                            PyLong_AsSsize_t(ctx[X_SIZE_OF]));
     if (r < 0) return -1;
     if (r != 1) {   /* the rest the general way (HostEngine.exchange_rest) */
         PyObject *rargs[7] = {record, x, dst, y, src, tag, r == 2 ? Py_True : Py_False};
@@ -1515,7 +1679,9 @@ static int exchange_run(PyObject **ctx, PyObject *x, PyObject *dst, PyObject *y,
 }
 
 static PyObject *exchange(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 7 || !PyTuple_Check(args[0]) || PyTuple_GET_SIZE(args[0]) != X_SIZE) {
+    if (nargs != 7 || !PyTuple_Check(args[0]) || PyTuple_GET_SIZE(args[0]) != X_SIZE
+        || (PyTuple_GET_ITEM(args[0], X_STEP) != Py_None
+            && Py_TYPE(PyTuple_GET_ITEM(args[0], X_STEP)) != &MpiStepType)) {
         PyErr_SetString(PyExc_TypeError, "exchange(ctx, comm, x, dst, y, src, tag)");
         return NULL;
     }
@@ -1621,6 +1787,7 @@ PyMODINIT_FUNC PyInit__shmcore(void) {
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
     if (PyModule_AddIntConstant(m, "ENVELOPE_BYTES", ENVELOPE_BYTES) < 0
+        || PyModule_AddIntConstant(m, "MPI_TAG_CODES", MPI_TAG_CODES) < 0
         || PyModule_AddIntConstant(m, "N_OPS", N_OPS) < 0) {
         Py_DECREF(m);
         return NULL;

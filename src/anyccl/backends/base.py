@@ -156,7 +156,7 @@ class Backend(ABC):
         """A compiled call and its context that run a blocking sendrecv of NumPy arrays whole,
         as the communicator, `engine` and this backend would: `call(context, comm, x, dst, y,
         src, tag)` returns src once done, None where it does not take the call (nothing done).
-        None where this transport has none (shm: `_shmcore.exchange`). `log` records each
+        None where this transport has none (shm and mpi: `_shmcore.exchange`). `log` records each
         operation issued; `seqs[(kind, dst, src)]` numbers them (MessageCalls.record)."""
         return None
 

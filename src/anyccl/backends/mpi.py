@@ -58,7 +58,7 @@ from ..errors import (
 from ..ops import ReduceOp, accumulate, dtype_kind, finish
 from ..ops import finish as finish_op
 from ..store import Store
-from ..trace import OpRecord, about_text, format_bytes
+from ..trace import OpRecord, about_text, format_bytes, message_text
 from .base import Backend, Completion, PolledMessages, per_operation
 from .doorbell import PollingBell, cores_available
 from .registry import HostContext
@@ -388,7 +388,7 @@ class MpiBackend(PolledMessages, Backend):
         same request, the same envelope, the same words). None without the compiled core,
         the envelope's persistent request or the MPI library's own MPI_Start and MPI_Test to
         call."""
-        step = self._step = self._hot_step()
+        step = self._step = self._step if self._step is not None else self._hot_step()
         if step is None:
             return None
         from . import _shmcore
@@ -407,6 +407,39 @@ class MpiBackend(PolledMessages, Backend):
         return _shmcore.hot, (engine, self, step, log, OpRecord, about_text, agreement.DTYPE_BITS,
                                 reductions, np.ndarray, ReduceOp, float(engine.timeout_s),
                                 largest, kinds, self._hot_rest, engine.failed)
+
+    def exchange_context(self, engine: Any, log: Callable[[OpRecord], Any],
+                         seqs: Any) -> tuple[Callable, tuple] | None:
+        """`_shmcore.exchange` with this backend's compiled step: a blocking sendrecv of NumPy
+        arrays, where nothing of this backend's is pending, posts both messages from one
+        compiled call (MPI_Isend from a copy, MPI_Irecv) and tests them for the spin; a
+        receive not there by then is taken back (MPI_Cancel) and posted the general way.
+        None without the compiled step."""
+        step = self._step if self._step is not None else self._hot_step()
+        if step is None or step.data_max == 0:
+            return None
+        from . import _shmcore
+        self._step = step
+        return _shmcore.exchange, (engine, self, log, OpRecord, message_text, seqs, _DTYPE_CODE,
+                                   np.ndarray, engine.exchange_rest, engine.exchange_failed,
+                                   "sendrecv", self.rank, self.size, step)
+
+    def _exchange_outcome(self, record: OpRecord, y: np.ndarray, src: int, tag: int,
+                          send: int | None, copy: bytearray, got: int | None) -> bool:
+        """What the compiled sendrecv left: `send`, the handle of its send not done within the
+        spin (handed over to the pending messages, as post_send's, delivered or reported
+        later); `got`, the bytes of the message received (-1: longer than y; None: the
+        receive not done). True when the receive is done; raises where its message had
+        another size."""
+        if send is not None:
+            self._pending.append(_Pending(self.MPI.Request.fromhandle(send), self._late, record,
+                                          record.deadline or time.monotonic() + self._timeout_s,
+                                          None, copy))
+        if got is None:
+            return False
+        if got != y.nbytes:
+            raise self._size_mismatch(y, src, tag, got if got >= 0 else None, record)
+        return True
 
     def _handle(self, obj: Any) -> int:
         """The MPI handle of mpi4py's `obj` as the unsigned integer the compiled calls pass."""
@@ -441,9 +474,15 @@ class MpiBackend(PolledMessages, Backend):
             hot_max = tuning.value("mpi.hot_max")
             calls = (iallreduce, ibcast, iallgather, self._handle(self._comm),
                      self._handle(self.MPI.BYTE), hot_max) if hot_max > 0 else None
+            messages = (*(ctypes.cast(getattr(mpi, name), ctypes.c_void_p).value
+                          for name in ("MPI_Isend", "MPI_Irecv", "MPI_Cancel", "MPI_Wait",
+                                       "MPI_Test_cancelled", "MPI_Get_count")),
+                        tuning.value("mpi.exchange_max"))
+            if calls is None or _shmcore.MPI_TAG_CODES != _CODES:
+                messages = None
             return _shmcore.MpiStep(start, test, handle, self._env_out, self._env_in,
                                     self.rank, self.size, int(self._spin_s * 1e9),
-                                    self._yields, calls)
+                                    self._yields, calls, messages)
         except Exception:  # noqa: BLE001 - whatever stops it, the Python path runs
             return None
 

@@ -940,7 +940,8 @@ class SharedMemoryBackend(Backend):
             return None
         return self._core.exchange, (engine, self, log, OpRecord, message_text, seqs,
                                      _DTYPE_CODE, np.ndarray, engine.exchange_rest,
-                                     engine.exchange_failed, "sendrecv", self.rank, self.size)
+                                     engine.exchange_failed, "sendrecv", self.rank, self.size,
+                                     None)
 
     def _hot_rest(self, x: np.ndarray, record: OpRecord, arg: Any, status: int) -> None:
         """`_core_step_rest` for `_shmcore.hot`: arg is a broadcast's source rank, an
