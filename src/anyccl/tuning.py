@@ -87,10 +87,10 @@ TABLE: dict[str, Threshold] = {t.key: t for t in (
               "a blocking all_reduce, broadcast or all_gather of NumPy arrays up to this size "
               "(x's bytes) runs whole in compiled code: the agreement's envelope, then the "
               "MPI call, without the Python path between them; above, the Python path"),
-    Threshold("mpi.exchange_max", "size", 4 * _K,
+    Threshold("mpi.exchange_max", "size", 64 * _K,
               "a blocking sendrecv of NumPy arrays whose messages are at most this size posts "
-              "both from compiled code (MPI_Isend from a copy, MPI_Irecv); larger ones take "
-              "the Python path (on 2 ranks from 8 KiB the compiled one measured slower)"),
+              "both from compiled code (MPI_Isend from a copy the communicator keeps, "
+              "MPI_Irecv); larger ones take the Python path"),
     # ipc: CUDA peer memory (backends/ipc/)
     Threshold("ipc.tile", "size", 256 * _K,
               "what one block of an ipc collective moves between two flags"),

@@ -713,6 +713,8 @@ typedef struct {
     unsigned char recv_status[512];
     unsigned long long exchanges;
     Py_ssize_t exchange_max;         /* the largest message a sendrecv posts here */
+    PyObject *sendbuf;               /* a bytearray: the copy a sendrecv's send leaves from,
+                                        reused while no send handed over to Python holds it */
 } MpiStep;
 
 static int mpi_step_init(MpiStep *self, PyObject *args, PyObject *kwds) {
@@ -778,6 +780,7 @@ static int mpi_step_init(MpiStep *self, PyObject *args, PyObject *kwds) {
         self->get_count = (mpi_get_count_fn)(uintptr_t)get_count;
         self->exchanges = 0;
         self->exchange_max = exchange_max;
+        Py_CLEAR(self->sendbuf);
         memset(self->request, 0, sizeof(self->request));
         memcpy(self->request, handle.buf, (size_t)handle.len);
         self->start = (mpi_start_fn)(uintptr_t)start;
@@ -804,6 +807,7 @@ static int mpi_step_init(MpiStep *self, PyObject *args, PyObject *kwds) {
 
 static void mpi_step_dealloc(MpiStep *self) {
     PyMem_Free(self->scratch);
+    Py_XDECREF(self->sendbuf);
     Py_XDECREF(self->keep);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
@@ -1515,8 +1519,8 @@ static int exchange_core(PyObject *backend, PyObject *x, Py_ssize_t dst, PyObjec
 /* The mpi backend's sendrecv (ctx's step an MpiStep), as its post_send and post_recv would
  * post it: where nothing of the backend's is pending (no earlier message to order behind, no
  * failed send to report), the tag fits and both messages are at most exchange_max bytes
- * (mpi.exchange_max), the send leaves from a copy of x (a bytearray,
- * buffered as post_send's) with MPI_Isend, the receive into y with MPI_Irecv, both under the
+ * (mpi.exchange_max), the send leaves from a copy of x (the step's bytearray, buffered as
+ * post_send's) with MPI_Isend, the receive into y with MPI_Irecv, both under the
  * tag that also names the dtype (tag * MPI_TAG_CODES + its code), and both are tested for the
  * spin. 1: both done, the message of y's size. 0: nothing posted (the general way, both). 2: the
  * receive not there within the spin, taken back with MPI_Cancel (the general way, the
@@ -1543,28 +1547,53 @@ static int mpi_exchange_core(MpiStep *m, PyObject *backend, PyObject *record, Py
         return 0;
     Py_buffer xv, yv;
     if (PyObject_GetBuffer(x, &xv, PyBUF_C_CONTIGUOUS) < 0) return -1;
-    PyObject *copy = xv.len > m->exchange_max ? NULL
-                                              : PyByteArray_FromStringAndSize(xv.buf, xv.len);
     Py_ssize_t sent_len = xv.len;
+    if (sent_len > m->exchange_max) {
+        PyBuffer_Release(&xv);
+        return 0;
+    }
+    if (m->sendbuf == NULL || PyByteArray_GET_SIZE(m->sendbuf) < sent_len) {
+        Py_XSETREF(m->sendbuf, PyByteArray_FromStringAndSize(
+                                   NULL, sent_len > 4096 ? sent_len : 4096));
+        if (m->sendbuf == NULL) {
+            PyBuffer_Release(&xv);
+            return -1;
+        }
+    }
+    memcpy(PyByteArray_AS_STRING(m->sendbuf), xv.buf, (size_t)sent_len);
     PyBuffer_Release(&xv);
-    if (copy == NULL) return PyErr_Occurred() ? -1 : 0;
+    PyObject *copy = Py_NewRef(m->sendbuf);
     if (PyObject_GetBuffer(y, &yv, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
         Py_DECREF(copy);
         return -1;
     }
     Py_ssize_t want = yv.len;
+    /* the receive first, as MPI_Sendrecv posts them: the peer's message then finds it */
     if (want > m->exchange_max
-        || m->isend(PyByteArray_AS_STRING(copy), (int)sent_len, m->byte, (int)dst,
-                    (int)(t * MPI_TAG_CODES + cx), m->comm, m->send_request) != 0) {
+        || m->irecv(yv.buf, (int)want, m->byte, (int)src, (int)(t * MPI_TAG_CODES + cy),
+                    m->comm, m->recv_request) != 0) {
         PyBuffer_Release(&yv);
         Py_DECREF(copy);
         return 0;   /* nothing posted: the general way says what is wrong */
     }
+    /* received: 0 not yet, 1 done, -1 taken back; sent: 0 not yet, 1 done, 2 its test failed */
+    int sent = 0, received = 0;
+    if (m->isend(PyByteArray_AS_STRING(copy), (int)sent_len, m->byte, (int)dst,
+                 (int)(t * MPI_TAG_CODES + cx), m->comm, m->send_request) != 0) {
+        int cancelled = 0;   /* the receive taken back: nothing of this exchange is left posted */
+        if (m->cancel(m->recv_request) == 0 && m->wait(m->recv_request, m->recv_status) == 0
+            && m->test_cancelled(m->recv_status, &cancelled) == 0 && cancelled) {
+            PyBuffer_Release(&yv);
+            Py_DECREF(copy);
+            return 0;
+        }
+        PyBuffer_Release(&yv);
+        Py_DECREF(copy);
+        PyErr_SetString(PyExc_RuntimeError, "sendrecv: MPI_Isend failed and its receive could "
+                        "not be taken back (mpi backend)");
+        return -1;
+    }
     m->exchanges++;
-    /* received: 0 not yet, 1 done, -1 not posted or taken back; sent: 0 not yet, 1 done */
-    int sent = 0, received = m->irecv(yv.buf, (int)want, m->byte, (int)src,
-                                      (int)(t * MPI_TAG_CODES + cy), m->comm,
-                                      m->recv_request) == 0 ? 0 : -1;
     int recv_error = 0, flag = 0;
     uint64_t until = now_ns() + m->spin_ns;
     while (1) {
@@ -1603,6 +1632,7 @@ static int mpi_exchange_core(MpiStep *m, PyObject *backend, PyObject *record, Py
         Py_DECREF(copy);
         return 2;
     }
+    if (sent != 1) Py_CLEAR(m->sendbuf);   /* the pending send keeps it (`copy`): a new one next */
     PyObject *handle = sent == 1 ? Py_NewRef(Py_None) : request_handle(m, m->send_request);
     PyObject *got = received != 1 ? Py_NewRef(Py_None)
                     : recv_error || count < 0 ? PyLong_FromLong(-1) : PyLong_FromLong(count);
