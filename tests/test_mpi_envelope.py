@@ -420,3 +420,40 @@ def check_late_peers_past_the_room(comm, late: str) -> list[str]:
 def test_past_the_room_a_late_peer_is_waited_for_in_python_with_the_same_result(late):
     for rank, wrong in enumerate(run_ranks(check_late_peers_past_the_room, 2, late)):
         assert wrong == [], (rank, wrong)
+
+
+def check_compiled_beside_python_past_the_room(comm) -> list[str]:
+    """Past the room, rank 0 on the compiled call and rank 1 on the Python path (an op by
+    name, a strided array, a list of outputs): both send the signature alone, then make the
+    same MPI call."""
+    step = comm._hot[2]
+    compiled, before = comm.rank == 0, step.data_starts
+    wrong = []
+    x = np.arange(1000, dtype=np.float32) + comm.rank
+    comm.all_reduce(x, anyccl.ReduceOp.SUM if compiled else "sum")
+    if not np.array_equal(x, 2 * np.arange(1000) + 1):
+        wrong.append("all_reduce")
+    whole = np.zeros(2000, np.int32)
+    y = whole[::2] if not compiled else whole[:1000]
+    y[:] = np.arange(1000) * (comm.rank + 1)
+    comm.broadcast(y, 1)
+    if not np.array_equal(y, np.arange(1000) * 2):
+        wrong.append("broadcast")
+    piece = np.full(300, comm.rank + 3, np.int16)
+    if compiled:
+        out = np.zeros(300 * comm.size, np.int16)
+        comm.all_gather(out, piece)
+        pieces = list(out.reshape(comm.size, -1))
+    else:
+        pieces = [np.zeros(300, np.int16) for _ in range(comm.size)]
+        comm.all_gather(pieces, piece)
+    if any(not (p == q + 3).all() for q, p in enumerate(pieces)):
+        wrong.append("all_gather")
+    if step.data_starts - before != (3 if compiled else 0):
+        wrong.append(f"data calls from compiled code: {step.data_starts - before}")
+    return wrong
+
+
+def test_past_the_room_a_rank_on_the_compiled_call_and_one_on_the_python_path_agree():
+    for rank, wrong in enumerate(run_ranks(check_compiled_beside_python_past_the_room, 2)):
+        assert wrong == [], (rank, wrong)
