@@ -316,6 +316,7 @@ static int reduce_into(void *out, void *const *srcs, Py_ssize_t nsrc, Py_ssize_t
  * and associative as the reduction is: a status once set stays set. */
 #define ENVELOPE_BYTES 96
 #define ENVELOPE_WORDS 4
+#define ENVELOPE_ROOM (ENVELOPE_BYTES - 8 * ENVELOPE_WORDS)   /* the data's bytes at most */
 static const Py_ssize_t envelope_item[N_DTYPES] = {4, 8, 1, 2, 4, 8, 1, 2, 4, 8};
 
 void anyccl_envelope_op(void *in, void *inout, int *len, void *datatype) {
@@ -330,7 +331,7 @@ void anyccl_envelope_op(void *in, void *inout, int *len, void *datatype) {
         if (b[2] < 0) continue;   /* a signature alone */
         int64_t dtype = b[2] / N_OPS, op = b[2] % N_OPS, count = b[1];
         if (dtype >= N_DTYPES || op == AVG || count < 0
-            || count * envelope_item[dtype] > ENVELOPE_BYTES - 8 * ENVELOPE_WORDS) {
+            || count * envelope_item[dtype] > ENVELOPE_ROOM) {
             b[3] = 1;
             continue;
         }
@@ -663,6 +664,8 @@ static PyTypeObject StagingType = {
  * ABI, a pointer in Open MPI's: both travel in one integer register or stack word). */
 enum { HOT_ALL_REDUCE, HOT_BROADCAST, HOT_ALL_GATHER };   /* Backend.HOT_KINDS, in order */
 
+#define MPI_TAG_CODES 16   /* mpi.py's _CODES: the low 4 bits of an MPI tag name the dtype */
+
 typedef int (*mpi_start_fn)(void *request);
 typedef int (*mpi_test_fn)(void *request, int *flag, void *status);
 typedef int (*mpi_iallreduce_fn)(const void *send, void *recv, int count, uintptr_t datatype,
@@ -713,6 +716,7 @@ typedef struct {
     unsigned char recv_status[512];
     unsigned long long exchanges;
     Py_ssize_t exchange_max;         /* the largest message a sendrecv posts here */
+    long long tag_limit;             /* the backend's tags are below this (MPI's TAG_UB) */
     PyObject *sendbuf;               /* a bytearray: the copy a sendrecv's send leaves from,
                                         reused while no send handed over to Python holds it */
 } MpiStep;
@@ -726,17 +730,18 @@ static int mpi_step_init(MpiStep *self, PyObject *args, PyObject *kwds) {
     unsigned long long iallreduce = 0, ibcast = 0, iallgather = 0, comm = 0, byte = 0;
     unsigned long long isend = 0, irecv = 0, cancel = 0, wait = 0, test_cancelled = 0,
                        get_count = 0;
-    Py_ssize_t exchange_max = 0;
-    Py_ssize_t data_max = 0;
+    Py_ssize_t exchange_max = 0, data_max = 0;
+    long long tag_limit = 0;
     (void)kwds;
     if (!PyArg_ParseTuple(args, "KKy*w*w*nnKp|OO", &start, &test, &handle, &out, &into, &rank,
                           &size, &spin_ns, &yields, &calls, &messages))
         return -1;
     if (messages != Py_None
         && (!PyTuple_Check(messages)
-            || !PyArg_ParseTuple(messages, "KKKKKKn", &isend, &irecv, &cancel, &wait,
-                                 &test_cancelled, &get_count, &exchange_max)
-            || exchange_max < 0
+            || !PyArg_ParseTuple(messages, "KKKKKKnL", &isend, &irecv, &cancel, &wait,
+                                 &test_cancelled, &get_count, &exchange_max, &tag_limit)
+            || exchange_max < 0 || exchange_max > INT_MAX || tag_limit < 0
+            || tag_limit > ((long long)INT_MAX + 1) / MPI_TAG_CODES   /* tag * 16 + 15 fits */
             || !isend || !irecv || !cancel || !wait || !test_cancelled || !get_count)) {
         PyErr_Clear();
         data_max = -1;   /* reported as bad arguments below */
@@ -780,6 +785,7 @@ static int mpi_step_init(MpiStep *self, PyObject *args, PyObject *kwds) {
         self->get_count = (mpi_get_count_fn)(uintptr_t)get_count;
         self->exchanges = 0;
         self->exchange_max = exchange_max;
+        self->tag_limit = tag_limit;
         Py_CLEAR(self->sendbuf);
         memset(self->request, 0, sizeof(self->request));
         memcpy(self->request, handle.buf, (size_t)handle.len);
@@ -911,8 +917,8 @@ static long mpi_step_run(MpiStep *m, int kind, PyObject *x, PyObject *out, Py_ss
                          int divide, long root, uintptr_t mpi_type, uintptr_t mpi_op) {
     const Py_ssize_t head = 8 * ENVELOPE_WORDS;
     Py_ssize_t span = kind == HOT_ALL_GATHER ? nbytes * m->size : nbytes;
-    int carried = span <= ENVELOPE_BYTES - head;
-    if ((!carried && (nbytes > m->data_max || m->iallreduce == NULL))
+    int carried = span <= ENVELOPE_ROOM;
+    if ((!carried && nbytes > m->data_max)   /* data_max 0: no data calls here */
         || (kind == HOT_ALL_REDUCE && (dtype < 0 || dtype >= N_DTYPES)))
         return 3;
     Py_buffer view, whole;
@@ -1355,7 +1361,7 @@ static PyObject *hot(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     }
     /* an mpi all_reduce past the envelope's room needs its data call's MPI datatype and op */
     if (dbits_obj == NULL || (kind == HOT_ALL_REDUCE && codes == NULL)
-        || (mpi && kind == HOT_ALL_REDUCE && nbytes > ENVELOPE_BYTES - 8 * ENVELOPE_WORDS
+        || (mpi && kind == HOT_ALL_REDUCE && nbytes > ENVELOPE_ROOM
             && (!PyTuple_Check(codes) || PyTuple_GET_SIZE(codes) < 5))) {
         Py_DECREF(dtype);
         if (PyErr_Occurred()) return NULL;
@@ -1405,7 +1411,7 @@ enum {
 
 static PyObject *x_held, *x_queue, *x_batched, *x_sendq, *x_send_lanes, *x_sent, *x_posted,
     *x_posted_any, *x_unexpected, *x_incoming, *x_take_lanes, *x_consumed, *x_arrivals,
-    *x_spin_ns, *x_pending, *x_tag_limit, *x_outcome;
+    *x_spin_ns, *x_pending, *x_outcome;
 
 static int exchange_names(void) {
     static int ready = 0;
@@ -1418,7 +1424,7 @@ static int exchange_names(void) {
     NAME(x_unexpected, "_unexpected") NAME(x_incoming, "_incoming")
     NAME(x_take_lanes, "_take_lanes") NAME(x_consumed, "_consumed")
     NAME(x_arrivals, "_arrivals") NAME(x_spin_ns, "_spin_ns") NAME(x_pending, "_pending")
-    NAME(x_tag_limit, "_tag_limit") NAME(x_outcome, "_exchange_outcome")
+    NAME(x_outcome, "_exchange_outcome")
 #undef NAME
     ready = 1;
     return 0;
@@ -1528,7 +1534,16 @@ static int exchange_core(PyObject *backend, PyObject *x, Py_ssize_t dst, PyObjec
  * yet, a message of another size) go to the backend's `_exchange_outcome`, which hands the send
  * over to its pending messages and raises the receive's error: 1 when it returns True, else 2.
  * -1 on an error to raise. */
-#define MPI_TAG_CODES 16   /* mpi.py's _CODES: the low 4 bits of an MPI tag name the dtype */
+
+/* Take the posted receive back (MPI_Cancel, then MPI_Wait): 1 cancelled, 0 its message came
+ * first (recv_status holds it), -1 an MPI call failed. */
+static int take_back_receive(MpiStep *m) {
+    int cancelled = 0;
+    if (m->cancel(m->recv_request) != 0 || m->wait(m->recv_request, m->recv_status) != 0
+        || m->test_cancelled(m->recv_status, &cancelled) != 0)
+        return -1;
+    return cancelled != 0;
+}
 
 static int mpi_exchange_core(MpiStep *m, PyObject *backend, PyObject *record, PyObject *x,
                              Py_ssize_t dst, PyObject *y, Py_ssize_t src, PyObject *tag,
@@ -1537,14 +1552,10 @@ static int mpi_exchange_core(MpiStep *m, PyObject *backend, PyObject *record, Py
     if (m->isend == NULL) return 0;
     if ((r = attr_set(backend, h_late_error, 1)) != 0 || (r = attr_set(backend, x_pending, 0)) != 0)
         return r < 0 ? -1 : 0;
-    PyObject *limit_obj = PyObject_GetAttr(backend, x_tag_limit);
-    long long limit = limit_obj == NULL ? -1 : PyLong_AsLongLong(limit_obj);
-    Py_XDECREF(limit_obj);
     long long t = PyLong_AsLongLong(tag), cx = PyLong_AsLongLong(code_x),
               cy = PyLong_AsLongLong(code_y);
     if (PyErr_Occurred()) return -1;
-    if (t >= limit || t > (INT_MAX - MPI_TAG_CODES) / MPI_TAG_CODES || m->exchange_max > INT_MAX)
-        return 0;
+    if (t >= m->tag_limit) return 0;   /* the general way says what is wrong with it */
     Py_buffer xv, yv;
     if (PyObject_GetBuffer(x, &xv, PyBUF_C_CONTIGUOUS) < 0) return -1;
     Py_ssize_t sent_len = xv.len;
@@ -1580,15 +1591,10 @@ static int mpi_exchange_core(MpiStep *m, PyObject *backend, PyObject *record, Py
     int sent = 0, received = 0;
     if (m->isend(PyByteArray_AS_STRING(copy), (int)sent_len, m->byte, (int)dst,
                  (int)(t * MPI_TAG_CODES + cx), m->comm, m->send_request) != 0) {
-        int cancelled = 0;   /* the receive taken back: nothing of this exchange is left posted */
-        if (m->cancel(m->recv_request) == 0 && m->wait(m->recv_request, m->recv_status) == 0
-            && m->test_cancelled(m->recv_status, &cancelled) == 0 && cancelled) {
-            PyBuffer_Release(&yv);
-            Py_DECREF(copy);
-            return 0;
-        }
+        int back = take_back_receive(m);   /* then nothing of this exchange is left posted */
         PyBuffer_Release(&yv);
         Py_DECREF(copy);
+        if (back == 1) return 0;
         PyErr_SetString(PyExc_RuntimeError, "sendrecv: MPI_Isend failed and its receive could "
                         "not be taken back (mpi backend)");
         return -1;
@@ -1613,12 +1619,9 @@ static int mpi_exchange_core(MpiStep *m, PyObject *backend, PyObject *record, Py
         if (m->yields) sched_yield();
     }
     if (received == 0) {   /* not there within the spin: taken back (or it came meanwhile) */
-        int cancelled = 0;
-        if (m->cancel(m->recv_request) == 0 && m->wait(m->recv_request, m->recv_status) == 0
-            && m->test_cancelled(m->recv_status, &cancelled) == 0)
-            received = cancelled ? -1 : 1;
-        else
-            received = recv_error = 1;
+        int back = take_back_receive(m);
+        received = back == 1 ? -1 : 1;
+        recv_error = back < 0;
     }
     int count = -1;
     if (received == 1 && !recv_error && m->get_count(m->recv_status, m->byte, &count) != 0)

@@ -388,7 +388,7 @@ class MpiBackend(PolledMessages, Backend):
         same request, the same envelope, the same words). None without the compiled core,
         the envelope's persistent request or the MPI library's own MPI_Start and MPI_Test to
         call."""
-        step = self._step = self._step if self._step is not None else self._hot_step()
+        step = self._compiled_step()
         if step is None:
             return None
         from . import _shmcore
@@ -415,11 +415,10 @@ class MpiBackend(PolledMessages, Backend):
         compiled call (MPI_Isend from a copy, MPI_Irecv) and tests them for the spin; a
         receive not there by then is taken back (MPI_Cancel) and posted the general way.
         None without the compiled step."""
-        step = self._step if self._step is not None else self._hot_step()
+        step = self._compiled_step()
         if step is None or step.data_max == 0:
             return None
         from . import _shmcore
-        self._step = step
         return _shmcore.exchange, (engine, self, log, OpRecord, message_text, seqs, _DTYPE_CODE,
                                    np.ndarray, engine.exchange_rest, engine.exchange_failed,
                                    "sendrecv", self.rank, self.size, step)
@@ -454,6 +453,12 @@ class MpiBackend(PolledMessages, Backend):
             return ()
         return self._handle(mpi_type), self._handle(mpi_op)
 
+    def _compiled_step(self) -> Any:
+        """This backend's one compiled step (`_hot_step`), made at the first call; or None."""
+        if self._step is None:
+            self._step = self._hot_step()
+        return self._step
+
     def _hot_step(self) -> Any:
         """The compiled envelope step over this backend's persistent request, or None."""
         request = self._env_request
@@ -477,7 +482,7 @@ class MpiBackend(PolledMessages, Backend):
             messages = (*(ctypes.cast(getattr(mpi, name), ctypes.c_void_p).value
                           for name in ("MPI_Isend", "MPI_Irecv", "MPI_Cancel", "MPI_Wait",
                                        "MPI_Test_cancelled", "MPI_Get_count")),
-                        tuning.value("mpi.exchange_max"))
+                        tuning.value("mpi.exchange_max"), self._tag_limit)
             if calls is None or _shmcore.MPI_TAG_CODES != _CODES:
                 messages = None
             return _shmcore.MpiStep(start, test, handle, self._env_out, self._env_in,
