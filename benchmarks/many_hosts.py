@@ -165,6 +165,13 @@ def _bounds(n: int, per_host: int) -> tuple[float, float]:
     return 2 * (n - 1) / n, 2 * (hosts - 1) / hosts
 
 
+def _label(size: int) -> str:
+    """A size in bytes as MiB, rounded to the nearest (the bench trims a size to whole elements
+    per rank, so 1 MiB over 6 ranks is 16 bytes short of it); "~" marks a size that is not whole."""
+    mib = round(size / (1 << 20))
+    return f"{mib} MiB" if size == mib << 20 else f"~{mib} MiB"
+
+
 def _ratio(bw: dict, a: str, b: str) -> str:
     return f"{bw[a] / bw[b]:.2f}x" if bw.get(a) and bw.get(b) else "-"
 
@@ -211,7 +218,7 @@ def write(ns: argparse.Namespace, results: dict, report: list, stream: float) ->
             bw = {lib: found[lib]["busbw"] if lib in found and found[lib]["busbw"] else None
                   for lib in libs}
 
-            lines.append(f"| {size >> 20} MiB | " + " | ".join(
+            lines.append(f"| {_label(size)} | " + " | ".join(
                 f"{bw[lib]:.3f}" if bw[lib] else "-" for lib in libs) + " | "
                 + " | ".join(_ratio(bw, a, b) for a, b in ((main, "torch"), (main, "mpi"),
                                                        ("anyccl-shm+gloo", "torch"),
@@ -226,7 +233,7 @@ def write(ns: argparse.Namespace, results: dict, report: list, stream: float) ->
                       "Share of it reached:", "",
                       "| size | " + " | ".join(libs) + " |", "|---:|" + "---:|" * len(libs)]
             for size, found in sorted(by_size.items()):
-                lines.append(f"| {size >> 20} MiB | " + " | ".join(
+                lines.append(f"| {_label(size)} | " + " | ".join(
                     f"{found[lib]['busbw'] / bound:.0%}" if lib in found and found[lib]["busbw"]
                     else "-" for lib in libs) + " |")
         lines.append("")

@@ -23,6 +23,7 @@ pytestmark = pytest.mark.skipif(suite_backend() != "mpi",
 
 DTYPES = ("float32", "float64", "int8", "int32", "int64", "uint8", "uint64", "float16")
 OPS = ("sum", "avg", "prod", "min", "max", "band", "bxor")
+SMALL_HOT_MAX = {"ANYCCL_TUNING": "mpi.hot_max=64K"}   # the sizes around it stay small
 
 
 class _Counting:
@@ -205,7 +206,7 @@ def test_the_compiled_call_gives_numpys_result_and_takes_what_fits():
     """Up to the room: one envelope with the data in it. Up to mpi.hot_max: the envelope with
     the signature, then the data call, both from compiled code. float16 (reduced by anyccl's
     Python kernel) and larger arrays: the Python path."""
-    for rows, _ in run_ranks(check_the_compiled_call, 2):
+    for rows, _ in run_ranks(check_the_compiled_call, 2, env=SMALL_HOT_MAX):
         for name, op, count, started, data in rows:
             nbytes = count * np.dtype(name).itemsize
             if name == "float16" or nbytes > 64 << 10:
@@ -213,6 +214,47 @@ def test_the_compiled_call_gives_numpys_result_and_takes_what_fits():
             else:
                 want = (1, 0) if nbytes <= 64 else (1, 1)
             assert (started, data) == want, (name, op, count, started, data)
+
+
+def check_large_calls(comm) -> list[tuple[str, int, bool]]:
+    """At the default `mpi.hot_max`, MiB-sized calls through the compiled step, each in place
+    on x (MPI_IN_PLACE, nothing copied aside): (what, data calls started for it, right)."""
+    step, rows = comm._hot[2], []
+    n, me = 1 << 18, comm.rank
+    values = [(np.arange(n, dtype=np.float32) % 13) + q for q in range(comm.size)]
+
+    def counted(what: str, call, check) -> None:
+        before = step.data_starts
+        call()
+        rows.append((what, step.data_starts - before, bool(check())))
+    x = values[me].copy()
+    counted("all_reduce sum", lambda: comm.all_reduce(x, anyccl.ReduceOp.SUM),
+            lambda: np.array_equal(x, sum(values)))
+    y = values[me].copy()
+    counted("all_reduce avg", lambda: comm.all_reduce(y, anyccl.ReduceOp.AVG),
+            lambda: np.allclose(y, sum(values) / comm.size))
+    b = values[me].copy()
+    counted("broadcast", lambda: comm.broadcast(b, 1), lambda: np.array_equal(b, values[1]))
+    out = np.full(comm.size * n, -1.0, np.float32)
+    out[me * n:(me + 1) * n] = values[me]
+    counted("all_gather, x its own piece of out",
+            lambda: comm.all_gather(out, out[me * n:(me + 1) * n]),
+            lambda: np.array_equal(out, np.concatenate(values)))
+    z = np.zeros(n + 1, np.float32) + me            # shapes differ: refused before any data
+    try:
+        comm.all_reduce(z if me == 0 else z[:n], anyccl.ReduceOp.SUM)
+        refused = False
+    except anyccl.CollectiveMismatchError:
+        refused = True
+    rows.append(("mismatch refused", 0, refused and bool((z == me).all())))
+    return rows
+
+
+def test_mib_sized_calls_run_in_place_in_the_compiled_step():
+    for rank, rows in enumerate(run_ranks(check_large_calls, 2)):
+        for what, data_calls, right in rows:
+            assert right, (rank, what)
+            assert data_calls == (0 if what == "mismatch refused" else 1), (rank, what)
 
 
 def check_compiled_beside_python(comm, case: str) -> tuple[str | None, list[float], int]:

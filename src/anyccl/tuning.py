@@ -31,7 +31,7 @@ class Threshold:
     least: int = 1
 
 
-_K, _M = 1 << 10, 1 << 20
+_K, _M, _G = 1 << 10, 1 << 20, 1 << 30
 
 TABLE: dict[str, Threshold] = {t.key: t for t in (
     # every host backend (engine.py)
@@ -80,13 +80,23 @@ TABLE: dict[str, Threshold] = {t.key: t for t in (
               "at most this many chunks per all_reduce across hosts"),
     # mpi (backends/mpi.py)
     Threshold("mpi.split_all_reduce_min", "size", 256 * _K,
-              "all_reduce on 3 ranks or more from this size: reduce-scatter then all-gather "
-              "(2(n-1)/n of the array per rank; MPICH's own all_reduce of 3 ranks sent 2x "
-              "from one of them)"),
-    Threshold("mpi.hot_max", "size", 64 * _K,
+              "the all_reduce between hosts (one rank per host, under the hierarchical "
+              "engine) from this size, and the reduce_scatter on 3 ranks or more: a ring over "
+              "point-to-point messages on a thread of its own (2(n-1)/n of the array per rank; "
+              "MPICH's own all_reduce of 3 ranks reached under half a shaped link)"),
+    Threshold("mpi.chain_broadcast_min", "size", _M,
+              "a broadcast between hosts (one rank per host, under the hierarchical engine) "
+              "on 3 ranks or more from this size: a chain in segments, each link carrying the "
+              "array once (MPICH's broadcast of 3-4 ranks sends it twice from the root)"),
+    Threshold("mpi.chain_segment", "size", 512 * _K,
+              "the broadcast chain's segment: each rank forwards one while the next arrives"),
+    Threshold("mpi.hot_max", "size", _G,
               "a blocking all_reduce, broadcast or all_gather of NumPy arrays up to this size "
-              "(x's bytes) runs whole in compiled code: the agreement's envelope, then the "
-              "MPI call, without the Python path between them; above, the Python path"),
+              "(x's bytes; at most 2 GiB - 1, MPI's int counts) runs whole in compiled code: "
+              "the agreement's envelope, then the MPI call in place, without the Python path "
+              "between them; above, the Python path (2 ranks on 2 cores: 64 KiB - 64 MiB "
+              "broadcast and all_gather 0.86-1.0x mpi4py's busbw, 0.72-0.96x on the Python "
+              "path)"),
     Threshold("mpi.exchange_max", "size", 64 * _K,
               "a blocking sendrecv of NumPy arrays whose messages are at most this size posts "
               "both from compiled code (MPI_Isend from a copy the communicator keeps, "

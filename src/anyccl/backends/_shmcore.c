@@ -656,9 +656,10 @@ static PyTypeObject StagingType = {
  * the communicator and of MPI_BYTE, and the largest x it takes, data_max), a collective too
  * large for the envelope runs here too: the envelope carries its signature alone (code -1, as
  * the backend's start_agreement fills it), and once every rank agreed, the data call is started
- * on the data request and tested for the spin. Its buffers never alias: an all_reduce sends a
- * copy of x (`scratch`) and receives into x; an all_gather whose x is its own piece of out
- * sends a copy. Status 4: the data call started, not done within the spin (the caller's Python
+ * on the data request and tested for the spin. Its buffers never alias and nothing is copied
+ * aside: an all_reduce runs in place on x (MPI_IN_PLACE, whose address the caller passes last
+ * in `calls`: it differs between MPI libraries); an all_gather whose x lies in out moves it to
+ * its own piece first (if it is not there) and runs in place. Status 4: the data call started, not done within the spin (the caller's Python
  * completes the request `data_request` names); 0 then means the envelope was not back, the
  * data call not started. Handles are passed as the integers mpi4py gives (an int in MPICH's
  * ABI, a pointer in Open MPI's: both travel in one integer register or stack word). */
@@ -702,7 +703,7 @@ typedef struct {
     mpi_iallgather_fn iallgather;
     uintptr_t comm, byte;
     Py_ssize_t data_max, request_len;
-    char *scratch;                   /* data_max bytes: what an all_reduce or all_gather sends */
+    void *in_place;                  /* the MPI library's MPI_IN_PLACE */
     unsigned char data_request[16];  /* the data call's MPI_Request */
     unsigned long long data_starts;
     /* a sendrecv's messages (NULL: sendrecv takes the Python path) */
@@ -728,6 +729,7 @@ static int mpi_step_init(MpiStep *self, PyObject *args, PyObject *kwds) {
     int yields;
     PyObject *calls = Py_None, *messages = Py_None;
     unsigned long long iallreduce = 0, ibcast = 0, iallgather = 0, comm = 0, byte = 0;
+    unsigned long long in_place = 0;
     unsigned long long isend = 0, irecv = 0, cancel = 0, wait = 0, test_cancelled = 0,
                        get_count = 0;
     Py_ssize_t exchange_max = 0, data_max = 0;
@@ -748,8 +750,8 @@ static int mpi_step_init(MpiStep *self, PyObject *args, PyObject *kwds) {
     }
     if (data_max >= 0 && calls != Py_None
         && (!PyTuple_Check(calls)
-            || !PyArg_ParseTuple(calls, "KKKKKn", &iallreduce, &ibcast, &iallgather, &comm,
-                                 &byte, &data_max)
+            || !PyArg_ParseTuple(calls, "KKKKKnK", &iallreduce, &ibcast, &iallgather, &comm,
+                                 &byte, &data_max, &in_place)
             || iallreduce == 0 || ibcast == 0 || iallgather == 0 || data_max < 1
             || data_max > INT_MAX)) {
         PyErr_Clear();
@@ -760,14 +762,8 @@ static int mpi_step_init(MpiStep *self, PyObject *args, PyObject *kwds) {
               || rank < 0 || rank >= size
               || start == 0 || test == 0 || ((uintptr_t)out.buf | (uintptr_t)into.buf) % 8
               || data_max < 0;
-    char *scratch = NULL;
-    if (!bad && data_max > 0) {
-        scratch = PyMem_Malloc((size_t)data_max);
-        bad = scratch == NULL;
-    }
     if (!bad) {
-        PyMem_Free(self->scratch);
-        self->scratch = scratch;
+        self->in_place = (void *)(uintptr_t)in_place;
         self->iallreduce = (mpi_iallreduce_fn)(uintptr_t)iallreduce;
         self->ibcast = (mpi_ibcast_fn)(uintptr_t)ibcast;
         self->iallgather = (mpi_iallgather_fn)(uintptr_t)iallgather;
@@ -812,7 +808,6 @@ static int mpi_step_init(MpiStep *self, PyObject *args, PyObject *kwds) {
 }
 
 static void mpi_step_dealloc(MpiStep *self) {
-    PyMem_Free(self->scratch);
     Py_XDECREF(self->sendbuf);
     Py_XDECREF(self->keep);
     Py_TYPE(self)->tp_free((PyObject *)self);
@@ -887,16 +882,15 @@ static long mpi_step_data(MpiStep *m, int kind, char *x, char *whole, Py_ssize_t
     int rc;
     void *request = m->data_request;
     if (kind == HOT_ALL_REDUCE) {
-        memcpy(m->scratch, x, (size_t)nbytes);
-        rc = m->iallreduce(m->scratch, x, (int)count, datatype, op, m->comm, request);
+        rc = m->iallreduce(m->in_place, x, (int)count, datatype, op, m->comm, request);
     } else if (kind == HOT_BROADCAST) {
         rc = m->ibcast(x, (int)nbytes, m->byte, (int)root, m->comm, request);
     } else {
-        const char *send = x;
+        const void *send = x;
         Py_ssize_t span = nbytes * m->size;
-        if (x + nbytes > whole && whole + span > x) {   /* x is its own piece of out */
-            memcpy(m->scratch, x, (size_t)nbytes);
-            send = m->scratch;
+        if (x + nbytes > whole && whole + span > x) {   /* x lies in out: its own piece */
+            if (x != whole + m->rank * nbytes) memmove(whole + m->rank * nbytes, x, (size_t)nbytes);
+            send = m->in_place;
         }
         rc = m->iallgather(send, (int)nbytes, m->byte, whole, (int)nbytes, m->byte, m->comm,
                            request);
@@ -1791,6 +1785,202 @@ static PyObject *set_spin_yield(PyObject *self, PyObject *flag) {
     Py_RETURN_NONE;
 }
 
+/* ---- mpi_ring: the mpi backend's rings between hosts, whole, without the GIL ----------------
+ * mpi_ring(calls, x, dtype, op, rank, size, tag, spin_ns, deadline_ns, stop, scratch, kind,
+ *          root, segment) -> (status, step, waiting)
+ * One operation on a ring of `size` ranks, over MPI point-to-point messages: bytes (MPI_BYTE)
+ * under `tag` on the communicator `calls` names (MPI_Isend, MPI_Irecv, MPI_Test, MPI_Cancel
+ * addresses, the communicator's and MPI_BYTE's handles). x is cut into `size` pieces (piece i:
+ * elements i*count/size up to (i+1)*count/size).
+ *   kind 0, all_reduce (as mpi.py's _Ring): n - 1 steps in which each rank sends a piece to the
+ *     next rank and adds the piece that arrives from the previous one into its own, then n - 1
+ *     steps passing the reduced pieces on; every rank ends with the same bits.
+ *   kind 1, reduce_scatter: the first n - 1 steps alone, one piece further on, so that rank r
+ *     ends with piece r reduced (the other pieces of x are left partly reduced).
+ *   kind 2, broadcast from `root`: x in segments of `segment` bytes down the chain root, root
+ *     + 1, ...; each rank forwards segment j while segment j + 1 arrives, so that every link
+ *     carries x once (dtype and op unused).
+ * `dtype` is a core dtype code, `op` a core op code other than AVG; `scratch` holds the largest
+ * piece (kinds 0 and 1). Runs with the GIL released, so that a thread of the backend's can
+ * move the ring while the caller's thread works (MPI moves data only inside its calls). Each
+ * wait tests its request, yielding the core, for spin_ns, then every 20 us; it ends at
+ * deadline_ns (CLOCK_MONOTONIC, as Python's time.monotonic) or when stop[0] is set (by another
+ * thread). status: 0 done, 1 the deadline passed, 2 stopped, 3 an MPI call failed; step: the
+ * step (kind 2: the segment) it was in, 0-based; waiting: 0 for what the left rank sends, 1
+ * for the right rank to take what this one sends. */
+static int ring_wait(mpi_test_fn test, void *request, unsigned char *status,
+                     unsigned long long spin_ns, uint64_t deadline_ns,
+                     volatile int64_t *stop) {
+    int flag = 0;
+    uint64_t started = now_ns();
+    for (;;) {
+        if (test(request, &flag, status) != 0) return 3;
+        if (flag) return 0;
+        uint64_t t = now_ns();
+        if (t >= deadline_ns) return 1;
+        if (*stop) return 2;
+        if (t - started < spin_ns) {
+            sched_yield();
+        } else {
+            struct timespec pause = {0, 20000};
+            nanosleep(&pause, NULL);
+        }
+    }
+}
+
+/* kind 2 of mpi_ring: x down the chain in segments; `position` counts from the root (0). */
+static long chain_broadcast(mpi_isend_fn isend, mpi_irecv_fn irecv, mpi_test_fn test,
+                            mpi_cancel_fn cancel, uintptr_t comm, uintptr_t byte, char *data,
+                            Py_ssize_t len, Py_ssize_t segment, long position, long n,
+                            long left, long right, int tag, unsigned long long spin_ns,
+                            uint64_t deadline_ns, volatile int64_t *stopped, long *step,
+                            long *waiting) {
+    unsigned char recv_req[2][16], send_req[16], st[512];
+    long segments = (long)((len + segment - 1) / segment), status = 0;
+    int first = position == 0, last = position == n - 1, sending = 0;
+    memset(recv_req, 0, sizeof(recv_req));
+    memset(send_req, 0, sizeof(send_req));
+#define SEG_AT(j) (data + (Py_ssize_t)(j) * segment)
+#define SEG_LEN(j) ((int)((Py_ssize_t)(j) * segment + segment <= len ? segment \
+                                                                       : len - (Py_ssize_t)(j) * segment))
+    if (!first && segments > 0 &&
+        irecv(SEG_AT(0), SEG_LEN(0), byte, (int)left, tag, comm, recv_req[0]) != 0)
+        return 3;
+    for (long j = 0; j < segments; j++) {
+        *step = j;
+        if (!first) {
+            *waiting = 0;
+            status = ring_wait(test, recv_req[j % 2], st, spin_ns, deadline_ns, stopped);
+            if (status != 0) {
+                cancel(recv_req[j % 2]);
+                return status;
+            }
+            if (j + 1 < segments && irecv(SEG_AT(j + 1), SEG_LEN(j + 1), byte, (int)left, tag,
+                                          comm, recv_req[(j + 1) % 2]) != 0)
+                return 3;
+        }
+        if (!last) {
+            *waiting = 1;
+            if (sending && (status = ring_wait(test, send_req, st, spin_ns, deadline_ns,
+                                               stopped)) != 0) {
+                if (!first && j + 1 < segments) cancel(recv_req[(j + 1) % 2]);
+                return status;
+            }
+            if (isend(SEG_AT(j), SEG_LEN(j), byte, (int)right, tag, comm, send_req) != 0) {
+                if (!first && j + 1 < segments) cancel(recv_req[(j + 1) % 2]);
+                return 3;
+            }
+            sending = 1;
+        }
+    }
+#undef SEG_AT
+#undef SEG_LEN
+    *waiting = 1;
+    return sending ? ring_wait(test, send_req, st, spin_ns, deadline_ns, stopped) : 0;
+}
+
+static PyObject *mpi_ring(PyObject *self, PyObject *args) {
+    unsigned long long isend_a, irecv_a, test_a, cancel_a, comm, byte, spin_ns, deadline_ns;
+    Py_buffer x, stop, scratch;
+    int dtype, op, kind;
+    Py_ssize_t rank, size, root, segment;
+    int tag;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "(KKKKKK)w*iinniKKw*w*inn", &isend_a, &irecv_a, &test_a,
+                          &cancel_a, &comm, &byte, &x, &dtype, &op, &rank, &size, &tag,
+                          &spin_ns, &deadline_ns, &stop, &scratch, &kind, &root, &segment))
+        return NULL;
+    const char *bad = NULL;
+    int chain = kind == 2;
+    Py_ssize_t item = chain ? 1 : dtype >= 0 && dtype < N_DTYPES ? envelope_item[dtype] : 0;
+    if (!isend_a || !irecv_a || !test_a || !cancel_a) bad = "an MPI call's address is 0";
+    else if (kind < 0 || kind > 2) bad = "kind: 0 all_reduce, 1 reduce_scatter, 2 broadcast";
+    else if (!item || (!chain && (op < 0 || op >= N_OPS || op == AVG)))
+        bad = "dtype or op not the core's";
+    else if (size < 2 || rank < 0 || rank >= size) bad = "rank or size";
+    else if (chain && (root < 0 || root >= size)) bad = "root";
+    else if (chain && (segment < 1 || segment > INT_MAX)) bad = "segment: 1 to INT_MAX bytes";
+    else if (x.len % item) bad = "x is not whole elements";
+    else if (stop.len < 8 || (uintptr_t)stop.buf % 8) bad = "stop: one aligned int64";
+    Py_ssize_t count = item ? x.len / item : 0;
+    Py_ssize_t largest = chain ? 0 : (count + size - 1) / size * item;
+    if (!bad && (scratch.len < largest || largest > INT_MAX))
+        bad = "scratch smaller than the largest piece, or a piece over INT_MAX bytes";
+    if (bad) {
+        PyBuffer_Release(&x);
+        PyBuffer_Release(&stop);
+        PyBuffer_Release(&scratch);
+        PyErr_Format(PyExc_ValueError, "mpi_ring: %s", bad);
+        return NULL;
+    }
+    mpi_isend_fn isend = (mpi_isend_fn)(uintptr_t)isend_a;
+    mpi_irecv_fn irecv = (mpi_irecv_fn)(uintptr_t)irecv_a;
+    mpi_test_fn test = (mpi_test_fn)(uintptr_t)test_a;
+    mpi_cancel_fn cancel = (mpi_cancel_fn)(uintptr_t)cancel_a;
+    char *data = (char *)x.buf, *arrived = (char *)scratch.buf;
+    volatile int64_t *stopped = (volatile int64_t *)stop.buf;
+    long n = (long)size, r = (long)rank, right = (r + 1) % n, left = (r + n - 1) % n;
+    long steps = kind == 0 ? 2 * (n - 1) : n - 1, shift = kind == 1, step = 0, status = 0;
+    long waiting = 0;
+    unsigned char recv_req[16], send_req[16], st[512];
+    if (chain) {
+        Py_BEGIN_ALLOW_THREADS
+        status = chain_broadcast(isend, irecv, test, cancel, (uintptr_t)comm, (uintptr_t)byte,
+                                 (char *)x.buf, x.len, segment, (r - root + n) % n, n, left,
+                                 right, tag, spin_ns, deadline_ns, stopped, &step, &waiting);
+        Py_END_ALLOW_THREADS
+        steps = 0;   /* the loop below is the rings' */
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (; step < steps; step++) {
+        long sending, receiving;   /* piece numbers */
+        if (step < n - 1) {
+            sending = ((r - step - shift) % n + n) % n;
+            receiving = ((r - step - 1 - shift) % n + n) % n;
+        } else {
+            long k = step - (n - 1);
+            sending = ((r + 1 - k) % n + n) % n;
+            receiving = ((r - k) % n + n) % n;
+        }
+        Py_ssize_t s0 = (Py_ssize_t)((long long)sending * count / n);
+        Py_ssize_t s1 = (Py_ssize_t)((long long)(sending + 1) * count / n);
+        Py_ssize_t r0 = (Py_ssize_t)((long long)receiving * count / n);
+        Py_ssize_t r1 = (Py_ssize_t)((long long)(receiving + 1) * count / n);
+        char *into = step < n - 1 ? arrived : data + r0 * item;
+        memset(recv_req, 0, sizeof(recv_req));
+        memset(send_req, 0, sizeof(send_req));
+        if (irecv(into, (int)((r1 - r0) * item), (uintptr_t)byte, (int)left, tag,
+                  (uintptr_t)comm, recv_req) != 0) {
+            status = 3;
+            break;
+        }
+        if (isend(data + s0 * item, (int)((s1 - s0) * item), (uintptr_t)byte, (int)right, tag,
+                  (uintptr_t)comm, send_req) != 0) {
+            cancel(recv_req);
+            status = 3;
+            break;
+        }
+        waiting = 0;
+        status = ring_wait(test, recv_req, st, spin_ns, deadline_ns, stopped);
+        if (status != 0) {
+            cancel(recv_req);
+            break;
+        }
+        if (step < n - 1) {
+            void *srcs[2] = {data + r0 * item, arrived};
+            reduce_into(data + r0 * item, srcs, 2, r1 - r0, dtype, op, 1);
+        }
+        waiting = 1;
+        status = ring_wait(test, send_req, st, spin_ns, deadline_ns, stopped);
+        if (status != 0) break;
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&x);
+    PyBuffer_Release(&stop);
+    PyBuffer_Release(&scratch);
+    return Py_BuildValue("(lll)", status, step, waiting);
+}
+
 static PyMethodDef methods[] = {
     {"ring", ring, METH_O, "ring(bell): wake the doorbell at address `bell`."},
     {"set_spin_yield", set_spin_yield, METH_O,
@@ -1810,6 +2000,11 @@ static PyMethodDef methods[] = {
      "that common case and nothing was done."},
     {"reduce", reduce, METH_VARARGS,
      "reduce(out, srcs, count, dtype, op, divisor) -> bool: reduce srcs in order into out."},
+    {"mpi_ring", mpi_ring, METH_VARARGS,
+     "mpi_ring(calls, x, dtype, op, rank, size, tag, spin_ns, deadline_ns, stop, scratch, kind, "
+     "root, segment) -> (status, step, waiting): one all_reduce (kind 0), reduce_scatter (1) or "
+     "broadcast (2) of x on a ring over MPI point-to-point messages, without the GIL (0 done, "
+     "1 deadline, 2 stopped, 3 MPI failed)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -165,6 +165,10 @@ class Backend(ABC):
         (called from other threads, e.g. the GPU backend's watchdog). None when all seem alive."""
         return None
 
+    #: set by a composite engine (hierarchical.py) on the backend it made of one rank per host:
+    #: a transport may then choose algorithms for the links between hosts
+    between_hosts = False
+
     #: whether a communicator on this transport can go on without a lost rank (recovery.py):
     #: its sub-communicators are built through the store alone, never through the lost rank
     survives_peer_loss = True

@@ -132,6 +132,7 @@ class HierarchicalBackend(Backend):
         if self._per_host and len(self._members) > 1:
             column = [members[self._index] for members in self._members]
             self._column = net.subgroup(column, f"{name}-column{self._index}", timeout_s)
+            self._column.between_hosts = True
         self._owns = owns or []   # what closes with this backend (the heartbeat)
         self._record: OpRecord | None = None
         self._column_record: OpRecord | None = None   # the column's steps of `_record`

@@ -36,6 +36,7 @@ import array
 import atexit
 import ctypes
 import os
+import queue
 import struct
 import sys
 import threading
@@ -66,9 +67,14 @@ from .registry import HostContext
 _DTYPE_CODE = {d: i for i, d in enumerate(SUPPORTED_DTYPES)}
 _BYTES = np.dtype(np.uint8)   # what a broadcast or all_gather in the envelope is reduced as
 _CODES = 16  # > len(SUPPORTED_DTYPES): the low 4 bits of an MPI tag name the dtype
+_INT_MAX = (1 << 31) - 1   # the largest count an MPI call takes
 _SPIN_S = 0.02  # how long a wait spins on MPI_Test before it tests every 100 us (where this
 # host's ranks outnumber its cores, each turn of the spin yields the core: os.sched_yield)
 _DEPARTURE_CHECK_S = 0.25  # how often a waiting rank asks the store whether a peer left
+# what _shmcore.mpi_ring runs on the ring thread (its `kind`), and the words errors use for it
+_ALL_REDUCE, _REDUCE_SCATTER, _BROADCAST = 0, 1, 2
+_RING_NAMES = {_ALL_REDUCE: "all_reduce ring", _REDUCE_SCATTER: "reduce_scatter ring",
+               _BROADCAST: "broadcast chain"}
 _DEPARTURE_GRACE_S = 2.0   # a peer that left may have done its part: wait this long first
 # four int64 words: the signature alone (word, count, -word, -count: one MAX finds any
 # difference), or an Envelope's head (word, count, code, status)
@@ -346,9 +352,14 @@ class MpiBackend(PolledMessages, Backend):
         self._closed = False
         self._agrees = self.size > 1 and settings.MPI_AGREE.get()
         self._split_min = tuning.value("mpi.split_all_reduce_min")   # the tuning table
+        self._chain_min = tuning.value("mpi.chain_broadcast_min")
+        # between_hosts (Backend's): a broadcast and a reduce_scatter run as rings on the ring
+        # thread, which keep every link busy where MPI's collectives of 3-4 ranks send the
+        # data twice from one rank
         # the all_reduce ring's messages, apart from the program's own (any tag is theirs)
-        self._ring_comm = self._comm.Dup() if self.size >= 3 else None
+        self._ring_comm = self._comm.Dup() if self.size >= 2 else None
         self._rings = 0
+        self._ring_thread: _RingThread | None | bool = None   # False: it cannot be made
         self._signature = array.array("q", bytes(32))      # this rank's, for _agree
         self._signature_max = array.array("q", bytes(32))  # every rank's, reduced
         self._envelope: Envelope | None = None
@@ -476,9 +487,10 @@ class MpiBackend(PolledMessages, Backend):
                              "MPI_Iallgather"))
             width = self.MPI._sizeof(self.MPI.Request)
             handle = self._handle(request).to_bytes(width, sys.byteorder)
-            hot_max = tuning.value("mpi.hot_max")
+            hot_max = min(tuning.value("mpi.hot_max"), _INT_MAX)   # MPI's counts are ints
             calls = (iallreduce, ibcast, iallgather, self._handle(self._comm),
-                     self._handle(self.MPI.BYTE), hot_max) if hot_max > 0 else None
+                     self._handle(self.MPI.BYTE), hot_max,
+                     int(self.MPI.IN_PLACE) % (1 << 64)) if hot_max > 0 else None
             messages = (*(ctypes.cast(getattr(mpi, name), ctypes.c_void_p).value
                           for name in ("MPI_Isend", "MPI_Irecv", "MPI_Cancel", "MPI_Wait",
                                        "MPI_Test_cancelled", "MPI_Get_count")),
@@ -732,6 +744,10 @@ class MpiBackend(PolledMessages, Backend):
         (`_Ring`), each rank sending 2(n-1)/n of x. MPICH's all_reduce, and its reduce-scatter
         and all-gather, of 3 ranks reached 37-47% of a 500 Mbit/s link at 1-16 MiB where the
         ring reached 95-100% (benchmarks/lab/mpi_column_ring.py)."""
+        if x.nbytes >= self._split_min and self.size >= 2:
+            threaded = self._ring_on_thread(x, op)
+            if threaded is not None:
+                return threaded
         if self.size < 3 or x.nbytes < self._split_min:
             _, mpi_op = self._reduction(op, x.dtype)
             request = self._comm.Iallreduce(self.MPI.IN_PLACE, self._reduced(x, op), mpi_op)
@@ -742,6 +758,88 @@ class MpiBackend(PolledMessages, Backend):
             return finish
         ring = _Ring(self, x, op)
         return ring.finish
+
+    def _ring_on_thread(self, x: np.ndarray, op: ReduceOp) -> Callable[[], None] | None:
+        """The all_reduce of `x` as a ring (`_Ring`'s) run whole in compiled code on the
+        backend's ring thread (`_on_ring_thread`); the function that waits for it and finishes
+        `op`. None where the thread cannot run it."""
+        wait = self._on_ring_thread(x, _ALL_REDUCE, op)
+        if wait is None:
+            return None
+
+        def finish() -> None:
+            wait()
+            finish_op(x, op, self.size)
+        return finish
+
+    def _on_ring_thread(self, x: np.ndarray, kind: int, op: ReduceOp | None = None,
+                        root: int = 0) -> Callable[[], None] | None:
+        """Operation `kind` (_ALL_REDUCE, _REDUCE_SCATTER: x holds every rank's piece in rank
+        order, and this rank's piece ends reduced by `op`'s base; _BROADCAST from `root`) on
+        a ring of this communicator's ranks, run whole in compiled code (_shmcore.mpi_ring) on
+        the backend's ring thread, without the GIL, so that it moves while this thread works
+        (MPI moves data only inside its calls, and the hierarchical all_reduce reduces and
+        gathers the next chunk inside the host meanwhile). Returns the function that waits for
+        it, with the deadline and the peers' departures (AVG's division is the caller's). None
+        where the thread cannot run it: a dtype or op the core does not reduce, x not
+        contiguous, an MPI without MPI_THREAD_MULTIPLE or without its library's calls to hand,
+        no compiled core."""
+        from .shm import CORE_REDUCTIONS
+
+        if kind == _BROADCAST:
+            codes: tuple[int, int] | None = (0, 0)
+        else:
+            assert op is not None
+            codes = CORE_REDUCTIONS.get((x.dtype, ReduceOp.SUM if op is ReduceOp.AVG else op))
+        if codes is None or not x.flags.c_contiguous or x.nbytes == 0:
+            return None
+        if self._ring_thread is None:
+            self._ring_thread = _RingThread.make(self) or False
+        thread = self._ring_thread
+        if thread is False:
+            return None
+        tag = self._rings % 32767        # MPI promises tags up to 32767
+        self._rings += 1
+        record, deadline = self._record, self._deadline
+        data = x.reshape(-1) if kind != _BROADCAST else x.reshape(-1).view(np.uint8)
+        job = thread.submit(data, codes, tag, deadline, kind, root)
+        name = _RING_NAMES[kind]
+
+        def wait() -> None:
+            self._lost_since = None
+            told = False
+            while not job.done.wait(_DEPARTURE_CHECK_S):
+                if not told:
+                    told = self._tell_waiting(record, name)
+                try:
+                    self._check_peers(record, name)
+                except BaseException:
+                    thread.stop(job)
+                    raise
+            status, step, waiting = job.outcome()
+            if status == 0:
+                return
+            n = self.size
+            if kind == _BROADCAST:
+                steps = -(-data.size // thread.segment)
+                where = f"segment {step + 1} of {steps} of the {name}"
+            else:
+                steps = 2 * (n - 1) if kind == _ALL_REDUCE else n - 1
+                where = f"step {step + 1} of {steps} of the {name}"
+            peer = (self.rank - 1) % n if waiting == 0 else (self.rank + 1) % n
+            what = (f"rank {peer}'s piece" if waiting == 0 else f"rank {peer} to take its piece") \
+                + f" ({where})"
+            if status == 1:
+                waited = time.monotonic() - record.issued_at if record else self._timeout_s
+                raise TimeoutError(f"rank {self.rank}: {record} timed out after {waited:.3g} s "
+                                   f"waiting for {what} (mpi backend)" + self._what_peers_do())
+            if status == 2:
+                raise AnycclError(f"rank {self.rank}: {record}: the {name} was stopped "
+                                  f"while waiting for {what}: an earlier ring of this "
+                                  f"communicator failed, or it was closed (mpi backend)")
+            raise PeerLostError(f"rank {self.rank}: {record}: MPI failed while waiting for "
+                                f"{what} (mpi backend); rank {peer} may have died", peer)
+        return wait
 
     def _complete(self, request: Any, what: str) -> None:
         """Poll `request` until done: MPI progresses only inside its calls, so spin on Test as
@@ -866,7 +964,13 @@ class MpiBackend(PolledMessages, Backend):
         self._broadcast_call(x, root)
 
     def _broadcast_call(self, x: np.ndarray, root: int) -> None:
-        """The broadcast's own MPI call, once the ranks agreed."""
+        """The broadcast's own MPI call, once the ranks agreed; between hosts, on 3 ranks or
+        more from `mpi.chain_broadcast_min`, a chain in segments (`_on_ring_thread`)."""
+        if self.between_hosts and self.size >= 3 and x.nbytes >= self._chain_min:
+            wait = self._on_ring_thread(x, _BROADCAST, root=root)
+            if wait is not None:
+                wait()
+                return
         self._complete(self._comm.Ibcast(self._bytes(x), root), f"rank {root}'s broadcast")
 
     def all_gather(self, outs: list[np.ndarray], x: np.ndarray, record: OpRecord) -> None:
@@ -919,6 +1023,17 @@ class MpiBackend(PolledMessages, Backend):
 
     @per_operation
     def reduce_scatter(self, out: np.ndarray, inputs: list[np.ndarray], op: ReduceOp) -> None:
+        """Between hosts, on 3 ranks or more from `mpi.split_all_reduce_min` of all inputs: the
+        reduce-scatter steps of the all_reduce ring (`_on_ring_thread`); else MPI's call."""
+        if self.between_hosts and self.size >= 3 and out.nbytes * self.size >= self._split_min:
+            whole = np.concatenate([i.reshape(-1) for i in inputs])
+            wait = self._on_ring_thread(whole, _REDUCE_SCATTER, op)
+            if wait is not None:
+                wait()
+                out[...] = whole[self.rank * out.size:(self.rank + 1) * out.size] \
+                    .reshape(out.shape)
+                finish(out, op, self.size)
+                return
         whole = np.concatenate(inputs)  # a copy: MPI buffers must not overlap (in place)
         _, mpi_op = self._reduction(op, out.dtype)
         self._complete(self._comm.Ireduce_scatter_block(self._reduced(whole, op, out.size),
@@ -1115,6 +1230,8 @@ class MpiBackend(PolledMessages, Backend):
         self._closed = True
         if self._announces_departure:
             self._departures.announce("closed its communicator or exited")
+        if isinstance(self._ring_thread, _RingThread):
+            self._ring_thread.close()
         for obj in self._types + ([self._env_request] if self._env_request is not None else []):
             try:
                 obj.Free()
@@ -1127,6 +1244,115 @@ class MpiBackend(PolledMessages, Backend):
                     self._ring_comm.Free()
         except Exception:  # noqa: BLE001
             pass
+
+
+class _RingJob:
+    """One operation handed to the ring thread: its kind (_ALL_REDUCE, _REDUCE_SCATTER,
+    _BROADCAST), array, (dtype, op) codes, tag, deadline and root; `stop`, set to end it early;
+    `done`, set once the thread has finished it."""
+
+    __slots__ = ("x", "codes", "tag", "deadline", "kind", "root", "stop", "done", "result")
+
+    def __init__(self, x: np.ndarray, codes: tuple[int, int], tag: int, deadline: float,
+                 kind: int, root: int) -> None:
+        self.x, self.codes, self.tag, self.deadline = x, codes, tag, deadline
+        self.kind, self.root = kind, root
+        self.stop = np.zeros(1, np.int64)
+        self.done = threading.Event()
+        self.result: Any = None
+
+    def outcome(self) -> tuple[int, int, int]:
+        """(status, step, waiting) as _shmcore.mpi_ring returns it; raises what the thread
+        raised."""
+        if isinstance(self.result, BaseException):
+            raise self.result
+        return self.result
+
+
+class _RingThread:
+    """A backend's thread for rings between hosts (`_shmcore.mpi_ring`: all_reduce,
+    reduce_scatter, and the broadcast chain in segments of `mpi.chain_segment`): it takes them
+    in the order given and runs each whole in compiled code without the GIL, so that the rings
+    move while the thread that gave them reduces and gathers inside its host. Made only where
+    MPI runs with MPI_THREAD_MULTIPLE (mpi4py's default), since the giving thread may call MPI
+    meanwhile."""
+
+    def __init__(self, backend: MpiBackend, calls: tuple[int, ...]) -> None:
+        self._calls, self._rank, self._size = calls, backend.rank, backend.size
+        self.segment = min(tuning.value("mpi.chain_segment"), _INT_MAX)
+        self._spin_ns = 0 if backend._yields else int(min(backend._spin_s, 2e-4) * 1e9)
+        self._jobs: queue.SimpleQueue[_RingJob | None] = queue.SimpleQueue()
+        self._open: list[_RingJob] = []
+        self._scratch = np.empty(0, np.uint8)
+        self._thread = threading.Thread(target=self._serve, daemon=True, name="anyccl-mpi-ring")
+        self._thread.start()
+
+    @classmethod
+    def make(cls, backend: MpiBackend) -> _RingThread | None:
+        """The thread, or None where it cannot run rings (see the class)."""
+        MPI = backend.MPI
+        try:
+            from . import _shmcore
+            lib = _libmpi()
+            if (lib is None or not hasattr(_shmcore, "mpi_ring")
+                    or MPI.Query_thread() < MPI.THREAD_MULTIPLE
+                    or backend._ring_comm is None):
+                return None
+            mpi = ctypes.CDLL(lib)
+            calls = tuple(ctypes.cast(getattr(mpi, name), ctypes.c_void_p).value
+                          for name in ("MPI_Isend", "MPI_Irecv", "MPI_Test", "MPI_Cancel"))
+            calls += (backend._handle(backend._ring_comm), backend._handle(MPI.BYTE))
+        except Exception:  # noqa: BLE001 - whatever stops it, the rings run on this thread
+            return None
+        return cls(backend, calls)
+
+    def submit(self, x: np.ndarray, codes: tuple[int, int], tag: int, deadline: float,
+               kind: int = _ALL_REDUCE, root: int = 0) -> _RingJob:
+        job = _RingJob(x, codes, tag, deadline, kind, root)
+        self._open = [j for j in self._open if not j.done.is_set()] + [job]
+        self._jobs.put(job)
+        return job
+
+    def _serve(self) -> None:
+        from . import _shmcore
+
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            if job.stop[0]:
+                job.result = (2, 0, 0)
+                job.done.set()
+                continue
+            try:
+                need = 0 if job.kind == _BROADCAST else -(-job.x.size // self._size) \
+                    * job.x.itemsize
+                if self._scratch.nbytes < need:
+                    self._scratch = np.empty(need, np.uint8)
+                deadline_ns = int(job.deadline * 1e9) if job.deadline < 9e9 else (1 << 63) - 1
+                job.result = _shmcore.mpi_ring(self._calls, job.x, job.codes[0], job.codes[1],
+                                               self._rank, self._size, job.tag, self._spin_ns,
+                                               deadline_ns, job.stop, self._scratch, job.kind,
+                                               job.root, self.segment)
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+                job.result = exc
+            job.done.set()
+
+    def stop(self, job: _RingJob) -> None:
+        """End `job` and every ring given after it (they belong to the same operation, or to
+        later ones that would wait on it), waiting for the thread to leave MPI for at most
+        1 s."""
+        later = self._open[self._open.index(job):] if job in self._open else [job]
+        for j in later:
+            j.stop[0] = 1
+        job.done.wait(1.0)
+
+    def close(self) -> None:
+        """Stop every ring not done and end the thread (waiting for it at most 1 s)."""
+        for job in self._open:
+            job.stop[0] = 1
+        self._jobs.put(None)
+        self._thread.join(1.0)
 
 
 class _Ring:
