@@ -94,9 +94,9 @@ TABLE: dict[str, Threshold] = {t.key: t for t in (
               "a blocking all_reduce, broadcast or all_gather of NumPy arrays up to this size "
               "(x's bytes; at most 2 GiB - 1, MPI's int counts) runs whole in compiled code: "
               "the agreement's envelope, then the MPI call in place, without the Python path "
-              "between them; above, the Python path (2 ranks on 2 cores: 64 KiB - 64 MiB "
-              "broadcast and all_gather 0.86-1.0x mpi4py's busbw, 0.72-0.96x on the Python "
-              "path)"),
+              "between them; above, the Python path (2 ranks on 2 cores, medians of three "
+              "jobs: broadcast 0.92-1.02x mpi4py's busbw at 64 KiB - 64 MiB, 0.66-0.97x on "
+              "the Python path)"),
     Threshold("mpi.exchange_max", "size", 64 * _K,
               "a blocking sendrecv of NumPy arrays whose messages are at most this size posts "
               "both from compiled code (MPI_Isend from a copy the communicator keeps, "
