@@ -70,7 +70,8 @@ def check_every_dtype_op_and_size(comm) -> list[tuple[str, str, int, bytes]]:
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_every_dtype_and_op_gives_numpys_result_with_the_same_bits_on_every_rank(n):
     results = run_ranks(check_every_dtype_op_and_size, n,
-                        env={"ANYCCL_TUNING": f"mpi.split_all_reduce_min={MIN}"})
+                        env={"ANYCCL_TUNING": f"mpi.split_all_reduce_min={MIN},"
+                                              f"mpi.pair_ring_min={MIN}"})
     assert results[0], "no size reached the ring"
     for rank_rows in results[1:]:
         assert rank_rows == results[0]

@@ -357,7 +357,7 @@ def remove_job_directory(job_id: str) -> None:
 
     try:
         private.remove_tree(flight_directory(job_id))
-    except AnycclError:
+    except (AnycclError, OSError):   # checked or removed by another host's launcher meanwhile
         pass
 
 

@@ -353,6 +353,7 @@ class MpiBackend(PolledMessages, Backend):
         self._agrees = self.size > 1 and settings.MPI_AGREE.get()
         self._split_min = tuning.value("mpi.split_all_reduce_min")   # the tuning table
         self._chain_min = tuning.value("mpi.chain_broadcast_min")
+        self._pair_ring_min = tuning.value("mpi.pair_ring_min")
         # between_hosts (Backend's): a broadcast and a reduce_scatter run as rings on the ring
         # thread, which keep every link busy where MPI's collectives of 3-4 ranks send the
         # data twice from one rank
@@ -744,7 +745,7 @@ class MpiBackend(PolledMessages, Backend):
         (`_Ring`), each rank sending 2(n-1)/n of x. MPICH's all_reduce, and its reduce-scatter
         and all-gather, of 3 ranks reached 37-47% of a 500 Mbit/s link at 1-16 MiB where the
         ring reached 95-100% (benchmarks/lab/mpi_column_ring.py)."""
-        if x.nbytes >= self._split_min and self.size >= 2:
+        if x.nbytes >= self._split_min and (self.size > 2 or x.nbytes >= self._pair_ring_min):
             threaded = self._ring_on_thread(x, op)
             if threaded is not None:
                 return threaded
