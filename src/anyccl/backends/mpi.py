@@ -740,15 +740,20 @@ class MpiBackend(PolledMessages, Backend):
 
     def all_reduce_start(self, x: np.ndarray, op: ReduceOp) -> Callable[[], None]:
         """Start an all_reduce of `x` and return the function that finishes it (x holds the
-        result after), so that a caller can overlap it with work of its own. On 3 ranks or
-        more and `mpi.split_all_reduce_min` or more: a ring over point-to-point messages
-        (`_Ring`), each rank sending 2(n-1)/n of x. MPICH's all_reduce, and its reduce-scatter
-        and all-gather, of 3 ranks reached 37-47% of a 500 Mbit/s link at 1-16 MiB where the
-        ring reached 95-100% (benchmarks/lab/mpi_column_ring.py)."""
+        result after), so that a caller can overlap it with work of its own. From
+        `mpi.split_all_reduce_min` (on 2 ranks from `mpi.pair_ring_min`): a ring over
+        point-to-point messages, each rank sending 2(n-1)/n of x, on the ring thread
+        (`_on_ring_thread`) where it can run, else in this thread (`_Ring`, 3 ranks or more).
+        MPICH's all_reduce, and its reduce-scatter and all-gather, of 3 ranks reached 37-47% of
+        a 500 Mbit/s link at 1-16 MiB where the ring reached 95-100%
+        (benchmarks/lab/mpi_column_ring.py)."""
         if x.nbytes >= self._split_min and (self.size > 2 or x.nbytes >= self._pair_ring_min):
-            threaded = self._ring_on_thread(x, op)
-            if threaded is not None:
-                return threaded
+            wait = self._on_ring_thread(x, _ALL_REDUCE, op)
+            if wait is not None:
+                def finish_ring() -> None:
+                    wait()
+                    finish_op(x, op, self.size)
+                return finish_ring
         if self.size < 3 or x.nbytes < self._split_min:
             _, mpi_op = self._reduction(op, x.dtype)
             request = self._comm.Iallreduce(self.MPI.IN_PLACE, self._reduced(x, op), mpi_op)
@@ -759,19 +764,6 @@ class MpiBackend(PolledMessages, Backend):
             return finish
         ring = _Ring(self, x, op)
         return ring.finish
-
-    def _ring_on_thread(self, x: np.ndarray, op: ReduceOp) -> Callable[[], None] | None:
-        """The all_reduce of `x` as a ring (`_Ring`'s) run whole in compiled code on the
-        backend's ring thread (`_on_ring_thread`); the function that waits for it and finishes
-        `op`. None where the thread cannot run it."""
-        wait = self._on_ring_thread(x, _ALL_REDUCE, op)
-        if wait is None:
-            return None
-
-        def finish() -> None:
-            wait()
-            finish_op(x, op, self.size)
-        return finish
 
     def _on_ring_thread(self, x: np.ndarray, kind: int, op: ReduceOp | None = None,
                         root: int = 0) -> Callable[[], None] | None:
@@ -1026,8 +1018,9 @@ class MpiBackend(PolledMessages, Backend):
     def reduce_scatter(self, out: np.ndarray, inputs: list[np.ndarray], op: ReduceOp) -> None:
         """Between hosts, on 3 ranks or more from `mpi.split_all_reduce_min` of all inputs: the
         reduce-scatter steps of the all_reduce ring (`_on_ring_thread`); else MPI's call."""
+        whole = np.concatenate([i.reshape(-1) for i in inputs])  # a copy: MPI's buffers
+        # must not overlap, and the ring reduces in it
         if self.between_hosts and self.size >= 3 and out.nbytes * self.size >= self._split_min:
-            whole = np.concatenate([i.reshape(-1) for i in inputs])
             wait = self._on_ring_thread(whole, _REDUCE_SCATTER, op)
             if wait is not None:
                 wait()
@@ -1035,7 +1028,6 @@ class MpiBackend(PolledMessages, Backend):
                     .reshape(out.shape)
                 finish(out, op, self.size)
                 return
-        whole = np.concatenate(inputs)  # a copy: MPI buffers must not overlap (in place)
         _, mpi_op = self._reduction(op, out.dtype)
         self._complete(self._comm.Ireduce_scatter_block(self._reduced(whole, op, out.size),
                                                         self._reduced(out, op), mpi_op),
