@@ -166,10 +166,12 @@ def _bounds(n: int, per_host: int) -> tuple[float, float]:
 
 
 def _label(size: int) -> str:
-    """A size in bytes as MiB, rounded to the nearest (the bench trims a size to whole elements
-    per rank, so 1 MiB over 6 ranks is 16 bytes short of it); "~" marks a size that is not whole."""
-    mib = round(size / (1 << 20))
-    return f"{mib} MiB" if size == mib << 20 else f"~{mib} MiB"
+    """A size in bytes as MiB (KiB below 1 MiB), rounded to the nearest (the bench trims a size
+    to whole elements per rank, so 1 MiB over 6 ranks is 16 bytes short of it); "~" marks a size
+    that is not whole."""
+    shift, unit = (20, "MiB") if round(size / (1 << 20)) >= 1 else (10, "KiB")
+    whole = round(size / (1 << shift))
+    return f"{whole} {unit}" if size == whole << shift else f"~{whole} {unit}"
 
 
 def _ratio(bw: dict, a: str, b: str) -> str:
