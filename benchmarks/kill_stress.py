@@ -1,13 +1,20 @@
 """Kill a rank at random points of every kind of operation, many times, and check that the
 survivors always recover: for each kind (all_reduce, broadcast, all_gather, reduce_scatter,
 all_to_all, a ring of sendrecvs, neighbour isend/irecv, barrier), --per-kind jobs of
-`anyccl run --keep-going -n N tests/scripts/shrink_after_kill.py`, each looping on that kind
-alone; a random rank arms a timer at its 3rd operation and dies by SIGKILL a random time
-within --within seconds later, inside whatever operation it is in. Every survivor must raise,
-shrink, and pass the script's checks of every collective and message on the shrunk
-communicator; nothing may be left in /dev/shm; no job may run past --job-timeout.
+tests/scripts/shrink_after_kill.py, each looping on that kind alone; a random rank arms a timer
+at its 3rd operation and dies by SIGKILL a random time within --within seconds later, inside
+whatever operation it is in. Every survivor must raise, shrink, and pass the script's checks of
+every collective and message on the shrunk communicator; nothing may be left in /dev/shm; no
+job may run past --job-timeout.
+
+Jobs run under `anyccl run --keep-going -n N` on this host (the default), under
+`mpiexec -disable-auto-cleanup -n N` with ANYCCL_KEEP_GOING=1 (--launcher mpiexec: MPICH's
+Hydra, whose other ranks then run on), or across --hosts H simulated hosts (network
+namespaces, tests/simhosts.py; root), N/H ranks on each, shm inside and gloo between, one
+`anyccl run --keep-going --nnodes H` per host.
 
     python benchmarks/kill_stress.py [-n 4] [--per-kind 30] [--within 0.05] [--seed 1]
+        [--launcher run|mpiexec] [--hosts H]
 
 Prints one row per kind: jobs, jobs where every survivor recovered, the slowest survivor's
 time from the kill to its error and from its error to the shrunk communicator (max over the
@@ -36,25 +43,81 @@ def leftovers() -> set[str]:
     return {f for f in os.listdir("/dev/shm") if f.startswith("anyccl-")}
 
 
-def one_job(n: int, kind: int, victim: int, within: float, timeout_s: float
+class Jobs:
+    """Starts one job of the script the way --launcher and --hosts say, and collects what its
+    ranks printed and what they left in /dev/shm."""
+
+    def __init__(self, n: int, launcher: str, hosts: int, timeout_s: float) -> None:
+        self.n, self.launcher, self.hosts, self.timeout_s = n, launcher, hosts, timeout_s
+        self.cluster = None
+        self._jobs = 0
+        if hosts > 1:
+            sys.path.insert(0, str(SCRIPT.parents[1]))
+            from simhosts import Cluster
+
+            why = Cluster.unavailable()
+            if why:
+                sys.exit(f"--hosts {hosts}: {why}")
+            self.cluster = Cluster(hosts)
+
+    def close(self) -> None:
+        if self.cluster is not None:
+            self.cluster.close()
+
+    def shm_files(self) -> set[str]:
+        if self.cluster is None:
+            return leftovers()
+        return {f"h{i + 1}:{f}" for i in range(self.hosts) for f in self.cluster.shm_files(i)
+                if f.startswith("anyccl-")}
+
+    def run(self, env: dict[str, str]) -> tuple[int, str]:
+        """(exit code, every rank's output) of one job; code -1 past the job's timeout."""
+        self._jobs += 1
+        if self.cluster is None:
+            argv = ([sys.executable, "-m", "anyccl", "run", "-n", str(self.n), "--keep-going"]
+                    if self.launcher == "run" else
+                    ["mpiexec", "-disable-auto-cleanup", "-n", str(self.n), sys.executable])
+            try:
+                done = subprocess.run([*argv, str(SCRIPT)], env=env, capture_output=True,
+                                      text=True, timeout=self.timeout_s)
+            except subprocess.TimeoutExpired as exc:
+                return -1, f"timed out: {exc}"
+            # under mpiexec the job's code is the killed rank's (9): the survivors' lines decide
+            return (done.returncode if self.launcher == "run" else 0), done.stdout + done.stderr
+        port = str(29700 + self._jobs % 200)   # a fresh port a job: no TIME_WAIT in the way
+        env = dict(env, ANYCCL_JOB_KEY="4b" * 32, ANYCCL_PEER_SILENCE="3", OMP_NUM_THREADS="1")
+        procs = [self.cluster.run(i, [sys.executable, "-m", "anyccl", "run", "-n",
+                                      str(self.n // self.hosts), "--nnodes", str(self.hosts),
+                                      "--node-rank", str(i), "--master-addr", "h1",
+                                      "--master-port", port, "--keep-going", str(SCRIPT)],
+                                  env=env) for i in range(self.hosts)]
+        code, text, deadline = 0, "", time.monotonic() + self.timeout_s
+        for proc in procs:
+            try:
+                out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                out, err = proc.communicate()
+                code = -1
+            code = code or proc.returncode
+            text += out + err
+        return code, text
+
+
+def one_job(jobs: Jobs, kind: int, victim: int, within: float
             ) -> tuple[bool, float, float, float, str]:
     """(every survivor recovered, max detect, max shrink, wall seconds, output tail)."""
     with tempfile.TemporaryDirectory() as tmp:
+        os.chmod(tmp, 0o755)
         env = dict(os.environ, VICTIMS=str(victim), KILL_AT="2", KILL_WITHIN_S=str(within),
                    ONLY=str(kind), KILL_FILE=os.path.join(tmp, "kills"), ANYCCL_TIMEOUT="30",
-                   PYTHONUNBUFFERED="1")
+                   PYTHONUNBUFFERED="1", ANYCCL_KEEP_GOING="1")
         env.pop("ANYCCL_BACKEND", None)
         start = time.monotonic()
-        try:
-            done = subprocess.run([sys.executable, "-m", "anyccl", "run", "-n", str(n),
-                                   "--keep-going", str(SCRIPT)], env=env, capture_output=True,
-                                  text=True, timeout=timeout_s)
-            code, text = done.returncode, done.stdout + done.stderr
-        except subprocess.TimeoutExpired as exc:
-            code, text = -1, f"timed out: {exc}"
+        code, text = jobs.run(env)
         wall = time.monotonic() - start
     found = {int(m[1]): m for m in DONE.finditer(text)}
-    ok = code == 0 and sorted(found) == [r for r in range(n) if r != victim] and \
+    ok = code == 0 and sorted(found) == [r for r in range(jobs.n) if r != victim] and \
         all(int(m[2]) == victim for m in found.values())
     detect = max((float(m[4]) for m in found.values()), default=-1.0)
     shrink = max((float(m[3]) for m in found.values()), default=-1.0)
@@ -69,29 +132,39 @@ def main() -> None:
     p.add_argument("--kinds", default=",".join(map(str, range(len(KINDS)))))
     p.add_argument("--job-timeout", type=float, default=120.0)
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--launcher", choices=["run", "mpiexec"], default="run")
+    p.add_argument("--hosts", type=int, default=1)
     args = p.parse_args()
+    if args.hosts > 1 and (args.launcher != "run" or args.n % args.hosts):
+        p.error("--hosts: under `anyccl run`, with -n a multiple of it")
     rng = random.Random(args.seed)
-    before = leftovers()
+    jobs = Jobs(args.n, args.launcher, args.hosts, args.job_timeout)
     failures = 0
-    print(f"{args.n} ranks on shm, {args.per_kind} jobs per kind, kill within "
+    where = (f"{args.hosts} simulated hosts x {args.n // args.hosts} ranks (shm+gloo)"
+             if args.hosts > 1 else f"{args.n} ranks on one host under {args.launcher}")
+    print(f"{where}, {args.per_kind} jobs per kind, kill within "
           f"{args.within * 1000:.0f} ms of a random rank's 3rd operation")
     print("| kind | jobs | recovered | kill to error, max (s) | error to shrunk, max (s) | "
           "slowest job (s) |")
     print("|---|---:|---:|---:|---:|---:|")
-    for kind in (int(k) for k in args.kinds.split(",")):
-        rows = []
-        for _ in range(args.per_kind):
-            row = one_job(args.n, kind, rng.randrange(args.n), args.within, args.job_timeout)
-            rows.append(row)
-            if not row[0]:
-                failures += 1
-                print(f"FAILED ({KINDS[kind]}):\n{row[4]}", file=sys.stderr)
-        good = [r for r in rows if r[0]]
-        print(f"| {KINDS[kind]} | {len(rows)} | {len(good)} | "
-              f"{max((r[1] for r in good), default=-1):.3f} | "
-              f"{max((r[2] for r in good), default=-1):.3f} | "
-              f"{max(r[3] for r in rows):.1f} |", flush=True)
-    left = leftovers() - before
+    try:
+        before = jobs.shm_files()
+        for kind in (int(k) for k in args.kinds.split(",")):
+            rows = []
+            for _ in range(args.per_kind):
+                row = one_job(jobs, kind, rng.randrange(args.n), args.within)
+                rows.append(row)
+                if not row[0]:
+                    failures += 1
+                    print(f"FAILED ({KINDS[kind]}):\n{row[4]}", file=sys.stderr)
+            good = [r for r in rows if r[0]]
+            print(f"| {KINDS[kind]} | {len(rows)} | {len(good)} | "
+                  f"{max((r[1] for r in good), default=-1):.3f} | "
+                  f"{max((r[2] for r in good), default=-1):.3f} | "
+                  f"{max(r[3] for r in rows):.1f} |", flush=True)
+        left = jobs.shm_files() - before
+    finally:
+        jobs.close()
     print(f"shared memory left behind: {sorted(left) or 'none'}")
     sys.exit(1 if failures or left else 0)
 

@@ -35,6 +35,7 @@ class Heartbeat:
         self._window = False   # the peers' counters were read in the current watch
         self._window_opened_at = now
         self._stop = threading.Event()
+        self._followed: dict[str, threading.Event] = {}   # communicator -> set once revoked
         self._thread = threading.Thread(target=self._run, daemon=True, name="anyccl-heartbeat")
         self._thread.start()
 
@@ -60,6 +61,9 @@ class Heartbeat:
                     self._window = True
                 else:
                     self._window = False
+                for name, revoked in list(self._followed.items()):
+                    if not revoked.is_set() and self._store.check(f"revoked/{name}"):
+                        revoked.set()
                 self._store_answered_at = time.monotonic()
             except Exception as exc:  # noqa: BLE001 - the store is gone or unreachable
                 self._store_error = str(exc)
@@ -130,6 +134,20 @@ class Heartbeat:
         return (f"the job's rendezvous store has not answered this rank for {quiet:.3g} s "
                 f"({self._store_error or 'no reply'}): this host ({self.hosts[self.rank]}) may "
                 f"be the one cut off from the others")
+
+    def follow(self, name: str) -> threading.Event:
+        """An event that this thread sets within a period or two of a rank revoking
+        communicator `name` (`revoke`) on any host; `forget(name)` when it closes."""
+        return self._followed.setdefault(name, threading.Event())
+
+    def forget(self, name: str) -> None:
+        self._followed.pop(name, None)
+
+    def revoke(self, name: str) -> None:
+        """Tell every rank that follows communicator `name` that this rank revoked it (it is
+        shrinking it): their next operation on it fails at once, as on a lost peer, instead of
+        waiting on a peer that went on without them (Gloo cannot tell them itself)."""
+        self._in_thread(lambda: self._store.set(f"revoked/{name}", str(self.rank).encode()))
 
     def tell_lost(self, what: str) -> None:
         """Leave in the store why this rank is failing (it lost a peer, or its deadline passed

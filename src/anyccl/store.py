@@ -21,6 +21,7 @@ import socket
 import struct
 import threading
 import time
+import weakref
 from abc import ABC, abstractmethod
 from pathlib import Path
 
@@ -281,9 +282,17 @@ def _peer_identity(peer: tuple) -> object:
     return host
 
 
+_CLIENTS: weakref.WeakSet[TCPStore] = weakref.WeakSet()
+
 # a store server answers at once: one silent this long (past what a get asked it to wait) is
 # out of reach
 _REPLY_S = 10.0
+
+
+def client_sockets() -> set[int]:
+    """The file descriptors of this process's connections to stores (to leave alone when the
+    others are shut down at exit: gloo.py)."""
+    return {c._sock.fileno() for c in list(_CLIENTS)} - {-1}
 
 
 class TCPStore(Store):
@@ -308,6 +317,7 @@ class TCPStore(Store):
                 time.sleep(delay)
                 delay = min(delay * 2, 0.5)
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        _CLIENTS.add(self)
         try:
             nonce = _recv_exact(self._sock, 32)
         except (OSError, ConnectionError) as exc:   # turned away before the challenge

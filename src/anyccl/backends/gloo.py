@@ -23,7 +23,9 @@ mostly to measure against).
 
 from __future__ import annotations
 
+import os
 import re
+import socket
 import sys
 import threading
 import time
@@ -143,13 +145,13 @@ class _Waited:
     __slots__ = ("_work", "_done", "_any_source", "error", "source")
 
     def __init__(self, work: Any, limit_s: float, any_source: bool = False) -> None:
-        import threading
-
         self._work, self._done, self._any_source = work, threading.Event(), any_source
         self.error: BaseException | None = None
         self.source = -1
-        threading.Thread(target=self._run, args=(limit_s,), daemon=True,
-                         name="anyccl-gloo-message").start()
+        thread = threading.Thread(target=self._run, args=(limit_s,), daemon=True,
+                                  name="anyccl-gloo-message")
+        _waits_in_gloo(thread)
+        thread.start()
 
     def _run(self, limit_s: float) -> None:
         try:
@@ -181,6 +183,74 @@ class _Pending:
         self.deadline, self.check, self.keep = deadline, check, keep
 
 
+_WAITERS: set[threading.Thread] = set()   # threads inside a Gloo message wait
+_PEER_ADDRESSES: set[str] = set()   # where this process's Gloo groups have peers
+_WAITERS_LOCK = threading.Lock()
+_AT_EXIT_S = (0.5, 2.0)   # at exit: how long the waits may end by themselves, then once shut
+
+
+def _waits_in_gloo(thread: threading.Thread) -> None:
+    """Count `thread` among those blocked in a Gloo wait until it ends (`_end_waits`)."""
+    with _WAITERS_LOCK:
+        if not _WAITERS and not getattr(_waits_in_gloo, "armed", False):
+            import atexit
+
+            atexit.register(_end_waits)
+            _waits_in_gloo.armed = True   # type: ignore[attr-defined]
+        _WAITERS.difference_update([t for t in _WAITERS if not t.is_alive()])
+        _WAITERS.add(thread)
+
+
+def _end_waits() -> None:
+    """At exit: end every Gloo message wait still running. A Python thread that comes back
+    from Gloo once the interpreter is shutting down is ended by CPython inside torch's C++
+    frames, and that aborts the process ("terminate called without an active exception"):
+    after a lost peer, a receive from a survivor that went on without this rank can still be
+    waiting. Waits get `_AT_EXIT_S[0]` to end; then this process's connections to other
+    processes (not to the job's store) are shut down, which makes Gloo fail them, and they
+    are given `_AT_EXIT_S[1]` more, while the interpreter is whole."""
+    for limit_s, shut in zip(_AT_EXIT_S, (False, True)):
+        with _WAITERS_LOCK:
+            alive = [t for t in _WAITERS if t.is_alive()]
+        if not alive:
+            return
+        if shut:
+            _shut_peer_connections()
+        end = time.monotonic() + limit_s
+        for t in alive:
+            t.join(max(0.0, end - time.monotonic()))
+
+
+def _shut_peer_connections() -> None:
+    """Shut down (both ways) every TCP connection of this process to an address where its
+    Gloo groups have peers, but the store's."""
+    from ..store import client_sockets
+
+    keep = client_sockets()
+    try:
+        fds = [int(name) for name in os.listdir("/proc/self/fd")]
+    except OSError:
+        return
+    for fd in fds:
+        if fd in keep:
+            continue
+        try:
+            if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
+                continue
+            sock = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue
+        with sock:
+            try:
+                if sock.type == socket.SOCK_STREAM and sock.family in (socket.AF_INET,
+                                                                      socket.AF_INET6):
+                    address = sock.getpeername()[0]   # connected (a listener raises)
+                    if address.removeprefix("::ffff:") in _PEER_ADDRESSES:
+                        sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
 class Peers:
     """What the engine knows of the job's ranks: host name and address of each (job ranks),
     and this process's heartbeat (None on one host)."""
@@ -208,6 +278,7 @@ class GlooBackend(PolledMessages, Backend):
         self._store, self._timeout_s, self.peers = store, timeout_s, peers
         self._job_ranks = job_ranks
         self._address, self._interface = address, interface
+        _PEER_ADDRESSES.update(a for a in (*peers.addresses, address) if a)
         options = dist.ProcessGroupGloo._Options()
         options._timeout = timedelta(seconds=timeout_s)
         options._devices = [_device(address, interface)]
@@ -526,8 +597,11 @@ class GlooBackend(PolledMessages, Backend):
         # buffered, as on shm and mpi: the message leaves from a copy, so the send completes
         # now; delivery is finished by later calls (and at close)
         copy = x.reshape(-1).view(np.uint8).copy()
-        work = _Waited(self._pg.send([self._torch.from_numpy(copy)], dst,
-                                     self._tag(tag, x.dtype)), deadline - time.monotonic() + 2)
+        try:   # Gloo refuses at once where the connection to a peer already broke
+            posted = self._pg.send([self._torch.from_numpy(copy)], dst, self._tag(tag, x.dtype))
+        except Exception as exc:  # noqa: BLE001
+            raise self._translated(exc, record, "its peer") from None
+        work = _Waited(posted, deadline - time.monotonic() + 2)
         self._pending.append(_Pending(work, self._late, record, deadline, None, copy))
         on_done(None)
 
@@ -536,9 +610,12 @@ class GlooBackend(PolledMessages, Backend):
         deadline = record.deadline
         gloo_tag = self._tag(tag, x.dtype)
         view = self._b(x)
-        work = _Waited(self._pg.recv_anysource([view], gloo_tag) if src is None
-                       else self._pg.recv([view], src, gloo_tag), deadline - time.monotonic() + 2,
-                       any_source=src is None)
+        try:
+            posted = self._pg.recv_anysource([view], gloo_tag) if src is None \
+                else self._pg.recv([view], src, gloo_tag)
+        except Exception as exc:  # noqa: BLE001 - as in post_send
+            raise self._translated(exc, record, "its peer") from None
+        work = _Waited(posted, deadline - time.monotonic() + 2, any_source=src is None)
 
         def check(w: Any) -> BaseException | None:
             if found is not None:

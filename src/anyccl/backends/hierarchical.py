@@ -51,6 +51,9 @@ def _explains_losses(method: Callable) -> Callable:
     (see `_Local`, and gloo's lost connections)."""
     @functools.wraps(method)
     def guarded(self: HierarchicalBackend, *args: Any) -> Any:
+        if self._revoked is not None and self._revoked.is_set():
+            raise PeerLostError(f"rank {self.rank}: the communicator was revoked: ranks on "
+                                f"another host lost a peer and are shrinking it", -1)
         try:
             return method(self, *args)
         except (PeerLostError, TimeoutError) as exc:
@@ -139,6 +142,8 @@ class HierarchicalBackend(Backend):
         heartbeat = getattr(getattr(net, "peers", None), "heartbeat", None)
         self._heartbeat = heartbeat if heartbeat is not None else \
             next((o for o in self._owns if hasattr(o, "tell_lost")), None)
+        self._name = name
+        self._revoked = self._heartbeat.follow(name) if self._heartbeat is not None else None
 
     def _timed_out_inside(self, exc: TimeoutError) -> TimeoutError:
         """A step inside the host timed out, most likely because a rank of this host waits on
@@ -355,8 +360,11 @@ class HierarchicalBackend(Backend):
         return self._net.survives_peer_loss
 
     def revoke(self) -> None:
-        self._local.revoke()
-        self._net.revoke()
+        for part in (self._local, self._net, self._column):   # the column is a group too
+            if part is not None:
+                part.revoke()
+        if self._heartbeat is not None:   # and the other hosts' ranks are told
+            self._heartbeat.revoke(self._name)
 
     def departed(self) -> dict[int, str]:
         gone = {self._members[self._host][j]: why for j, why in self._local.departed().items()}
@@ -374,6 +382,8 @@ class HierarchicalBackend(Backend):
                                    local, net, name, timeout_s)
 
     def close(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.forget(self._name)
         for part in (self._column, self._net, self._local, *self._owns):
             if part is not None:
                 part.close()
