@@ -26,6 +26,7 @@ import argparse
 import os
 import random
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -135,6 +136,7 @@ def main() -> None:
     p.add_argument("--launcher", choices=["run", "mpiexec"], default="run")
     p.add_argument("--hosts", type=int, default=1)
     args = p.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit("kill_stress: terminated"))  # clean up
     if args.hosts > 1 and (args.launcher != "run" or args.n % args.hosts):
         p.error("--hosts: under `anyccl run`, with -n a multiple of it")
     rng = random.Random(args.seed)

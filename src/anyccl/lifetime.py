@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 from .errors import AnycclError, CommunicatorClosedError
 
@@ -62,10 +62,18 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+# called after close_all closed every communicator at exit (a transport's threads to end
+# while the interpreter is still whole: backends/gloo.py)
+at_exit_after_close: list[Callable[[], None]] = []
+
+
 def close_all() -> None:
-    """Close every communicator still open (registered with atexit)."""
+    """Close every communicator still open (registered with atexit), then run
+    `at_exit_after_close`."""
     for comm in list(live):
         try:
             comm.close()
         except AnycclError:
             pass
+    for hook in at_exit_after_close:
+        hook()

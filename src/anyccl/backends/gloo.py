@@ -39,6 +39,7 @@ from .._console import say
 from ..buffers import BFLOAT16, SUPPORTED_DTYPES
 from ..errors import AnycclError, InvalidArgumentError, PeerLostError, TimeoutError
 from ..heartbeat import Heartbeat
+from ..lifetime import at_exit_after_close
 from ..ops import ReduceOp, accumulate, finish
 from ..ops import finish as finish_op
 from ..store import Store
@@ -190,13 +191,11 @@ _AT_EXIT_S = (0.5, 2.0)   # at exit: how long the waits may end by themselves, t
 
 
 def _waits_in_gloo(thread: threading.Thread) -> None:
-    """Count `thread` among those blocked in a Gloo wait until it ends (`_end_waits`)."""
+    """Count `thread` among those that may block inside Gloo (a message's wait, a group's
+    shutdown) until it ends (`_end_waits`)."""
     with _WAITERS_LOCK:
-        if not _WAITERS and not getattr(_waits_in_gloo, "armed", False):
-            import atexit
-
-            atexit.register(_end_waits)
-            _waits_in_gloo.armed = True   # type: ignore[attr-defined]
+        if _end_waits not in at_exit_after_close:   # once every communicator is closed
+            at_exit_after_close.append(_end_waits)
         _WAITERS.difference_update([t for t in _WAITERS if not t.is_alive()])
         _WAITERS.add(thread)
 
@@ -690,6 +689,7 @@ class GlooBackend(PolledMessages, Backend):
         closer = threading.Thread(target=_shut_down, args=(pg,), daemon=True,
                                   name="anyccl-gloo-close")
         del pg
+        _waits_in_gloo(closer)   # inside Gloo too: ended before the interpreter shuts down
         closer.start()
         # Gloo's shutdown can wait on a peer that is gone or cut off: a broken group's is
         # left to finish (or not) in the background
