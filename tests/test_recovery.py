@@ -122,13 +122,20 @@ WHY_NOT = Cluster.unavailable()
 
 
 @pytest.mark.skipif(bool(WHY_NOT), reason=WHY_NOT or "")
-def test_survivors_across_two_hosts_shrink_to_shm_and_gloo_and_go_on():
-    """h1 runs ranks 0 and 1, h2 ranks 2 and 3; rank 3 dies. Ranks 0, 1 and 2 shrink: shared
-    memory on h1, gloo between the hosts, and every collective right."""
-    key, port = "5e" * 32, 29460
+@pytest.mark.parametrize("victim, only", [
+    ("3", ""),    # in an all_reduce loop
+    ("1", "6"),   # in isend/irecv pairs: ranks 2 and 3 on h2 never wait on rank 1; they learn
+                  # of the revoke from the store, and no survivor's Gloo wait aborts its exit
+])
+def test_survivors_across_two_hosts_shrink_to_shm_and_gloo_and_go_on(victim, only):
+    """h1 runs ranks 0 and 1, h2 ranks 2 and 3; one rank dies. The three others shrink:
+    shared memory on the host with two of them, gloo between the hosts, and every collective
+    right; every survivor exits 0."""
+    key, port = "5e" * 32, 29460 + int(victim)
     with Cluster(2) as cluster:
         env = dict(os.environ, ANYCCL_JOB_KEY=key, ANYCCL_TIMEOUT="30", PYTHONUNBUFFERED="1",
-                   OMP_NUM_THREADS="1", VICTIMS="3", KILL_AT="3", ANYCCL_PEER_SILENCE="3")
+                   OMP_NUM_THREADS="1", VICTIMS=victim, KILL_AT="3", ANYCCL_PEER_SILENCE="3",
+                   ONLY=only, LOOP_S="25" if only else "")
         env.pop("ANYCCL_BACKEND", None)
         procs = [cluster.run(i, [sys.executable, "-m", "anyccl", "run", "-n", "2", "--nnodes",
                                  "2", "--node-rank", str(i), "--master-addr", "h1",
@@ -144,8 +151,10 @@ def test_survivors_across_two_hosts_shrink_to_shm_and_gloo_and_go_on():
             results.append((proc.returncode, out + err))
         text = "\n".join(t for _, t in results)
         done = {int(m[1]): m for m in DONE.finditer(text)}
-        assert all(code == 0 for code, _ in results) and sorted(done) == [0, 1, 2], text[-4000:]
-        assert all(m[5] == "3" and int(m[4]) == 3 for m in done.values()), text[-2000:]
+        survivors = [r for r in range(4) if r != int(victim)]
+        assert all(code == 0 for code, _ in results) and sorted(done) == survivors, text[-4000:]
+        assert all(m[5] == victim and int(m[4]) == 3 for m in done.values()), text[-2000:]
+        assert "terminate called" not in text, text[-2000:]
         for i in range(2):
             assert not [f for f in cluster.shm_files(i) if f.startswith("anyccl-")]
 
