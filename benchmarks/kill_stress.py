@@ -74,17 +74,26 @@ class Jobs:
     def run(self, env: dict[str, str]) -> tuple[int, str]:
         """(exit code, every rank's output) of one job; code -1 past the job's timeout."""
         self._jobs += 1
-        if self.cluster is None:
-            argv = ([sys.executable, "-m", "anyccl", "run", "-n", str(self.n), "--keep-going"]
-                    if self.launcher == "run" else
-                    ["mpiexec", "-disable-auto-cleanup", "-n", str(self.n), sys.executable])
+        if self.cluster is None and self.launcher == "run":
             try:
-                done = subprocess.run([*argv, str(SCRIPT)], env=env, capture_output=True,
-                                      text=True, timeout=self.timeout_s)
+                done = subprocess.run([sys.executable, "-m", "anyccl", "run", "-n", str(self.n),
+                                       "--keep-going", str(SCRIPT)], env=env,
+                                      capture_output=True, text=True, timeout=self.timeout_s)
             except subprocess.TimeoutExpired as exc:
                 return -1, f"timed out: {exc}"
-            # under mpiexec the job's code is the killed rank's (9): the survivors' lines decide
-            return (done.returncode if self.launcher == "run" else 0), done.stdout + done.stderr
+            return done.returncode, done.stdout + done.stderr
+        if self.cluster is None:   # mpiexec: each rank's output to a file of its own (Hydra
+            # stops relaying once a rank was killed); the job's code is the killed rank's: a
+            # survivor's last line says it finished, and the job must end in time
+            with tempfile.TemporaryDirectory() as out:
+                argv = ["mpiexec", "-disable-auto-cleanup", "-n", str(self.n), "sh", "-c",
+                        f'exec "{sys.executable}" "{SCRIPT}" > "$OUT_DIR/rank$PMI_RANK" 2>&1']
+                try:
+                    subprocess.run(argv, env=dict(env, OUT_DIR=out), capture_output=True,
+                                   timeout=self.timeout_s)
+                except subprocess.TimeoutExpired as exc:
+                    return -1, f"timed out: {exc}"
+                return 0, "\n".join(Path(out, f).read_text() for f in sorted(os.listdir(out)))
         port = str(29700 + self._jobs % 200)   # a fresh port a job: no TIME_WAIT in the way
         env = dict(env, ANYCCL_JOB_KEY="4b" * 32, ANYCCL_PEER_SILENCE="3", OMP_NUM_THREADS="1")
         procs = [self.cluster.run(i, [sys.executable, "-m", "anyccl", "run", "-n",

@@ -113,6 +113,40 @@ def check_shrink_refused_on_mpi(comm):
     return bool(np.all(x == comm.size))
 
 
+def _hydra() -> str | None:
+    """Why a job cannot run under MPICH's mpiexec (Hydra) here, or None."""
+    import shutil
+
+    if shutil.which("mpiexec") is None:
+        return "no mpiexec"
+    try:
+        version = subprocess.run(["mpiexec", "--version"], capture_output=True, text=True,
+                                 timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"mpiexec --version failed: {exc}"
+    return None if "HYDRA" in version else "mpiexec is not MPICH's Hydra"
+
+
+@pytest.mark.skipif(bool(_hydra()), reason=_hydra() or "")
+@pytest.mark.parametrize("victim", ["0", "2"])
+def test_under_mpiexec_the_survivors_shrink_also_without_rank_0(victim, tmp_path):
+    """Under `mpiexec -disable-auto-cleanup` with ANYCCL_KEEP_GOING=1 (shm, one host), rank 0
+    starts the store as a process of its own: when rank 0 itself dies, the others still meet
+    there, shrink and run everything on the shrunk communicator."""
+    pytest.importorskip("mpi4py")
+    env = dict(os.environ, VICTIMS=victim, KILL_AT="3", ANYCCL_TIMEOUT="30",
+               PYTHONUNBUFFERED="1", ANYCCL_KEEP_GOING="1", OUT_DIR=str(tmp_path))
+    env.pop("ANYCCL_BACKEND", None)
+    # each rank's output to a file of its own: Hydra stops relaying once a rank was killed
+    subprocess.run(["mpiexec", "-disable-auto-cleanup", "-n", "4", "sh", "-c",
+                    f'exec "{sys.executable}" "{SCRIPT}" > "$OUT_DIR/rank$PMI_RANK" 2>&1'],
+                   env=env, capture_output=True, text=True, timeout=120)
+    text = "\n".join(f.read_text() for f in sorted(tmp_path.glob("rank*")))
+    found = {int(m[1]): m for m in DONE.finditer(text)}
+    assert sorted(found) == [r for r in range(4) if r != int(victim)], text[-3000:]
+    assert all(m[5] == victim and int(m[4]) == 3 for m in found.values()), text[-2000:]
+
+
 def test_the_mpi_backend_says_it_cannot_shrink():
     pytest.importorskip("mpi4py")
     assert all(run_ranks(check_shrink_refused_on_mpi, 2, backend="mpi"))

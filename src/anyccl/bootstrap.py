@@ -90,6 +90,19 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+def _serve(key: bytes, host: str, port: int, timeout_s: float) -> tuple[str, int]:
+    """Rank 0 serves the job's store on `host`:`port` (0: a free one): from a thread of this
+    process, or, when the job goes on after a rank dies (ANYCCL_KEEP_GOING), from a process of
+    its own that outlives this one (store_process.py). Where it listens."""
+    if settings.KEEP_GOING.get():
+        from . import store_process
+
+        return store_process.start(key, host, port, timeout_s)[:2]
+    server = StoreServer(key, host=host, port=port)
+    _servers.append(server)
+    return server.host, server.port
+
+
 def _tcp_store(host: str, port: int, rank: int, timeout_s: float) -> Store:
     key = _job_key()
     if key is None:
@@ -112,8 +125,7 @@ def _tcp_store(host: str, port: int, rank: int, timeout_s: float) -> Store:
         else:
             return _loopback_store(host, port, rank, timeout_s)
     if rank == 0:
-        bind = "127.0.0.1" if _is_loopback(host) else host
-        _servers.append(StoreServer(key, host=bind, port=port))
+        _serve(key, "127.0.0.1" if _is_loopback(host) else host, port, timeout_s)
     return TCPStore(host, port, key, timeout_s)
 
 
@@ -130,7 +142,7 @@ def _loopback_store(host: str, port: int, rank: int, timeout_s: float) -> Store:
         key = secrets.token_bytes(32)
         private.write(path, key)
         atexit.register(_remove_quietly, path, os.getpid())
-        _servers.append(StoreServer(key, host="127.0.0.1", port=port))
+        _serve(key, "127.0.0.1", port, timeout_s)
         return TCPStore(host, port, key, timeout_s)
     deadline = time.monotonic() + timeout_s
     while True:
@@ -219,9 +231,7 @@ def _mpi_store(rank: int, timeout_s: float) -> Store:
         key = secrets.token_bytes(32)
         try:
             bind = "127.0.0.1" if len(set(hosts)) == 1 else reachable_address()
-            server = StoreServer(key, host=bind)
-            _servers.append(server)
-            offer = (server.host, server.port, key)
+            offer = (*_serve(key, bind, 0, timeout_s), key)
         except (AnycclError, OSError) as exc:
             offer = f"rank 0 on {hosts[0]} cannot serve the rendezvous: {exc}"
     offer = world.bcast(offer, root=0)

@@ -296,6 +296,8 @@ def run(nprocs: int, target: str, args: list[str], *, module: bool = False,
     })
     if backend:
         base_env[settings.BACKEND.name] = backend
+    if keep_going:
+        base_env[settings.KEEP_GOING.name] = "1"
     ranks: list[RankProcess] = []
     relay = _LineRelay(tag_output)
     stop_requested: list[int] = []

@@ -111,8 +111,9 @@ def _declare(name: str, kind: str, default: Any, doc: str, **more: Any) -> Setti
 # ---- every rank, every backend ---------------------------------------------------------------
 BACKEND = _declare("BACKEND", "text", None,
                    "The backend when init() names none: shm, mpi, nccl, ipc, auto, or a device "
-                   "map such as cpu:shm,cuda:nccl. Default: mpi under mpiexec (with mpi4py), "
-                   "else shm.")
+                   "map such as cpu:shm,cuda:nccl. Default: shm on one host (also under "
+                   "mpiexec); across hosts shm+mpi under mpiexec (with mpi4py), else "
+                   "shm+gloo.")
 TIMEOUT = _declare("TIMEOUT", "seconds", 600.0,
                    "How long any one operation may wait before it fails with anyccl.TimeoutError "
                    "(init(timeout=...) wins).", unit="s", minimum=1e-3)
@@ -160,6 +161,13 @@ PEER_SILENCE = _declare("PEER_SILENCE", "seconds", 10.0,
                         "heartbeat in the job's store) for this long raises PeerLostError "
                         "naming it and its host, before the operation's deadline.", unit="s",
                         minimum=0.5)
+KEEP_GOING = _declare("KEEP_GOING", "bool", False,
+                      "The job goes on when a rank dies (its survivors call comm.shrink()): "
+                      "where rank 0 would serve the rendezvous store (mpiexec, SLURM, tcp://), "
+                      "it starts it as a process of its own that outlives every rank. Set by "
+                      "`anyccl run --keep-going` (whose launcher serves the store anyway); "
+                      "under mpiexec, also keep the others running (MPICH: mpiexec "
+                      "-disable-auto-cleanup).")
 LAUNCHER_PID = _declare("LAUNCHER_PID", "int", None,
                         "The pid of anyccl run: ranks exit when it dies.", set_by_launcher=True)
 

@@ -133,6 +133,8 @@ class StoreServer:
         self._sock.listen(128)
         self.host, self.port = host, self._sock.getsockname()[1]
         self.refused = 0
+        self.clients = 0        # connections open now (past the challenge)
+        self.served = False     # whether any client ever connected
         self._closed = False
         self._pending: dict[object, int] = {}  # peer -> connections not yet authenticated
         self._thread = threading.Thread(target=self._accept_loop, name="anyccl-store", daemon=True)
@@ -198,6 +200,9 @@ class StoreServer:
             finally:
                 self._authenticated(who)
             conn.settimeout(None)
+            with self._cond:
+                self.clients += 1
+                self.served = True
             try:
                 while True:
                     op, klen, vlen = _HEADER.unpack(_recv_exact(conn, _HEADER.size))
@@ -212,6 +217,9 @@ class StoreServer:
                     conn.sendall(_REPLY.pack(status, len(reply)) + reply)
             except (OSError, ConnectionError):
                 return
+            finally:
+                with self._cond:
+                    self.clients -= 1
 
     def _challenge(self, conn: socket.socket, peer: tuple) -> bool:
         """Whether the peer answered the HMAC challenge with the job's key."""
