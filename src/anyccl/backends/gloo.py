@@ -294,6 +294,8 @@ class GlooBackend(PolledMessages, Backend):
         self._subgroups = 0
         self._closed = False
         self._broken = False   # a peer was lost, or this rank revoked it: close waits for none
+        # set by the hierarchical backend: set once a rank revoked the communicator
+        self.revoked: threading.Event | None = None
         # set by a composite backend that starts the agreement itself (start_agreement)
         self.defer_agreement = False
         self._torch = sys.modules["torch"]
@@ -377,6 +379,11 @@ class GlooBackend(PolledMessages, Backend):
         return mine, heartbeat.describe(everyone) if mine else ""
 
     def _check_peers(self, what: str) -> None:
+        if self.revoked is not None and self.revoked.is_set():
+            # a survivor that lost a rank of another column went on to shrink without us
+            raise PeerLostError(f"rank {self._said_rank}: the communicator was revoked while "
+                                f"this rank was in {self._record} waiting for {what} (ranks "
+                                f"that lost a peer are shrinking it; gloo between hosts)", -1)
         heartbeat = self.peers.heartbeat
         if heartbeat is None:
             return

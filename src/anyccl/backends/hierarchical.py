@@ -144,6 +144,9 @@ class HierarchicalBackend(Backend):
             next((o for o in self._owns if hasattr(o, "tell_lost")), None)
         self._name = name
         self._revoked = self._heartbeat.follow(name) if self._heartbeat is not None else None
+        for part in (net, self._column):   # their waits between hosts look at it too
+            if part is not None and hasattr(part, "revoked"):
+                part.revoked = self._revoked
 
     def _timed_out_inside(self, exc: TimeoutError) -> TimeoutError:
         """A step inside the host timed out, most likely because a rank of this host waits on
