@@ -34,6 +34,9 @@ import time
 from pathlib import Path
 
 SCRIPT = Path(__file__).resolve().parents[1] / "tests" / "scripts" / "shrink_after_kill.py"
+sys.path.insert(0, str(SCRIPT.parents[1]))
+import simhosts  # noqa: E402 - tests/simhosts.py: simulated hosts
+
 KINDS = ["all_reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all",
          "sendrecv ring", "isend/irecv", "barrier"]
 DONE = re.compile(r"rank (\d+) of \d+ -> rank \d+ of \d+: ok lost=\[(\d+)\] "
@@ -53,13 +56,10 @@ class Jobs:
         self.cluster = None
         self._jobs = 0
         if hosts > 1:
-            sys.path.insert(0, str(SCRIPT.parents[1]))
-            from simhosts import Cluster
-
-            why = Cluster.unavailable()
+            why = simhosts.Cluster.unavailable()
             if why:
                 sys.exit(f"--hosts {hosts}: {why}")
-            self.cluster = Cluster(hosts)
+            self.cluster = simhosts.Cluster(hosts)
 
     def close(self) -> None:
         if self.cluster is not None:
@@ -101,17 +101,8 @@ class Jobs:
                                       "--node-rank", str(i), "--master-addr", "h1",
                                       "--master-port", port, "--keep-going", str(SCRIPT)],
                                   env=env) for i in range(self.hosts)]
-        code, text, deadline = 0, "", time.monotonic() + self.timeout_s
-        for proc in procs:
-            try:
-                out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                out, err = proc.communicate()
-                code = -1
-            code = code or proc.returncode
-            text += out + err
-        return code, text
+        results = simhosts.finish(procs, self.timeout_s)
+        return next((code for code, _ in results if code), 0), "".join(t for _, t in results)
 
 
 def one_job(jobs: Jobs, kind: int, victim: int, within: float

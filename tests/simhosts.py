@@ -248,6 +248,22 @@ class Cluster:
         self.close()
 
 
+def finish(procs: Sequence[subprocess.Popen], timeout_s: float) -> list[tuple[int, str]]:
+    """(exit code, stdout + stderr) of each of `procs` (started by `Cluster.run`), killing
+    what outlives `timeout_s` from now (its output then says so)."""
+    deadline = time.monotonic() + timeout_s
+    results = []
+    for proc in procs:
+        try:
+            out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+            err += f"\n(killed after {timeout_s} s)"
+        results.append((proc.returncode, out + err))
+    return results
+
+
 def _read_line(proc: subprocess.Popen, timeout_s: float) -> str:
     import selectors
 

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+import simhosts
 from simhosts import Cluster
 
 pytestmark = pytest.mark.shm_only   # the suite's backend is moot: the job picks its own
@@ -88,18 +89,7 @@ def launch(cluster: Cluster, launcher: str, per_host: int, args: list[str],
 
 
 def finish(procs: list[subprocess.Popen], timeout_s: float = JOB_S) -> list[tuple[int, str]]:
-    """(exit code, stdout + stderr) of each process, killing what outlives `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    results = []
-    for proc in procs:
-        try:
-            out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            out, err = proc.communicate()
-            err += f"\n(killed after {timeout_s} s)"
-        results.append((proc.returncode, out + err))
-    return results
+    return simhosts.finish(procs, timeout_s)
 
 
 def _lines(results: list[tuple[int, str]], pattern: str) -> list[str]:

@@ -680,10 +680,15 @@ class GlooBackend(PolledMessages, Backend):
         if self._closed:
             return
         self._closed = True
-        sends = [p for p in self._pending if p.on_done == self._late]
+        if self.revoked is not None and self.revoked.is_set():
+            self._broken = True   # its ranks went on to shrink it: nothing more to deliver
+        sends = [] if self._broken else [p for p in self._pending if p.on_done == self._late]
         end = time.monotonic() + 5.0
         while sends and time.monotonic() < end:
-            self.progress()
+            try:
+                self.progress()
+            except AnycclError:   # a peer was lost meanwhile: what is left is not delivered
+                break
             sends = [p for p in self._pending if p.on_done == self._late]
             time.sleep(1e-3)
         if sends:
