@@ -672,8 +672,9 @@ class GlooBackend(PolledMessages, Backend):
         super().abort(error)
 
     def revoke(self) -> None:
-        # Gloo cannot tell its peers; they learn from their own checks (the heartbeat, the
-        # other backends the survivors revoke). This rank's close then waits for nothing.
+        # Gloo cannot tell its peers: the hierarchical backend tells them through the
+        # heartbeat's store (`revoked`, which their waits look at). This rank's close then
+        # waits for nothing.
         self._broken = True
 
     def close(self) -> None:
