@@ -42,7 +42,7 @@ from ..heartbeat import Heartbeat
 from ..lifetime import at_exit_after_close
 from ..ops import ReduceOp, accumulate, finish
 from ..ops import finish as finish_op
-from ..store import Store
+from ..store import Store, client_sockets
 from ..trace import OpRecord
 from .base import Backend, Completion, PolledMessages, per_operation
 from .doorbell import PollingBell
@@ -223,8 +223,6 @@ def _end_waits() -> None:
 def _shut_peer_connections() -> None:
     """Shut down (both ways) every TCP connection of this process to an address where its
     Gloo groups have peers, but the store's."""
-    from ..store import client_sockets
-
     keep = client_sockets()
     try:
         fds = [int(name) for name in os.listdir("/proc/self/fd")]
