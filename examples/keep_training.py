@@ -3,6 +3,11 @@ its gradients averaged over anyccl; one rank is killed mid-run, and the others s
 communicator, re-shard the data over themselves and finish.
 
     anyccl run --keep-going -n 4 examples/keep_training.py [--kill-rank 2] [--kill-step 30]
+    anyccl run --keep-going --replace -n 4 examples/keep_training.py --grow-step 60
+
+With `--replace` the launcher starts a new process in place of the dead rank; its
+`anyccl.init()` waits until the survivors grow the communicator (`comm.grow()`, here at step
+`--grow-step`), then it takes rank 0's step and weights and trains with the others.
 
 What the program does when a collective fails (the part a training loop must own):
 - the communicator: `comm.shrink()` on every survivor gives the communicator of the survivors;
@@ -33,11 +38,15 @@ parser.add_argument("--steps", type=int, default=150)
 parser.add_argument("--lr", type=float, default=0.5)
 parser.add_argument("--kill-rank", type=int, default=2, help="the rank that dies (-1: none)")
 parser.add_argument("--kill-step", type=int, default=30)
+parser.add_argument("--grow-step", type=int, default=-1,
+                    help="the step at which the survivors admit the processes started in place "
+                    "of lost ranks (`anyccl run --replace`); -1: never")
 args = parser.parse_args()
 
 torch.manual_seed(0)
 comm = anyccl.init()
-start_rank = comm.rank
+newcomer = comm.grown_from is not None   # started in place of a lost rank: joined by growing
+start_rank, started = comm.rank, comm.size
 digits = load_digits()
 x_all = torch.tensor(digits.data / 16.0, dtype=torch.float32)
 y_all = torch.tensor(digits.target)
@@ -80,10 +89,37 @@ def recover(step: int, before: list) -> int:
     return int(done[0])
 
 
-step, before = 0, snapshot()
+def take_rank_0s(step: int) -> int:
+    """Every rank of a grown communicator goes on from rank 0's step and weights."""
+    now = np.array([step])
+    comm.broadcast(now, 0)
+    with torch.no_grad():
+        for p in params:
+            comm.broadcast(p, 0)
+    return int(now[0])
+
+
+def admit(step: int) -> int:
+    """Grow back to as many ranks as the job started with: the processes started in place of
+    the lost ones wait in their anyccl.init() until this."""
+    global comm
+    old, comm = comm, comm.grow(started - comm.size, timeout=120)
+    old.close()
+    print(f"rank {start_rank}: admitted rank(s) {comm.grown_from['joined']} at step {step}; "
+          f"now rank {comm.rank} of {comm.size}", flush=True)
+    return take_rank_0s(step)
+
+
+step = take_rank_0s(0) if newcomer else 0
+before = snapshot()
+if newcomer:
+    print(f"new process: joined as rank {comm.rank} of {comm.size} at step {step}", flush=True)
 while step < args.steps:
-    if start_rank == args.kill_rank and step == args.kill_step:
+    if start_rank == args.kill_rank and step == args.kill_step and not newcomer:
         os.kill(os.getpid(), signal.SIGKILL)
+    if step == args.grow_step and comm.size < started:
+        step = admit(step)
+        before = snapshot()
     idx = my_slice()
     loss = torch.nn.functional.cross_entropy(model(x_all[idx]), y_all[idx])
     model.zero_grad()
@@ -110,7 +146,8 @@ comm.all_reduce(hi, op="max")
 identical = bool(np.array_equal(lo, mine) and np.array_equal(hi, mine))
 with torch.no_grad():
     accuracy = float((model(x_all[test]).argmax(1) == y_all[test]).float().mean())
-print(f"rank {start_rank} (now {comm.rank} of {comm.size}): {args.steps} steps, test accuracy "
+who = "new process" if newcomer else f"rank {start_rank}"
+print(f"{who} (now {comm.rank} of {comm.size}): {args.steps} steps, test accuracy "
       f"{accuracy:.3f}, weights identical on every survivor: {identical}", flush=True)
 comm.close()
 sys.exit(0 if identical and accuracy > 0.85 else 1)

@@ -98,6 +98,25 @@ def test_training_loses_a_rank_and_the_survivors_finish_with_the_same_weights():
     assert "rank 2 was killed by SIGKILL; the other ranks keep going" in out
 
 
+def test_keep_training_admits_a_replacement_and_all_four_finish_alike():
+    """`anyccl run --replace` starts a new process in place of the killed rank; the survivors
+    grow back to four at step 40, and the new one trains on from rank 0's step and weights."""
+    pytest.importorskip("sklearn")
+    pytest.importorskip("torch")
+    env = {k: v for k, v in os.environ.items() if k != "ANYCCL_BACKEND"}
+    proc = subprocess.run([sys.executable, "-m", "anyccl", "run", "--keep-going", "--replace",
+                           "-n", "4", str(EXAMPLES / "keep_training.py"), "--steps", "80",
+                           "--kill-rank", "2", "--kill-step", "20", "--grow-step", "40"],
+                          capture_output=True, text=True, timeout=240, env=env)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert "a new process starts in its place, to join when they grow (--replace)" in out
+    assert out.count("admitted rank(s) [3] at step 40; now rank") == 3, out[-3000:]
+    assert "new process: joined as rank 3 of 4 at step 40" in out, out[-3000:]
+    assert out.count("(now ") == 4 and out.count("weights identical on every survivor: True") \
+        == 4, out[-3000:]
+
+
 def test_the_tour_leaves_nothing_in_the_directory_it_runs_in(tmp_path):
     pytest.importorskip("matplotlib")
     proc = subprocess.run([sys.executable, "-m", "anyccl", "run", "-n", "2",

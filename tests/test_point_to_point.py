@@ -151,10 +151,12 @@ def test_receiving_into_a_wrong_sized_array_is_a_clear_error():
 
 
 def check_large_messages_are_read_out_of_the_sender(comm):
-    """Rank 0 sends three messages larger than its ring (and a small one); rank 1 reads each
+    """Rank 0 sends messages larger than its ring (and small ones); rank 1 reads each
     straight out of rank 0's memory, whether its receive was posted first (a) or the message
-    came while it waited for another (b), and refuses one of another size (c). Returns rank
-    1's results, or on rank 0 the bytes its ring carried."""
+    came while it waited for another (b), and refuses one of another size (c). Received in
+    another order than sent (d), each still gets its own data; one whose receive comes only
+    after its sender's blocking send returned (e) is still delivered whole. Returns rank 1's
+    results, or on rank 0 the bytes its ring carried."""
     from anyccl.errors import InvalidArgumentError
 
     b = comm._engine.backend
@@ -170,6 +172,11 @@ def check_large_messages_are_read_out_of_the_sender(comm):
         comm.send(np.ones(2, np.float32), peer, tag=3)
         work.wait()
         comm.send(big, peer, tag=4)                     # (c)
+        work = comm.isend(big * 3, peer, tag=5)         # (d)
+        comm.send(big * 4, peer, tag=6)
+        work.wait()
+        comm.send(big * 5, peer, tag=7)                 # (e): no receive for it yet
+        comm.send(np.ones(2, np.float32), peer, tag=8)
         comm.barrier()
         return b._sent[peer] - before
     got = np.zeros(n, np.float32)
@@ -185,8 +192,15 @@ def check_large_messages_are_read_out_of_the_sender(comm):
         refused = "no error"
     except InvalidArgumentError as exc:
         refused = str(exc)
-    comm.barrier()                                      # rank 0's send completed
-    return first, second, refused
+    comm.recv(got, peer, tag=6)                         # (d)
+    fourth = bool((got == big * 4).all())
+    comm.recv(got, peer, tag=5)
+    fourth &= bool((got == big * 3).all())
+    comm.recv(np.empty(2, np.float32), peer, tag=8)     # (e): rank 0's send of tag 7 returned
+    comm.recv(got, peer, tag=7)
+    fifth = bool((got == big * 5).all())
+    comm.barrier()                                      # rank 0's sends completed
+    return first, second, refused, fourth, fifth
 
 
 @pytest.mark.skipif(suite_backend() != "shm", reason="the shm backend's direct messages")
@@ -194,9 +208,9 @@ def test_a_message_larger_than_its_ring_is_read_straight_out_of_the_sender():
     carried, got = run_ranks(check_large_messages_are_read_out_of_the_sender, 2)
     if carried == "no cross-memory attach":
         pytest.skip("cross-memory attach is not usable here")
-    assert carried == 3 * 32 + 64       # three headers and the small message: no data
-    first, second, refused = got
-    assert first and second
+    assert carried == 6 * 32 + 2 * 64   # six headers and the two small messages: no data
+    first, second, refused, fourth, fifth = got
+    assert first and second and fourth and fifth
     assert "float32 x 4194304" in refused and "float32 x 2097152" in refused, refused
 
 

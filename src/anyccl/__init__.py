@@ -18,13 +18,14 @@ from .errors import (
     TimeoutError,
     UnsupportedError,
 )
+from .grow import join
 from .ops import ReduceOp
 from .work import Work
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "init", "Communicator", "ReduceOp", "Work",
+    "init", "join", "Communicator", "ReduceOp", "Work",
     "AnycclError", "InvalidArgumentError", "UnsupportedError", "TimeoutError", "PeerLostError",
     "CollectiveMismatchError", "CommunicatorClosedError", "NotInitializedError",
     "RendezvousError",

@@ -321,6 +321,31 @@ def _make_store(init_method: str | None, rank: int, size: int, timeout_s: float)
         f"{size}`, torchrun or mpiexec, or pass init_method='tcp://host:port' or 'file:///path'")
 
 
+def newcomer_store(init_method: str | None, timeout_s: float) -> Store:
+    """The connection to a running job's store for a process started after it (grow.py), as
+    a client: from `init_method` or the environment its launcher gave it (ANYCCL_STORE and
+    the job key, MASTER_ADDR and MASTER_PORT). A newcomer never serves the store."""
+    if init_method is not None and urlparse(init_method).scheme == "file":
+        raise InvalidArgumentError(f"init_method={init_method!r}: a newcomer meets the job "
+                                   f"through its TCP store (tcp://host:port or env://)")
+    if init_method is not None and urlparse(init_method).scheme == "tcp":
+        url = urlparse(init_method)
+        if not url.hostname or not url.port:
+            raise InvalidArgumentError(f"init_method={init_method!r}: expected tcp://host:port")
+        host, port = url.hostname, url.port
+    elif settings.STORE.get():
+        return _make_store(None, -1, 0, timeout_s)
+    elif os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
+        host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    else:
+        raise RendezvousError(
+            f"join: this process has no way to find its job's store: start it with the "
+            f"environment of the job's ranks ({settings.STORE.name} and "
+            f"{settings.JOB_KEY.name}, as `anyccl run` sets them, or MASTER_ADDR and "
+            f"MASTER_PORT), or pass init_method='tcp://host:port'")
+    return _tcp_store(host, port, -1, timeout_s)   # rank -1: never serves, reads the key
+
+
 def _hosts(store: Store, rank: int, size: int,
            timeout_s: float) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(host name, address other hosts reach it at) of every rank, as each rank published it
@@ -477,6 +502,10 @@ def init(backend: str | None = None, *, rank: int | None = None,
             the number of visible devices. Giving it creates the NCCL communicator now, as
             torch does.
 
+    In a process started in place of a lost rank (ANYCCL_NEWCOMER=1, as `anyccl run
+    --replace` starts them) it is `anyccl.join()`: it waits until the job's ranks grow their
+    communicator (`comm.grow()`) and returns the grown one, on their backend.
+
     Returns:
         The communicator of all ranks of the job.
 
@@ -492,6 +521,10 @@ def init(backend: str | None = None, *, rank: int | None = None,
         comm = anyccl.init("nccl", timeout=60)
         ```
     """
+    if settings.NEWCOMER.get():   # started in place of a lost rank (`anyccl run --replace`)
+        from .grow import join
+
+        return join(timeout, init_method=init_method, device_id=device_id)
     if debug is None:
         debug = settings.DEBUG.get()
     env_rank, env_size, _ = _launcher_identity()
@@ -513,8 +546,8 @@ def init(backend: str | None = None, *, rank: int | None = None,
     if device_id is not None:
         _device_index(device_id)
     connection = _make_store(init_method, rank, world_size, timeout_s)
-    return join(connection, rank, world_size, backend=backend, timeout_s=timeout_s,
-                local_rank=local_rank, debug=debug, device_id=device_id, owns_store=True)
+    return connect(connection, rank, world_size, backend=backend, timeout_s=timeout_s,
+                   local_rank=local_rank, debug=debug, device_id=device_id, owns_store=True)
 
 
 def new_job_id(token: str) -> str:
@@ -525,21 +558,26 @@ def new_job_id(token: str) -> str:
     return prefix + token
 
 
-def join(connection: Store, rank: int, world_size: int, *, backend: str | None,
-         timeout_s: float, local_rank: int | None, debug: bool, device_id: object = None,
-         owns_store: bool = False) -> Communicator:
+def connect(connection: Store, rank: int, world_size: int, *, backend: str | None,
+            timeout_s: float, local_rank: int | None, debug: bool, device_id: object = None,
+            owns_store: bool = False, meeting: str | None = None, job_id: str | None = None,
+            comm_name: str = "world") -> Communicator:
     """The communicator of `world_size` ranks that meet through `connection` (an open store:
     init()'s own, or one torch.distributed hands a process group); `owns_store`: close it with
-    the communicator. Ranks already checked."""
+    the communicator. Ranks already checked. `meeting`: the key space of `connection` they
+    meet in (default: a fresh one per init() of this process), `job_id` and `comm_name`
+    those of a communicator grown from another (grow.py)."""
     name, gpu_name = parse_backend(backend)
     device = None if device_id is None else _device_index(device_id)
     env_local = _launcher_identity()[2]
-    global _generation
-    _generation += 1
-    # a fresh key space per init(), so a job may close its communicator and init again
-    store = PrefixStore(f"init{_generation}", connection)
+    if meeting is None:
+        global _generation
+        _generation += 1
+        # a fresh key space per init(), so a job may close its communicator and init again
+        meeting = f"init{_generation}"
+    store = PrefixStore(meeting, connection)
     try:
-        job_id = settings.JOB_ID.get()
+        job_id = job_id or settings.JOB_ID.get()
         if not job_id:
             if rank == 0:
                 store.set("job_id", new_job_id(secrets.token_hex(4)).encode())
@@ -554,15 +592,16 @@ def join(connection: Store, rank: int, world_size: int, *, backend: str | None,
                                       addresses)
         log.info("anyccl: rank %d: host backend %s (%s)", rank, name, why)
         backend_impl = registry.host_entry(name).create(
-            registry.HostContext(store, rank, world_size, job_id, timeout_s, hosts, addresses))
+            registry.HostContext(store, rank, world_size, job_id, timeout_s, hosts, addresses,
+                                 comm_name))
     except BaseException:
         if owns_store:
             connection.close()
         raise
     _dump_flight_records_on_sigterm()
     comm = Communicator(backend_impl, store, rank=rank, size=world_size, local_rank=local_rank,
-                        timeout_s=timeout_s, job_id=job_id, debug=debug, owns_store=owns_store,
-                        device=device, gpu_kind=gpu_name)
+                        timeout_s=timeout_s, name=comm_name, job_id=job_id, debug=debug,
+                        owns_store=owns_store, device=device, gpu_kind=gpu_name)
     comm.backend_reason = why
     comm.hosts = hosts
     if gpu_name is not None or device is not None:

@@ -27,10 +27,15 @@ def _run(ns: argparse.Namespace) -> int:
     if not ns.module and not ns.args:
         print("anyccl run: name a script to run (or -m module)", file=sys.stderr)
         return 2
+    if ns.replace and not ns.keep_going:
+        print("anyccl run: --replace needs --keep-going (the others must run on while a "
+              "replacement starts)", file=sys.stderr)
+        return 2
     target, args = (ns.module, ns.args) if ns.module else (ns.args[0], ns.args[1:])
     try:
         return run(ns.nprocs, target, args, module=bool(ns.module), backend=ns.backend,
-                   tag_output=ns.tag_output, nodes=nodes, keep_going=ns.keep_going)
+                   tag_output=ns.tag_output, nodes=nodes, keep_going=ns.keep_going,
+                   replace=ns.replace)
     except AnycclError as exc:
         print(exc, file=sys.stderr)
         return 2
@@ -59,6 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="when a rank dies, let the others run on (they may `comm.shrink()`) "
                      "instead of stopping them; exit 0 if every rank that was not killed "
                      "exited 0")
+    run.add_argument("--replace", action="store_true",
+                     help="with --keep-going: start a new process in place of each rank that "
+                     "dies (once per rank); its anyccl.init() waits until the others "
+                     "`comm.grow()` and returns the grown communicator")
     run.add_argument("-m", dest="module", help="run a module, as python -m does")
     run.add_argument("args", nargs=argparse.REMAINDER, help="script.py and its arguments")
     run.set_defaults(handler=_run)

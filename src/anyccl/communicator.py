@@ -108,6 +108,9 @@ class Communicator:
         # after `shrink`: {"ranks": the parent's ranks that are members, "lost": rank -> why}
         self.shrunk_from: dict[str, Any] | None = None
         self._shrinks = 0   # shrink rounds begun from this communicator
+        # after `grow` (or `anyccl.join`): {"ranks": the size before, "joined": new ranks}
+        self.grown_from: dict[str, Any] | None = None
+        self._grows = 0     # grow rounds begun from this communicator
         lifetime.live.add(self)
 
     # ---- identity ----------------------------------------------------------------------------
@@ -520,6 +523,21 @@ class Communicator:
         communicator's `shrunk_from` says which ranks it kept and what happened to the others;
         this one stays broken (close it)."""
         return recovery.shrink(self, seconds(timeout, self.timeout_s))
+
+    def grow(self, count: int | None = None,
+             timeout: float | timedelta | None = None) -> Communicator:
+        """Collective over all ranks: admit processes started later that called
+        `anyccl.join()` (replacements for lost ranks, or more workers; grow.py), and return
+        the communicator of this one's ranks, keeping their numbers, and the newcomers after
+        them in the order they came. `count`: wait for that many newcomers (every rank passes
+        the same); None: admit those waiting now, and return this communicator itself when
+        none is. `timeout` (default: the communicator's) bounds the whole; past it,
+        TimeoutError says how many came, and this communicator goes on as it was. The new
+        communicator's `grown_from` says which ranks joined; this one stays usable (close it
+        when done with it)."""
+        from . import grow as growing  # it makes communicators as init() does (bootstrap)
+
+        return growing.grow(self, count, seconds(timeout, self.timeout_s))
 
     def new_group(self, ranks: Sequence[int]) -> Communicator | None:
         """Collective over all ranks: a communicator of `ranks` (in ascending order, as

@@ -26,7 +26,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import IO, TextIO
+from typing import IO, Callable, TextIO
 
 from . import settings
 from ._console import say
@@ -257,10 +257,11 @@ def _module_found(name: str) -> bool:
 
 def run(nprocs: int, target: str, args: list[str], *, module: bool = False,
         backend: str | None = None, tag_output: bool = False, env: dict | None = None,
-        nodes: Nodes | None = None, keep_going: bool = False) -> int:
+        nodes: Nodes | None = None, keep_going: bool = False, replace: bool = False) -> int:
     """Run `target` (a script path, or a module with `module=True`) on `nprocs` ranks of this
     machine (of every node, with `nodes`); return the exit code the launcher should exit with.
-    keep_going: a rank that dies does not stop the others (`_watch_keep_going`)."""
+    keep_going: a rank that dies does not stop the others (`_watch_keep_going`); replace:
+    and a new process (ANYCCL_NEWCOMER=1) starts in its place, once per rank."""
     import hashlib
 
     from .bootstrap import new_job_id
@@ -306,17 +307,27 @@ def run(nprocs: int, target: str, args: list[str], *, module: bool = False,
         stop_requested.append(signum)
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    def start(rank: int, local: int, **more: str) -> RankProcess:
+        rank_env = dict(base_env, RANK=str(rank), LOCAL_RANK=str(local), **more)
+        cmd = [sys.executable, "-m", "anyccl._child", "-m" if module else "-s", target, *args]
+        proc = subprocess.Popen(cmd, env=rank_env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE)
+        ranks.append(RankProcess(rank, proc))
+        relay.follow(proc.stdout, rank, sys.stdout)
+        relay.follow(proc.stderr, rank, sys.stderr)
+        return ranks[-1]
+
+    def start_replacement(dead: RankProcess) -> RankProcess:
+        return start(dead.rank, dead.rank - first_rank, **{settings.NEWCOMER.name: "1"})
+
     try:
         for local in range(nprocs):
-            rank = first_rank + local
-            rank_env = dict(base_env, RANK=str(rank), LOCAL_RANK=str(local))
-            cmd = [sys.executable, "-m", "anyccl._child", "-m" if module else "-s", target, *args]
-            proc = subprocess.Popen(cmd, env=rank_env, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE)
-            ranks.append(RankProcess(rank, proc))
-            relay.follow(proc.stdout, rank, sys.stdout)
-            relay.follow(proc.stderr, rank, sys.stderr)
-        code = (_watch_keep_going if keep_going else _watch)(ranks, stop_requested, job_id)
+            start(first_rank + local, local)
+        if keep_going:
+            code = _watch_keep_going(ranks, stop_requested, start_replacement if replace
+                                     else None)
+        else:
+            code = _watch(ranks, stop_requested, job_id)
     finally:
         for rp in ranks:
             if rp.proc.poll() is None:
@@ -451,22 +462,30 @@ def _watch(ranks: list[RankProcess], stop_requested: list[int], job_id: str) -> 
     return _exit_code(first_failure.proc.returncode)
 
 
-def _watch_keep_going(ranks: list[RankProcess], stop_requested: list[int], _job_id: str) -> int:
-    """`--keep-going`: report each rank that ends badly and let the others run on. The exit
-    code: 0 when every rank that was not killed by a signal exited 0 (and one at least ran to
-    its end); else the first such rank's code, or the signal's when every rank was killed."""
+def _watch_keep_going(ranks: list[RankProcess], stop_requested: list[int],
+                      replace: Callable[[RankProcess], RankProcess] | None) -> int:
+    """`--keep-going`: report each rank that ends badly and let the others run on; with
+    `replace` (`--replace`), start a new process in its place (once per rank: a replacement
+    that dies is not replaced). The exit code: 0 when every process that was not killed by a
+    signal exited 0 (and one at least ran to its end); else the first such one's code, or the
+    signal's when every process was killed."""
     told: set[int] = set()
     while True:
         if stop_requested:
             return _stop_on_request(ranks, stop_requested[0])
         running = False
-        for rp in ranks:
+        for rp in list(ranks):
             code = rp.proc.poll()
             running = running or code is None
-            if code not in (None, 0) and rp.rank not in told:
-                told.add(rp.rank)
+            if code not in (None, 0) and id(rp) not in told:
+                told.add(id(rp))
+                again = replace is not None and sum(r.rank == rp.rank for r in ranks) == 1
                 say(f"anyccl run: rank {rp.rank} {_describe(code)}; the other ranks keep "
-                    f"going (--keep-going)")
+                    f"going (--keep-going)" + ("; a new process starts in its place, to join "
+                                              "when they grow (--replace)" if again else ""))
+                if again:
+                    replace(rp)
+                    running = True
         if not running:
             break
         time.sleep(_POLL_S)

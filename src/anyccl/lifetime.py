@@ -8,6 +8,7 @@ import weakref
 from typing import Any, Callable
 
 from .errors import AnycclError, CommunicatorClosedError
+from .store import connection_of
 
 # every communicator open in this process (Communicator adds and discards itself)
 live: weakref.WeakSet[Any] = weakref.WeakSet()
@@ -28,8 +29,9 @@ def closed_error(rank: int, op: str, owner_pid: int) -> CommunicatorClosedError:
 def close(comm: Any, gpu_side: Any, engine: Any, store: Any) -> None:
     """Close `comm` once: its GPU engine (and GPU backend), then its host engine (its worker
     and host backend), then `store` (None: the store is a parent communicator's) -- unless
-    a communicator still open uses it (one split or shrunk from `comm`, which may still meet
-    its peers there, to make its GPU backend, say): that one then owns it."""
+    a communicator still open uses its connection (one split, shrunk or grown from `comm`,
+    which may still meet its peers there, to make its GPU backend, say): that one then owns
+    it."""
     if comm._closed:
         return
     comm._closed = True
@@ -41,7 +43,9 @@ def close(comm: Any, gpu_side: Any, engine: Any, store: Any) -> None:
             engine.close()
         finally:
             if store is not None:
-                heir = next((c for c in live if c._store is store and not c._closed), None)
+                connection = connection_of(store)
+                heir = next((c for c in live if connection_of(c._store) is connection
+                             and not c._closed), None)
                 if heir is None:
                     store.close()
                 else:

@@ -168,6 +168,11 @@ KEEP_GOING = _declare("KEEP_GOING", "bool", False,
                       "`anyccl run --keep-going` (whose launcher serves the store anyway); "
                       "under mpiexec, also keep the others running (MPICH: mpiexec "
                       "-disable-auto-cleanup).")
+NEWCOMER = _declare("NEWCOMER", "bool", False,
+                    "This process replaces a lost rank (or adds one) in a running job: "
+                    "anyccl.init() joins it as anyccl.join() does, returning the communicator "
+                    "its ranks grow next (comm.grow()). Set by `anyccl run --replace` on the "
+                    "processes it starts in place of dead ranks.")
 LAUNCHER_PID = _declare("LAUNCHER_PID", "int", None,
                         "The pid of anyccl run: ranks exit when it dies.", set_by_launcher=True)
 

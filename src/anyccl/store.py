@@ -115,6 +115,13 @@ class PrefixStore(Store):
         self.inner.close()
 
 
+def connection_of(store: Store) -> Store:
+    """The store under every PrefixStore around `store`: the job's connection."""
+    while isinstance(store, PrefixStore):
+        store = store.inner
+    return store
+
+
 class StoreServer:
     """A TCP key/value server on a daemon thread; lives as long as its owner."""
 

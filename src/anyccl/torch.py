@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from . import settings
 from .algorithms.uneven import split_elements
-from .bootstrap import C10dStore, join
+from .bootstrap import C10dStore, connect
 from .communicator import Communicator
 from .errors import TimeoutError, UnsupportedError
 from .ops import ReduceOp
@@ -424,8 +424,8 @@ def _declare_devices(group: dist.ProcessGroup) -> None:
 def create(store: Any, rank: int, size: int, timeout: timedelta) -> ProcessGroup:
     """torch.distributed's creator of an "anyccl" process group: an anyccl communicator of the
     group's ranks, meeting through the store torch passes (`new_group` calls it again)."""
-    comm = join(C10dStore(store), rank, size, backend=None, timeout_s=timeout.total_seconds(),
-                local_rank=None, debug=settings.DEBUG.get())
+    comm = connect(C10dStore(store), rank, size, backend=None,
+                   timeout_s=timeout.total_seconds(), local_rank=None, debug=settings.DEBUG.get())
     return ProcessGroup(comm)
 
 

@@ -173,6 +173,10 @@ class Backend(ABC):
     #: its sub-communicators are built through the store alone, never through the lost rank
     survives_peer_loss = True
 
+    #: whether a communicator on this transport can grow by processes started later (grow.py):
+    #: its transport is built through the store, not fixed at launch as MPI's world
+    admits_newcomers = True
+
     def revoke(self) -> None:  # noqa: B027 - a transport may have no way to tell its peers
         """Tell the peers that this rank has left this communicator (it is recovering), so
         that an operation of theirs that waits on it fails now, as on a lost peer, instead of

@@ -362,6 +362,10 @@ class HierarchicalBackend(Backend):
     def survives_peer_loss(self) -> bool:  # type: ignore[override]
         return self._net.survives_peer_loss
 
+    @property
+    def admits_newcomers(self) -> bool:  # type: ignore[override]
+        return self._net.admits_newcomers
+
     def revoke(self) -> None:
         for part in (self._local, self._net, self._column):   # the column is a group too
             if part is not None:
@@ -413,7 +417,8 @@ def creator(engine: str) -> Callable[[Any], HierarchicalBackend]:
         try:
             local = shm.SharedMemoryBackend(
                 PrefixStore(f"host{order.index(hosts[ctx.rank])}", ctx.store),
-                members.index(ctx.rank), len(members), job_id=ctx.job_id, comm_name=shm.WORLD,
+                members.index(ctx.rank), len(members), job_id=ctx.job_id,
+                comm_name=shm.segment_part(ctx.comm_name),
                 timeout_s=ctx.timeout_s)
             made.append(local)
             heartbeat = Heartbeat(PrefixStore("alive", ctx.store), ctx.rank, hosts,
@@ -432,7 +437,7 @@ def creator(engine: str) -> Callable[[Any], HierarchicalBackend]:
 
                 net = mpi.create(ctx)
             made.append(net)
-            return HierarchicalBackend(ctx.rank, hosts, local, net, "world", ctx.timeout_s,
+            return HierarchicalBackend(ctx.rank, hosts, local, net, ctx.comm_name, ctx.timeout_s,
                                        owns=[heartbeat])
         except BaseException:
             for part in reversed(made):

@@ -323,6 +323,8 @@ class MpiBackend(PolledMessages, Backend):
     # an MPI without ULFM ends the job, or leaves its communicators unusable, once a process
     # dies: no sub-communicator can be built without the lost rank
     survives_peer_loss = False
+    # MPI_COMM_WORLD is fixed at launch: a process started later is not in it
+    admits_newcomers = False
 
     def __init__(self, comm: Any, timeout_s: float, departures: Departures | None = None,
                  world_ranks: list[int] | None = None) -> None:

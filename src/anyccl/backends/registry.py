@@ -32,6 +32,7 @@ class HostContext:
     timeout_s: float
     hosts: tuple[str, ...] = ()       # the host name of every rank (when known)
     addresses: tuple[str, ...] = ()   # the address other hosts reach every rank's host at
+    comm_name: str = "world"          # the communicator's name (another: grown from one)
 
 
 @dataclass(frozen=True)

@@ -91,6 +91,9 @@ _HEADER = 32                       # message header: tag, nbytes, dtype code, an
 _HEADER_WORDS = struct.Struct("<4q")
 _PEER_CHECK_S = 0.25
 _DEADLINE_CHECK_S = 0.001  # how often progress() looks for posted messages past their deadline
+# how long a direct message no receive has claimed stays in its sender's memory before it is
+# read into a buffer (so that its send completes also when no receive for it is ever posted)
+_DEFER_S = 0.002
 _SPIN_US = 200  # default spin while every rank has a core: past a sleep's wake-up time
 # with more ranks than cores: spin this long, yielding the core at every turn, then sleep
 _SHARED_SPIN_US = 100
@@ -323,15 +326,17 @@ class _Recv:
 
 
 class _Incoming:
-    """A message being read from a channel: into a posted receive, or buffered until one comes."""
+    """A message being read from a channel: into a posted receive, or buffered until one comes.
+    A direct message's `address` in its sender is kept (non-zero) until its data is read."""
 
     __slots__ = ("tag", "nbytes", "dtype", "sink", "received", "stream_bytes", "target", "error",
-                 "arrival")
+                 "arrival", "address", "since")
 
     def __init__(self, tag: int, nbytes: int, dtype: np.dtype, arrival: int,
-                 direct: bool = False) -> None:
+                 address: int = 0) -> None:
         self.tag, self.nbytes, self.dtype, self.arrival = tag, nbytes, dtype, arrival
-        self.stream_bytes = 0 if direct else _round_up(nbytes, _HEADER)
+        self.address, self.since = address, 0.0
+        self.stream_bytes = 0 if address else _round_up(nbytes, _HEADER)
         self.received = 0
         self.sink: np.ndarray | None = None
         self.target: _Recv | None = None
@@ -437,6 +442,8 @@ class SharedMemoryBackend(Backend):
         self._posted_any: list[_Recv] = []   # receives from any rank, in the order posted
         self._posts = self._arrivals = 0     # receives posted and message headers read so far
         self._unexpected: list[list[_Incoming]] = [[] for _ in range(size)]
+        # direct messages no receive has claimed yet, still in their senders' memory, in order
+        self._deferred: list[deque[_Incoming]] = [deque() for _ in range(size)]
         self._incoming: list[_Incoming | None] = [None] * size
         self._pids = [int(ctl[_W_PID]) for ctl in self._ctl]
         self._scratch = np.empty(0, np.uint8)
@@ -1176,6 +1183,7 @@ class SharedMemoryBackend(Backend):
         if now < self._next_deadline_check:  # deadlines are seconds away: a look per ms will do
             return
         self._next_deadline_check = now + _DEADLINE_CHECK_S
+        self._take_stale_deferred(now)
         if self._words[_W_DOING] & 1:   # a message has waited a while: say what in, for peers
             self._describe_waiting()
         for queue in (*self._sendq, *self._unread, *self._posted, self._posted_any):
@@ -1185,6 +1193,7 @@ class SharedMemoryBackend(Backend):
                     req.on_done(self._timeout_error(req.record, "its peer"))
 
     def abort(self, error: BaseException) -> None:
+        self._discard_deferred()
         for queue in (*self._sendq, *self._unread, *self._posted, self._posted_any):
             while queue:
                 queue.pop().on_done(error)
@@ -1316,10 +1325,10 @@ class SharedMemoryBackend(Backend):
                 pos, available = pos + _HEADER, available - _HEADER
                 self._arrivals += 1
                 msg = self._incoming[src] = _Incoming(tag, nbytes, SUPPORTED_DTYPES[code],
-                                                      self._arrivals, address != 0)
+                                                      self._arrivals, address)
                 self._match(msg, src)
                 if address:
-                    self._read_direct(msg, src, address)
+                    self._direct_arrived(msg, src)
             n = min(available, msg.stream_bytes - msg.received, piece)
             a, b = msg.received, min(msg.received + n, msg.nbytes)
             if b > a and msg.sink is not None:
@@ -1335,10 +1344,54 @@ class SharedMemoryBackend(Backend):
         self._bells[src].ring()
         return True
 
-    def _read_direct(self, msg: _Incoming, src: int, address: int) -> None:
-        """A direct message's data, read out of the sender's memory into the receive it
-        matched (or a buffer until one is posted; nothing where it failed to match), then
-        the sender told, whatever happened, so that its send completes."""
+    def _direct_arrived(self, msg: _Incoming, src: int) -> None:
+        """A direct message's header arrived. Matched (or refused): its data is read now,
+        straight into the receive. Else it stays in its sender's memory, as MPI's rendezvous,
+        until a receive claims it (`_claim`: then read straight into that receive, one copy)
+        or this rank has waited _DEFER_S with it unclaimed (`progress`: then read into a
+        buffer, so that a send completes whether or not its receive is ever posted)."""
+        if msg.target is None and msg.error is None:
+            msg.since = time.monotonic()
+            self._deferred[src].append(msg)
+        else:
+            self._take_deferred(src, msg)
+
+    def _take_deferred(self, src: int, upto: _Incoming | None = None) -> None:
+        """Read the direct messages from `src` that wait in its memory, in the order they
+        arrived (the sender counts this rank's reads), each into a buffer of its own; then
+        `upto`, if given, into its own sink (its receive's array; none where refused)."""
+        queue = self._deferred[src]
+        while queue and queue[0] is not upto:
+            msg = queue.popleft()
+            msg.sink = np.empty(msg.nbytes, dtype=np.uint8)
+            self._read_direct(msg, src)
+        if upto is not None:
+            if queue:
+                queue.popleft()
+            self._read_direct(upto, src)
+
+    def _take_stale_deferred(self, now: float) -> None:
+        """`progress`'s look, once per ms: read the deferred messages that no receive claimed
+        within _DEFER_S into buffers, so that their senders' sends complete."""
+        for src, queue in enumerate(self._deferred):
+            if queue and now - queue[0].since >= _DEFER_S:
+                self._take_deferred(src)
+
+    def _discard_deferred(self) -> None:
+        """Closing or failing: tell each sender that its unclaimed direct messages were read
+        (their data discarded, as a buffered unclaimed message's is), so that its sends end."""
+        for src, queue in enumerate(self._deferred):
+            while queue:
+                msg = queue.popleft()
+                msg.sink = None
+                self._read_direct(msg, src)
+
+    def _read_direct(self, msg: _Incoming, src: int) -> None:
+        """A direct message's data, read out of the sender's memory into `msg.sink` (the
+        receive it matched, or a buffer until one is posted; nothing where it failed to match
+        or is discarded), then the sender told, whatever happened, so that its send
+        completes."""
+        address, msg.address = msg.address, 0
         try:
             if msg.error is None and msg.sink is not None and msg.nbytes:
                 pid = self._pids[src]
@@ -1364,8 +1417,8 @@ class SharedMemoryBackend(Backend):
             anyone = next((r for r in self._posted_any if r.tag == msg.tag), None)
             if anyone is not None and (mine is None or anyone.order < mine.order):
                 mine, queue = anyone, self._posted_any
-        if mine is None:
-            msg.sink = np.empty(msg.nbytes, dtype=np.uint8)
+        if mine is None:   # a direct message's data stays in its sender until claimed
+            msg.sink = None if msg.address else np.empty(msg.nbytes, dtype=np.uint8)
             self._unexpected[src].append(msg)
             return
         queue.remove(mine)
@@ -1383,6 +1436,10 @@ class SharedMemoryBackend(Backend):
             recv.found(src)
         if recv.data.size != msg.nbytes or recv.dtype != msg.dtype:
             msg.error = self._mismatch(msg, recv, src)
+        elif msg.address:   # still in its sender's memory: read straight into the receive
+            msg.sink = recv.data
+        if msg.address:
+            self._take_deferred(src, msg)
         if msg.received == msg.stream_bytes:
             self._deliver(msg, src)
 
@@ -1412,6 +1469,7 @@ class SharedMemoryBackend(Backend):
     def close(self) -> None:
         if self._closed:
             return
+        self._discard_deferred()
         self.revoke()
         self._closed = True
         self._steps.close()   # its addresses are of the mappings closed below
@@ -1443,10 +1501,16 @@ def _ring_read(ring: np.ndarray, pos: int, n: int) -> np.ndarray:
 WORLD = "w"  # the world communicator's segment name part; its creation reclaims dead segments
 
 
+def segment_part(comm_name: str) -> str:
+    """The part of its segments' names that names communicator `comm_name` of a job: WORLD
+    for the world communicator."""
+    return WORLD if comm_name == "world" else comm_name
+
+
 def create(ctx: HostContext) -> SharedMemoryBackend:
-    """The shm backend of a job's world communicator."""
+    """The shm backend of a job's world communicator (or of one grown from a communicator)."""
     return SharedMemoryBackend(ctx.store, ctx.rank, ctx.size, job_id=ctx.job_id,
-                               comm_name=WORLD, timeout_s=ctx.timeout_s)
+                               comm_name=segment_part(ctx.comm_name), timeout_s=ctx.timeout_s)
 
 
 def status() -> str:
