@@ -164,6 +164,44 @@ def test_a_grow_that_fails_says_why_on_every_rank_and_changes_nothing():
     assert code == 0 and "joined 2 3 {'ranks': 2, 'joined': [2]} 6.0" in out, out
 
 
+TORCH_NEWCOMER = """
+import torch, anyccl
+from anyccl.torch import ProcessGroup
+group = ProcessGroup(anyccl.join(timeout=30))
+t = torch.full((4,), float(group.rank() + 1))
+group.allreduce([t]).wait()
+print("torch joined", group.rank(), group.size(), float(t[0]))
+group.comm.close()
+"""
+
+
+def check_the_torch_group_grows(comm):
+    """torchft's shape: the group grows into a new group (this one closed), which runs."""
+    import torch
+
+    from anyccl.torch import ProcessGroup
+
+    group = ProcessGroup(comm.split(0, comm.rank))   # grow closes it: not the pool's own
+    newcomer = subprocess.Popen([sys.executable, "-c", TORCH_NEWCOMER], env=os.environ,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True) if comm.rank == 0 else None
+    grown = group.grow(1, timeout=30)
+    t = torch.full((4,), float(grown.rank() + 1))
+    grown.allreduce([t]).wait()
+    seen = (grown.rank(), grown.size(), float(t[0]), group.comm.closed)
+    grown.comm.close()
+    if newcomer is not None:
+        seen += (newcomer.wait(timeout=60), newcomer.stdout.read())
+    return seen
+
+
+def test_the_torch_process_group_grows_into_a_new_group():
+    pytest.importorskip("torch")
+    results = run_ranks(check_the_torch_group_grows, 2)
+    assert [r[:4] for r in results] == [(0, 3, 6.0, True), (1, 3, 6.0, True)], results
+    assert results[0][4] == 0 and "torch joined 2 3 6.0" in results[0][5], results[0][5]
+
+
 def test_a_newcomer_without_its_jobs_environment_is_told_how_to_find_it():
     done = spawn_processes("import anyccl\ntry:\n    anyccl.join(timeout=1)\n"
                            "except anyccl.RendezvousError as exc:\n    print(exc)\n", [{}])[0]

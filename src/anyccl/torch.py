@@ -394,6 +394,19 @@ class ProcessGroup(dist.ProcessGroup):
         self.comm.close()
         return ProcessGroup(new)
 
+    def grow(self, count: int | None = None,
+             timeout: float | timedelta | None = None) -> ProcessGroup:
+        """Every rank calls this to admit processes started later (`Communicator.grow`; a
+        newcomer makes its group with `ProcessGroup(anyccl.join())`): a new group of this one's
+        ranks, keeping their numbers, and the newcomers after them; this group is then closed
+        (unless nobody was waiting and count is None: then it is returned itself). Pass the
+        new group on as after `shrink`."""
+        new = self.comm.grow(count, timeout)
+        if new is self.comm:
+            return self
+        self.comm.close()
+        return ProcessGroup(new)
+
     def _close(self) -> None:
         self.comm.close()   # (the GPU engine lets its streams go)
 
