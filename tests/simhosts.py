@@ -145,6 +145,16 @@ class Cluster:
         self._children.append(proc)
         return proc
 
+    def run_job(self, per_host: int, port: int, args: Sequence[str], env: dict[str, str],
+                timeout_s: float) -> list[tuple[int, str]]:
+        """`anyccl run -n per_host [args]` on every host as one job (host i its node i, h1
+        serving the rendezvous on `port`); each launcher's exit code and output (`finish`)."""
+        procs = [self.run(i, [sys.executable, "-m", "anyccl", "run", "-n", str(per_host),
+                              "--nnodes", str(self.size), "--node-rank", str(i),
+                              "--master-addr", "h1", "--master-port", str(port), *args],
+                          env=env) for i in range(self.size)]
+        return finish(procs, timeout_s)
+
     def check_output(self, i: int, argv: Sequence[str], timeout_s: float = 30.0) -> str:
         proc = self.run(i, argv)
         out, err = proc.communicate(timeout=timeout_s)

@@ -124,18 +124,7 @@ def test_across_two_hosts_the_launcher_replaces_a_lost_rank_and_the_job_grows_ba
         env = dict(os.environ, ANYCCL_JOB_KEY=key, ANYCCL_TIMEOUT="30", PYTHONUNBUFFERED="1",
                    OMP_NUM_THREADS="1", VICTIM="3", REPLACED="1", ANYCCL_PEER_SILENCE="3")
         env.pop("ANYCCL_BACKEND", None)
-        procs = [cluster.run(i, [sys.executable, "-m", "anyccl", "run", "-n", "2", "--nnodes",
-                                 "2", "--node-rank", str(i), "--master-addr", "h1",
-                                 "--master-port", str(port), "--keep-going", "--replace",
-                                 str(SCRIPT)], env=env) for i in range(2)]
-        results = []
-        for proc in procs:
-            try:
-                out, err = proc.communicate(timeout=150)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                out, err = proc.communicate()
-            results.append((proc.returncode, out + err))
+        results = cluster.run_job(2, port, ["--keep-going", "--replace", str(SCRIPT)], env, 150)
         text = "\n".join(t for _, t in results)
         found = {int(m[1]): m for m in GROWN.finditer(text)}
         assert all(code == 0 for code, _ in results) and sorted(found) == [0, 1, 2, 3], \

@@ -172,18 +172,7 @@ def test_survivors_across_two_hosts_shrink_to_shm_and_gloo_and_go_on(victim, onl
                    OMP_NUM_THREADS="1", VICTIMS=victim, KILL_AT="3", ANYCCL_PEER_SILENCE="3",
                    ONLY=only, LOOP_S="25" if only else "0")
         env.pop("ANYCCL_BACKEND", None)
-        procs = [cluster.run(i, [sys.executable, "-m", "anyccl", "run", "-n", "2", "--nnodes",
-                                 "2", "--node-rank", str(i), "--master-addr", "h1",
-                                 "--master-port", str(port), "--keep-going", str(SCRIPT)],
-                             env=env) for i in range(2)]
-        results = []
-        for proc in procs:
-            try:
-                out, err = proc.communicate(timeout=150)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                out, err = proc.communicate()
-            results.append((proc.returncode, out + err))
+        results = cluster.run_job(2, port, ["--keep-going", str(SCRIPT)], env, 150)
         text = "\n".join(t for _, t in results)
         done = {int(m[1]): m for m in DONE.finditer(text)}
         lost = [int(r) for r in victim.split(",")]
