@@ -490,7 +490,9 @@ class SharedMemoryBackend(Backend):
         self._peer_sent_at = [seg.address((_W_SENT + rank) * 8) for seg in self._segments]
         self._peer_consumed_at = [seg.address((layout.w_consumed + rank) * 8)
                                   for seg in self._segments]
-        self.direct = self._agree_on_cross_memory(store, timeout_s)
+        self.direct, crowded = self._agree_on_cross_memory(store, timeout_s)
+        if crowded:   # the same on every rank: agreed, as `direct`
+            self._direct_min["broadcast"] = tuning.value("shm.direct_min.broadcast.crowded")
         # what the core's send and take read, per peer: (ring address, ring bytes, the peer's
         # counter, this rank's counter, the peer's doorbell)
         self._send_lanes = [(ring.ctypes.data, ring.size, self._peer_consumed_at[j],
@@ -550,8 +552,10 @@ class SharedMemoryBackend(Backend):
         return RendezvousError(f"rank {self.rank}: rank {j}'s shared-memory segment vanished "
                                f"during start-up: rank {j} gave up or died")
 
-    def _agree_on_cross_memory(self, store: Store, timeout_s: float) -> bool:
-        """Whether every rank can read every peer's memory directly (probed, then agreed)."""
+    def _agree_on_cross_memory(self, store: Store, timeout_s: float) -> tuple[bool, bool]:
+        """Whether every rank can read every peer's memory directly (probed, then agreed), and
+        whether any rank has more ranks than cores (its waits yield), which every rank then
+        knows alike (schedules chosen by it must be the same on every rank)."""
         ok = cross_memory.available()
         if ok:
             probe = np.zeros(1, np.uint64)
@@ -564,8 +568,9 @@ class SharedMemoryBackend(Backend):
                     ok = False
                     break
                 ok &= int(probe[0]) == _MAGIC
-        store.set(f"shm/cma/{self.rank}", b"1" if ok else b"0")
-        return all(store.get(f"shm/cma/{j}", timeout_s) == b"1" for j in range(self.size))
+        store.set(f"shm/cma/{self.rank}", f"{ok:d}{self._yields:d}".encode())
+        said = [store.get(f"shm/cma/{j}", timeout_s) for j in range(self.size)]
+        return all(s[:1] == b"1" for s in said), any(s[1:] == b"1" for s in said)
 
     def subgroup(self, ranks: list[int], name: str, timeout_s: float) -> Backend:
         from ..store import PrefixStore
