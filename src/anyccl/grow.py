@@ -35,6 +35,7 @@ from . import bootstrap, settings
 from .arguments import seconds
 from .errors import (
     CollectiveMismatchError,
+    CommunicatorClosedError,
     InvalidArgumentError,
     TimeoutError,
     UnsupportedError,
@@ -52,6 +53,11 @@ _GRACE_S = 5.0   # how much longer than the deadline a rank waits for rank 0's w
 def grow(comm: Communicator, count: int | None, timeout_s: float) -> Communicator:
     """The communicator of `comm`'s ranks and `count` newcomers (see the module's docstring);
     `comm` itself when `count` is None and nobody was waiting."""
+    comm._check_open("grow")
+    if comm.failure is not None:
+        raise CommunicatorClosedError(
+            f"rank {comm.rank}: grow: this communicator failed ({comm.failure}); its survivors "
+            f"shrink it first (comm.shrink()), then grow the shrunk one") from comm.failure
     backend = comm._engine.backend
     if count is not None and (isinstance(count, bool) or not isinstance(count, int)
                               or count < 0):
@@ -62,7 +68,6 @@ def grow(comm: Communicator, count: int | None, timeout_s: float) -> Communicato
             f"rank {comm.rank}: grow: the {backend.name} backend cannot admit a process started "
             f"later (MPI's world is fixed at launch); use shm on one host, shm+gloo between "
             f"hosts")
-    comm._check_open("grow")
     deadline = time.monotonic() + timeout_s
     comm._grows += 1
     name = f"{comm._name}.grow{comm._grows}"

@@ -1,6 +1,7 @@
 """A job that loses a rank, shrinks, then grows back: run by tests/test_grow.py under
 `anyccl run --keep-going`. Each rank loops on all_reduce; rank VICTIM (none if unset) kills
-itself with SIGKILL at iteration 3, and the survivors shrink. Then the job's lowest rank starts
+itself with SIGKILL at iteration 3; the survivors' grow of the failed communicator is refused,
+and they shrink. Then the job's lowest rank starts
 NEWCOMERS processes (this script with NEWCOMER=1, the same environment otherwise), which call
 `anyccl.join()`; the survivors call `comm.grow(NEWCOMERS)` (GROW_COUNT=none, with one
 newcomer: `comm.grow()`, which admits whoever waits, until it admitted it). Every member of
@@ -72,6 +73,11 @@ if victim is not None:
             break
     else:
         sys.exit(f"rank {comm.rank}: no rank was lost")
+    try:   # a failed communicator refuses to grow: its survivors shrink it first
+        comm.grow(1, timeout=1)
+        sys.exit(f"rank {comm.rank}: a failed communicator grew")
+    except anyccl.CommunicatorClosedError as exc:
+        assert "shrink it first" in str(exc), exc
     shrunk = comm.shrink(timeout=60)
     comm.close()
     comm = shrunk
