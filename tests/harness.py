@@ -18,6 +18,7 @@ import sys
 import tempfile
 import time
 import traceback
+from pathlib import Path
 from typing import Any, Callable
 
 from anyccl.store import StoreServer
@@ -258,6 +259,15 @@ def eventually(condition: Callable[[], bool], timeout_s: float = 10.0,
             return False
         time.sleep(every_s)
     return True
+
+
+def openmpi_python() -> str:
+    """A Python whose mpi4py runs on Open MPI 5 (its mpiexec beside it), for the tests of
+    Open MPI's features (ULFM, its launcher): ANYCCL_TEST_OPENMPI_PYTHON, else the environment
+    tests/install.sh makes as root (.venv-openmpi); "" where there is none."""
+    made = Path(__file__).resolve().parent.parent / ".venv-openmpi" / "bin" / "python"
+    return os.environ.get("ANYCCL_TEST_OPENMPI_PYTHON", "") or (str(made) if made.exists()
+                                                                 else "")
 
 
 def suite_backend() -> str:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import simhosts
+from harness import openmpi_python
 from simhosts import Cluster
 
 pytestmark = pytest.mark.shm_only   # the suite's backend is moot: the job picks its own
@@ -31,12 +32,7 @@ if WHY_NOT:
 
 SCRIPT = Path(__file__).parent / "scripts" / "across_hosts.py"
 SOURCE = Path(__file__).resolve().parents[1] / "src"
-# a Python whose mpi4py runs on Open MPI (.ci/run makes one beside the MPICH of the main venv)
-_OPENMPI_VENV = Path(__file__).resolve().parent.parent / ".venv-openmpi" / "bin" / "python"
-# tests/install.sh makes that environment (as root); a Python of another Open MPI install may
-# be named instead
-OPENMPI_PYTHON = os.environ.get("ANYCCL_TEST_OPENMPI_PYTHON", "") or \
-    (str(_OPENMPI_VENV) if _OPENMPI_VENV.exists() else "")
+OPENMPI_PYTHON = openmpi_python()
 KEY = "5e" * 32
 PORT = 29400
 JOB_S = 150   # the most one job may take before the test kills it

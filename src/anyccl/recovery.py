@@ -69,8 +69,10 @@ def shrink(comm: Communicator, timeout_s: float) -> Communicator:
     if not backend.survives_peer_loss:
         raise UnsupportedError(
             f"rank {comm.rank}: shrink: the {backend.name} backend cannot go on without a lost "
-            f"rank (MPI without ULFM ends the job or its communicators when a process dies); "
-            f"use shm on one host, shm+gloo between hosts")
+            f"rank (MPI without ULFM ends the job or its communicators when a process dies; "
+            f"Open MPI 5 run with `mpiexec --with-ft ulfm` reports it instead, and then the "
+            f"mpi backend on one communicator of all ranks can); use shm on one host, "
+            f"shm+gloo between hosts")
     deadline = time.monotonic() + timeout_s
     known: dict[int, str] = {}
     backend.revoke()   # a survivor still waiting on this rank in the old one fails now

@@ -4,6 +4,9 @@
  *
  *   ring(bell)                       wake a doorbell (sem_post on its address)
  *   set_spin_yield(on)               spins give the core away at every turn (sched_yield)
+ *   exit_after(seconds, code)        end the process with `code` that many seconds from now,
+ *                                    from a thread of its own (a watchdog over a call at exit
+ *                                    that may never return: the mpi backend's MPI_Finalize)
  *   send(lane, pos, tag, code, src) write a whole message (32-byte header, data) into a byte
  *                                    ring if it has room, publish the sent counter, ring the
  *                                    receiver's bell; the new position (0: no room)
@@ -40,6 +43,8 @@
 #include <limits.h>
 #include <sched.h>
 #include <time.h>
+#include <pthread.h>
+#include <unistd.h>
 
 /* Whether spins give the core away at every turn (sched_yield) instead of pausing: set when
  * this host runs more ranks than this process has cores (set_spin_yield), where a pausing spin
@@ -1778,6 +1783,41 @@ static PyObject *exchange(PyObject *self, PyObject *const *args, Py_ssize_t narg
     return result;
 }
 
+typedef struct { double seconds; int code; } ExitLater;
+
+static void *exit_later(void *arg) {
+    ExitLater when = *(ExitLater *)arg;
+    free(arg);
+    struct timespec ts = {(time_t)when.seconds,
+                          (long)((when.seconds - (double)(time_t)when.seconds) * 1e9)};
+    while (nanosleep(&ts, &ts) != 0) {}
+    fflush(NULL);
+    _exit(when.code);
+    return NULL;
+}
+
+static PyObject *exit_after(PyObject *self, PyObject *args) {
+    double seconds;
+    int code;
+    if (!PyArg_ParseTuple(args, "di", &seconds, &code)) return NULL;
+    if (seconds < 0) {
+        PyErr_SetString(PyExc_ValueError, "exit_after: seconds must be >= 0");
+        return NULL;
+    }
+    ExitLater *when = malloc(sizeof *when);
+    if (when == NULL) return PyErr_NoMemory();
+    when->seconds = seconds;
+    when->code = code;
+    pthread_t thread;
+    if (pthread_create(&thread, NULL, exit_later, when) != 0) {
+        free(when);
+        PyErr_SetString(PyExc_OSError, "exit_after: no thread could be started");
+        return NULL;
+    }
+    pthread_detach(thread);
+    Py_RETURN_NONE;
+}
+
 static PyObject *set_spin_yield(PyObject *self, PyObject *flag) {
     int on = PyObject_IsTrue(flag);
     if (on < 0) return NULL;
@@ -1985,6 +2025,9 @@ static PyMethodDef methods[] = {
     {"ring", ring, METH_O, "ring(bell): wake the doorbell at address `bell`."},
     {"set_spin_yield", set_spin_yield, METH_O,
      "set_spin_yield(on): spins yield the core at every turn (more ranks than cores)."},
+    {"exit_after", exit_after, METH_VARARGS,
+     "exit_after(seconds, code): end the process with `code` that many seconds from now, from "
+     "a thread of its own (a watchdog over a call at exit that may never return)."},
     {"send", (PyCFunction)(void (*)(void))send, METH_FASTCALL,
      "send(lane, pos, tag, code, src) -> new position, or 0: a whole message."},
     {"take", (PyCFunction)(void (*)(void))take, METH_FASTCALL,

@@ -28,6 +28,14 @@ does not finish soon after raises PeerLostError naming it. An uncaught exception
 prints its traceback and aborts the MPI job (as `python -m mpi4py` does): without that, MPI's
 finalization would hold the failed rank, and the others would wait for it until the deadline.
 A rank that lost a peer ends without MPI_Finalize, which would wait for the lost rank forever.
+
+With ULFM (Open MPI 5 run with `mpiexec --with-ft ulfm`: MPI itself then reports a failed
+process instead of ending the job), MPI's own word counts: an MPI call that failed because a
+process died, or because a survivor revoked the communicator, raises PeerLostError naming the
+failed ranks (`_ulfm_losses`); `revoke` is MPIX_Comm_revoke, `departed` MPIX_Comm_get_failed,
+and the survivors' communicator is made by MPIX_Comm_shrink (`subgroup`), so that recovery.py
+shrinks a communicator of this backend as it does shm's. Operations then take the Python path
+(the compiled steps' MPI calls report no failed rank).
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ from __future__ import annotations
 import array
 import atexit
 import ctypes
+import functools
 import os
 import queue
 import struct
@@ -265,6 +274,47 @@ def envelope(MPI: Any) -> Envelope | None:
 
 
 _lost_a_peer: list[str] = []  # set once this process has raised PeerLostError
+_ulfm_lost: list[bool] = []   # set once MPI (ULFM) reported a failed process here
+
+
+def ulfm_enabled(MPI: Any) -> bool:
+    """Whether MPI reports failed processes instead of ending the job (ULFM): Open MPI 5 with
+    fault tolerance on (`mpiexec --with-ft ulfm` sets OMPI_MCA_mpi_ft_enable) and mpi4py's
+    ULFM calls present."""
+    on = os.environ.get("OMPI_MCA_mpi_ft_enable", "").strip().lower() in ("1", "true", "yes", "on")
+    return on and hasattr(MPI.Comm, "Ishrink") and "Open MPI" in MPI.Get_library_version()
+
+
+_FINALIZE_S = 10.0   # under ULFM after a failure: how long MPI_Finalize may take at exit
+
+
+def _watch_finalize() -> None:
+    """At exit after a peer failed under ULFM (registered then): Open MPI 5.0's MPI_Finalize,
+    which runs after this, sometimes never returns then (seen after an all_to_all lost rank 0:
+    an aborted non-blocking collective's schedule). The process then ends _FINALIZE_S later
+    without it, from a thread of the compiled core: with status 1 if an exception went
+    uncaught, else 0."""
+    try:
+        from . import _shmcore
+    except ImportError:  # pragma: no cover - built without a C compiler: no watchdog
+        return
+    _shmcore.exit_after(_FINALIZE_S, 1 if getattr(sys, "last_value", None) is not None else 0)
+
+
+def _ulfm_losses(method: Callable) -> Callable:
+    """Under ULFM, an MPI error that says a process failed, or that the communicator was
+    revoked, becomes PeerLostError naming who failed (MPI's exception otherwise)."""
+    @functools.wraps(method)
+    def guarded(self: MpiBackend, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except Exception as exc:
+            if self._ulfm and isinstance(exc, self.MPI.Exception):
+                lost = self._ulfm_loss(exc)
+                if lost is not None:
+                    raise lost from exc
+            raise
+    return guarded
 
 
 def _exit_without_finalize() -> None:
@@ -320,16 +370,23 @@ class MpiBackend(PolledMessages, Backend):
     program's own MPI messages)."""
 
     name = "mpi"
-    # an MPI without ULFM ends the job, or leaves its communicators unusable, once a process
-    # dies: no sub-communicator can be built without the lost rank
-    survives_peer_loss = False
     # MPI_COMM_WORLD is fixed at launch: a process started later is not in it
     admits_newcomers = False
+
+    @property
+    def survives_peer_loss(self) -> bool:  # type: ignore[override]
+        """An MPI without ULFM ends the job, or leaves its communicators unusable, once a
+        process dies: no sub-communicator can be built without the lost rank. With ULFM,
+        MPIX_Comm_shrink builds it (between hosts, under shm+mpi, not yet)."""
+        return self._ulfm and not self.between_hosts
 
     def __init__(self, comm: Any, timeout_s: float, departures: Departures | None = None,
                  world_ranks: list[int] | None = None) -> None:
         self.MPI = _mpi()
+        self._ulfm = ulfm_enabled(self.MPI)
         self._comm = comm.Dup()
+        if self._ulfm:   # failures come back as errors (mpi4py's exceptions), not an abort
+            self._comm.Set_errhandler(self.MPI.ERRORS_RETURN)
         self.rank, self.size = self._comm.Get_rank(), self._comm.Get_size()
         self._timeout_s = timeout_s
         self._departures = departures
@@ -403,7 +460,7 @@ class MpiBackend(PolledMessages, Backend):
         the envelope's persistent request or the MPI library's own MPI_Start and MPI_Test to
         call."""
         step = self._compiled_step()
-        if step is None:
+        if step is None or self._ulfm:
             return None
         from . import _shmcore
         env = self._envelope
@@ -430,7 +487,7 @@ class MpiBackend(PolledMessages, Backend):
         receive not there by then is taken back (MPI_Cancel) and posted the general way.
         None without the compiled step."""
         step = self._compiled_step()
-        if step is None or step.data_max == 0:
+        if step is None or step.data_max == 0 or self._ulfm:
             return None
         from . import _shmcore
         return _shmcore.exchange, (engine, self, log, OpRecord, message_text, seqs, _DTYPE_CODE,
@@ -571,6 +628,8 @@ class MpiBackend(PolledMessages, Backend):
         return MpiBackend(self._comm, self._timeout_s, self._departures, self._world_ranks)
 
     def subgroup(self, ranks: list[int], name: str, timeout_s: float) -> Backend:
+        if self._ulfm and (self._comm.Is_revoked() or self._failed_ranks()):
+            return self._shrunk(ranks, timeout_s)
         # collective over this communicator's ranks only when every rank calls it: the
         # communicator's split() calls subgroup on members only, so build the group directly
         group = self._comm.Get_group().Incl(ranks)
@@ -581,9 +640,92 @@ class MpiBackend(PolledMessages, Backend):
         child.Free()
         return backend
 
+    # ---- ULFM: MPI's own word on failed processes ---------------------------------------------
+    def _failed_ranks(self) -> list[int]:
+        """The ranks of this communicator MPI knows to have failed (ULFM), in order."""
+        failed = self._comm.Get_failed()
+        try:
+            ranks = self.MPI.Group.Translate_ranks(failed, list(range(failed.Get_size())),
+                                                   self._comm.Get_group())
+        finally:
+            failed.Free()
+        return sorted(r for r in ranks if r >= 0)
+
+    def _ulfm_loss(self, exc: Any) -> PeerLostError | None:
+        """The PeerLostError for MPI's `exc` where it says a process failed or the communicator
+        was revoked; None for any other MPI error."""
+        MPI, kind = self.MPI, exc.Get_error_class()
+        failed_kinds = (MPI.ERR_PROC_FAILED, getattr(MPI, "ERR_PROC_FAILED_PENDING", -1))
+        if kind not in (*failed_kinds, MPI.ERR_REVOKED):
+            return None
+        if not _ulfm_lost:
+            _ulfm_lost.append(True)
+            atexit.register(_watch_finalize)   # after mpi4py's: runs before its MPI_Finalize
+        failed = self._failed_ranks()
+        what = f"in {self._record}" if self._record is not None else "in an operation"
+        if failed:
+            many = len(failed) > 1
+            whose = "their processes" if many else "its process"
+            text = (f"rank{'s' if many else ''} {', '.join(map(str, failed))} failed while "
+                    f"this rank was {what} (MPI's ULFM reports {whose} ended; mpi backend)")
+        else:
+            text = (f"the communicator was revoked while this rank was {what}: another rank "
+                    f"lost a peer and is shrinking it (mpi backend)")
+        return PeerLostError(f"rank {self.rank}: {text}", failed[0] if failed else -1)
+
+    def revoke(self) -> None:
+        if self._ulfm and not self._closed:
+            for comm in (self._comm, self._ring_comm):
+                if comm is not None and not comm.Is_revoked():
+                    comm.Revoke()
+
+    def departed(self) -> dict[int, str]:
+        if self._ulfm and not self._closed:
+            gone = {r: f"rank {r} failed (MPI's ULFM: its process ended)"
+                    for r in self._failed_ranks()}
+            if gone:
+                return gone
+        return super().departed()
+
+    def _shrunk(self, ranks: list[int], timeout_s: float) -> MpiBackend:
+        """The backend of `ranks` (agreed through the store by recovery.py) after a failure:
+        MPIX_Comm_shrink over every surviving process, then the members' group of it where it
+        holds more. The shrink runs on a thread of its own, waited for up to `timeout_s`
+        (Open MPI 5.0's MPIX_Comm_ishrink, polled, fails with an internal error)."""
+        MPI = self.MPI
+        made: list[Any] = []
+        shrinking = threading.Thread(target=lambda: made.append(self._comm.Shrink()),
+                                     daemon=True, name="anyccl-mpi-shrink")
+        shrinking.start()
+        shrinking.join(timeout_s)
+        if not made:
+            raise TimeoutError(f"rank {self.rank}: shrink: MPIX_Comm_shrink did not finish "
+                               f"within {timeout_s:g} s (mpi backend)")
+        shrunk = made[0]
+        mine = MPI.Group.Translate_ranks(self._comm.Get_group(), ranks, shrunk.Get_group())
+        if any(r < 0 for r in mine):
+            shrunk.Free()
+            raise RendezvousError(f"rank {self.rank}: shrink: MPI counts rank(s) "
+                                  f"{[r for r, m in zip(ranks, mine) if m < 0]} among the "
+                                  f"failed, which the survivors did not (mpi backend)")
+        child = shrunk
+        if len(mine) != shrunk.Get_size():
+            group = shrunk.Get_group().Incl(mine)
+            child = shrunk.Create_group(group)
+            group.Free()
+            shrunk.Free()
+        backend = MpiBackend(child, timeout_s, self._departures,
+                             [self._world_ranks[r] for r in ranks])
+        child.Free()
+        return backend
+
     def lost_peer(self) -> tuple[int, str] | None:
         """A peer of this communicator that closed anyccl or exited: (its rank here, what
         happened); asked of the store at most every 0.25 s. None while all seem present."""
+        if self._ulfm and not self._closed:
+            failed = self._failed_ranks()
+            if failed:
+                return failed[0], f"rank {failed[0]} failed (MPI's ULFM: its process ended)"
         if self._departures is None:
             return None
         now = time.monotonic()
@@ -925,6 +1067,7 @@ class MpiBackend(PolledMessages, Backend):
         return [view, x.size if count is None else count, mpi_type]
 
     # ---- collectives -------------------------------------------------------------------------
+    @_ulfm_losses
     def all_reduce(self, x: np.ndarray, op: ReduceOp, record: OpRecord) -> None:
         """(per_operation's start, with x carried in the agreement where it fits)"""
         if record is not self._record and self._enter(
@@ -939,6 +1082,7 @@ class MpiBackend(PolledMessages, Backend):
                        "the other ranks' all_reduce")
         finish(x, op, self.size)
 
+    @_ulfm_losses
     @per_operation
     def reduce(self, x: np.ndarray, root: int, op: ReduceOp) -> None:
         _, mpi_op = self._reduction(op, x.dtype)
@@ -950,6 +1094,7 @@ class MpiBackend(PolledMessages, Backend):
         if self.rank == root:
             finish(x, op, self.size)
 
+    @_ulfm_losses
     def broadcast(self, x: np.ndarray, root: int, record: OpRecord) -> None:
         """(per_operation's start, with x carried in the agreement where it fits)"""
         if record is not self._record and self._enter(record, self._bytes_carrier(
@@ -968,6 +1113,7 @@ class MpiBackend(PolledMessages, Backend):
                 return
         self._complete(self._comm.Ibcast(self._bytes(x), root), f"rank {root}'s broadcast")
 
+    @_ulfm_losses
     def all_gather(self, outs: list[np.ndarray], x: np.ndarray, record: OpRecord) -> None:
         """(per_operation's start, with every piece carried in the agreement where they fit)"""
         if record is not self._record and self._enter(record, self._bytes_carrier(
@@ -993,6 +1139,7 @@ class MpiBackend(PolledMessages, Backend):
         if scatter_back is not None:
             scatter_back()
 
+    @_ulfm_losses
     @per_operation
     def gather(self, x: np.ndarray, outs: list[np.ndarray] | None, root: int) -> None:
         if self.rank != root:
@@ -1005,6 +1152,7 @@ class MpiBackend(PolledMessages, Backend):
         if scatter_back is not None:
             scatter_back()
 
+    @_ulfm_losses
     @per_operation
     def scatter(self, out: np.ndarray, chunks: list[np.ndarray] | None, root: int) -> None:
         if self.rank != root:
@@ -1016,6 +1164,7 @@ class MpiBackend(PolledMessages, Backend):
         self._complete(self._comm.Iscatter([whole, self.MPI.BYTE], self._bytes(out), root),
                        "the other ranks' scatter")
 
+    @_ulfm_losses
     @per_operation
     def reduce_scatter(self, out: np.ndarray, inputs: list[np.ndarray], op: ReduceOp) -> None:
         """Between hosts, on 3 ranks or more from `mpi.split_all_reduce_min` of all inputs: the
@@ -1036,6 +1185,7 @@ class MpiBackend(PolledMessages, Backend):
                        "the other ranks' reduce_scatter")
         finish(out, op, self.size)
 
+    @_ulfm_losses
     @per_operation
     def all_to_all(self, outs: list[np.ndarray], inputs: list[np.ndarray]) -> None:
         send = np.concatenate([i.reshape(-1).view(np.uint8) for i in inputs])  # a copy
@@ -1045,6 +1195,7 @@ class MpiBackend(PolledMessages, Backend):
         if scatter_back is not None:
             scatter_back()
 
+    @_ulfm_losses
     @per_operation
     def barrier(self) -> None:
         self._complete(self._comm.Ibarrier(), "the other ranks to reach the barrier")
@@ -1056,6 +1207,7 @@ class MpiBackend(PolledMessages, Backend):
                                    f"MPI can carry on the mpi backend (tags < {self._tag_limit})")
         return tag * _CODES + _DTYPE_CODE[dtype]
 
+    @_ulfm_losses
     def post_send(self, x: np.ndarray, dst: int, tag: int, record: OpRecord,
                   on_done: Completion) -> None:
         deadline = record.deadline
@@ -1069,6 +1221,7 @@ class MpiBackend(PolledMessages, Backend):
         self._pending.append(_Pending(request, self._late, record, deadline, None, copy))
         on_done(None)
 
+    @_ulfm_losses
     def post_recv(self, x: np.ndarray, src: int | None, tag: int, record: OpRecord,
                   on_done: Completion, found: Callable[[int], None] | None = None) -> None:
         deadline = record.deadline
@@ -1139,6 +1292,7 @@ class MpiBackend(PolledMessages, Backend):
             f"{nbytes // theirs.itemsize} ({format_bytes(nbytes)}) with tag {tag}, but the "
             f"receiving array is {x.dtype.name} x {x.size}; the message was discarded")
 
+    @_ulfm_losses
     def progress(self) -> None:
         if not self._pending:
             return
