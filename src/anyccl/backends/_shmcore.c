@@ -4,9 +4,10 @@
  *
  *   ring(bell)                       wake a doorbell (sem_post on its address)
  *   set_spin_yield(on)               spins give the core away at every turn (sched_yield)
- *   exit_after(seconds, code)        end the process with `code` that many seconds from now,
- *                                    from a thread of its own (a watchdog over a call at exit
- *                                    that may never return: the mpi backend's MPI_Finalize)
+ *   exit_after(seconds, code, say)   end the process with `code` that many seconds from now,
+ *                                    first writing `say` (bytes) to stderr, from a thread of
+ *                                    its own (a watchdog over a call at exit that may never
+ *                                    return: the mpi backend's MPI_Finalize)
  *   send(lane, pos, tag, code, src) write a whole message (32-byte header, data) into a byte
  *                                    ring if it has room, publish the sent counter, ring the
  *                                    receiver's bell; the new position (0: no room)
@@ -1783,23 +1784,25 @@ static PyObject *exchange(PyObject *self, PyObject *const *args, Py_ssize_t narg
     return result;
 }
 
-typedef struct { double seconds; int code; } ExitLater;
+typedef struct { double seconds; int code; size_t length; char say[512]; } ExitLater;
 
 static void *exit_later(void *arg) {
-    ExitLater when = *(ExitLater *)arg;
-    free(arg);
-    struct timespec ts = {(time_t)when.seconds,
-                          (long)((when.seconds - (double)(time_t)when.seconds) * 1e9)};
+    ExitLater *when = arg;
+    struct timespec ts = {(time_t)when->seconds,
+                          (long)((when->seconds - (double)(time_t)when->seconds) * 1e9)};
     while (nanosleep(&ts, &ts) != 0) {}
     fflush(NULL);
-    _exit(when.code);
+    if (when->length && write(2, when->say, when->length) < 0) {}
+    _exit(when->code);
     return NULL;
 }
 
 static PyObject *exit_after(PyObject *self, PyObject *args) {
     double seconds;
     int code;
-    if (!PyArg_ParseTuple(args, "di", &seconds, &code)) return NULL;
+    const char *say = "";
+    Py_ssize_t length = 0;
+    if (!PyArg_ParseTuple(args, "di|y#", &seconds, &code, &say, &length)) return NULL;
     if (seconds < 0) {
         PyErr_SetString(PyExc_ValueError, "exit_after: seconds must be >= 0");
         return NULL;
@@ -1808,6 +1811,9 @@ static PyObject *exit_after(PyObject *self, PyObject *args) {
     if (when == NULL) return PyErr_NoMemory();
     when->seconds = seconds;
     when->code = code;
+    when->length = (size_t)(length < (Py_ssize_t)sizeof when->say ? length
+                                                                   : (Py_ssize_t)sizeof when->say);
+    memcpy(when->say, say, when->length);
     pthread_t thread;
     if (pthread_create(&thread, NULL, exit_later, when) != 0) {
         free(when);
@@ -2026,8 +2032,9 @@ static PyMethodDef methods[] = {
     {"set_spin_yield", set_spin_yield, METH_O,
      "set_spin_yield(on): spins yield the core at every turn (more ranks than cores)."},
     {"exit_after", exit_after, METH_VARARGS,
-     "exit_after(seconds, code): end the process with `code` that many seconds from now, from "
-     "a thread of its own (a watchdog over a call at exit that may never return)."},
+     "exit_after(seconds, code, say=b''): end the process with `code` that many seconds from "
+     "now, first writing `say` to stderr, from a thread of its own (a watchdog over a call at "
+     "exit that may never return)."},
     {"send", (PyCFunction)(void (*)(void))send, METH_FASTCALL,
      "send(lane, pos, tag, code, src) -> new position, or 0: a whole message."},
     {"take", (PyCFunction)(void (*)(void))take, METH_FASTCALL,

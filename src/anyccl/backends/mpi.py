@@ -289,16 +289,19 @@ _FINALIZE_S = 10.0   # under ULFM after a failure: how long MPI_Finalize may tak
 
 
 def _watch_finalize() -> None:
-    """At exit after a peer failed under ULFM (registered then): Open MPI 5.0's MPI_Finalize,
-    which runs after this, sometimes never returns then (seen after an all_to_all lost rank 0:
-    an aborted non-blocking collective's schedule). The process then ends _FINALIZE_S later
-    without it, from a thread of the compiled core: with status 1 if an exception went
-    uncaught, else 0."""
+    """At exit after a peer failed under ULFM (registered then): Open MPI 5.0.11's
+    MPI_Finalize, which runs after this, never returns in about one job of eight then. The
+    process then ends _FINALIZE_S later without it, saying so, from a thread of the compiled
+    core: with status 1 if an exception went uncaught, else 0."""
     try:
         from . import _shmcore
     except ImportError:  # pragma: no cover - built without a C compiler: no watchdog
         return
-    _shmcore.exit_after(_FINALIZE_S, 1 if getattr(sys, "last_value", None) is not None else 0)
+    rank = _mpi().COMM_WORLD.Get_rank()
+    _shmcore.exit_after(_FINALIZE_S, 1 if getattr(sys, "last_value", None) is not None else 0,
+                        f"anyccl: rank {rank}: MPI_Finalize did not return within "
+                        f"{_FINALIZE_S:g} s after a peer failed (ULFM); leaving without it\n"
+                        .encode())
 
 
 def _ulfm_losses(method: Callable) -> Callable:
@@ -642,7 +645,13 @@ class MpiBackend(PolledMessages, Backend):
 
     # ---- ULFM: MPI's own word on failed processes ---------------------------------------------
     def _failed_ranks(self) -> list[int]:
-        """The ranks of this communicator MPI knows to have failed (ULFM), in order."""
+        """The ranks of this communicator MPI knows to have failed (ULFM), in order. MPI learns
+        of a failure in its progress engine: a probe on COMM_SELF runs it first (a survivor
+        shrinking waits in the store, not in MPI, and would not hear of a second failure)."""
+        try:
+            self.MPI.COMM_SELF.Iprobe(self.MPI.ANY_SOURCE, self.MPI.ANY_TAG)
+        except self.MPI.Exception:  # noqa: S110 - progress only; what failed is asked next
+            pass
         failed = self._comm.Get_failed()
         try:
             ranks = self.MPI.Group.Translate_ranks(failed, list(range(failed.Get_size())),
