@@ -261,6 +261,20 @@ def eventually(condition: Callable[[], bool], timeout_s: float = 10.0,
     return True
 
 
+def remove_mpi_leftovers(before: set[str]) -> list[str]:
+    """Remove what MPI libraries left in /dev/shm since `before` (its listing then): the shared
+    memory of processes that were killed (Open MPI's sm_segment.*, MPICH's mpich_shm_*),
+    which their libraries never clean up. The names removed."""
+    gone = [f for f in set(os.listdir("/dev/shm")) - before
+            if f.startswith(("sm_segment.", "mpich_shm_"))]
+    for f in gone:
+        try:
+            os.unlink(os.path.join("/dev/shm", f))
+        except OSError:
+            pass
+    return gone
+
+
 def openmpi_python() -> str:
     """A Python whose mpi4py runs on Open MPI 5 (its mpiexec beside it), for the tests of
     Open MPI's features (ULFM, its launcher): ANYCCL_TEST_OPENMPI_PYTHON, else the environment

