@@ -38,6 +38,7 @@ from pathlib import Path
 SCRIPT = Path(__file__).resolve().parents[1] / "tests" / "scripts" / "shrink_after_kill.py"
 sys.path.insert(0, str(SCRIPT.parents[1]))
 import simhosts  # noqa: E402 - tests/simhosts.py: simulated hosts
+from harness import remove_mpi_leftovers  # noqa: E402 - what MPI leaves of killed processes
 
 KINDS = ["all_reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all",
          "sendrecv ring", "isend/irecv", "barrier"]
@@ -74,7 +75,16 @@ class Jobs:
                 if f.startswith("anyccl-")}
 
     def run(self, env: dict[str, str]) -> tuple[int, str]:
-        """(exit code, every rank's output) of one job; code -1 past the job's timeout."""
+        """(exit code, every rank's output) of one job; code -1 past the job's timeout. What
+        the MPI library leaves in /dev/shm of the killed rank is removed after the job."""
+        before = set(os.listdir("/dev/shm"))
+        try:
+            return self._run(env)
+        finally:
+            if self.launcher != "run":
+                remove_mpi_leftovers(before)
+
+    def _run(self, env: dict[str, str]) -> tuple[int, str]:
         self._jobs += 1
         if self.cluster is None and self.launcher == "run":
             try:
