@@ -324,26 +324,18 @@ def _make_store(init_method: str | None, rank: int, size: int, timeout_s: float)
 def newcomer_store(init_method: str | None, timeout_s: float) -> Store:
     """The connection to a running job's store for a process started after it (grow.py), as
     a client: from `init_method` or the environment its launcher gave it (ANYCCL_STORE and
-    the job key, MASTER_ADDR and MASTER_PORT). A newcomer never serves the store."""
+    the job key, MASTER_ADDR and MASTER_PORT). A newcomer never serves the store (rank -1)."""
     if init_method is not None and urlparse(init_method).scheme == "file":
         raise InvalidArgumentError(f"init_method={init_method!r}: a newcomer meets the job "
                                    f"through its TCP store (tcp://host:port or env://)")
-    if init_method is not None and urlparse(init_method).scheme == "tcp":
-        url = urlparse(init_method)
-        if not url.hostname or not url.port:
-            raise InvalidArgumentError(f"init_method={init_method!r}: expected tcp://host:port")
-        host, port = url.hostname, url.port
-    elif settings.STORE.get():
-        return _make_store(None, -1, 0, timeout_s)
-    elif os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
-        host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    else:
+    if init_method is None and not settings.STORE.get() and not (
+            os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT")):
         raise RendezvousError(
             f"join: this process has no way to find its job's store: start it with the "
             f"environment of the job's ranks ({settings.STORE.name} and "
             f"{settings.JOB_KEY.name}, as `anyccl run` sets them, or MASTER_ADDR and "
             f"MASTER_PORT), or pass init_method='tcp://host:port'")
-    return _tcp_store(host, port, -1, timeout_s)   # rank -1: never serves, reads the key
+    return _make_store(init_method, -1, 0, timeout_s)
 
 
 def _hosts(store: Store, rank: int, size: int,
