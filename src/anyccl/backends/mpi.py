@@ -33,9 +33,10 @@ With ULFM (Open MPI 5 run with `mpiexec --with-ft ulfm`: MPI itself then reports
 process instead of ending the job), MPI's own word counts: an MPI call that failed because a
 process died, or because a survivor revoked the communicator, raises PeerLostError naming the
 failed ranks (`_ulfm_losses`); `revoke` is MPIX_Comm_revoke, `departed` MPIX_Comm_get_failed,
-and the survivors' communicator is made by MPIX_Comm_shrink (`subgroup`), so that recovery.py
-shrinks a communicator of this backend as it does shm's. Operations then take the Python path
-(the compiled steps' MPI calls report no failed rank).
+and the survivors' communicator is made of their processes alone by
+MPI_Comm_create_from_group (`subgroup`, `_shrunk`), so that recovery.py shrinks a communicator
+of this backend, or of shm+mpi across hosts, as it does shm's. Operations then take the Python
+path (the compiled steps' MPI calls report no failed rank).
 """
 
 from __future__ import annotations
@@ -282,7 +283,8 @@ def ulfm_enabled(MPI: Any) -> bool:
     fault tolerance on (`mpiexec --with-ft ulfm` sets OMPI_MCA_mpi_ft_enable) and mpi4py's
     ULFM calls present."""
     on = os.environ.get("OMPI_MCA_mpi_ft_enable", "").strip().lower() in ("1", "true", "yes", "on")
-    return on and hasattr(MPI.Comm, "Ishrink") and "Open MPI" in MPI.Get_library_version()
+    return on and hasattr(MPI.Comm, "Revoke") and hasattr(MPI.Intracomm, "Create_from_group") \
+        and "Open MPI" in MPI.Get_library_version()
 
 
 _FINALIZE_S = 10.0   # under ULFM after a failure: how long MPI_Finalize may take at exit
@@ -306,17 +308,18 @@ def _watch_finalize() -> None:
 
 def _ulfm_losses(method: Callable) -> Callable:
     """Under ULFM, an MPI error that says a process failed, or that the communicator was
-    revoked, becomes PeerLostError naming who failed (MPI's exception otherwise)."""
+    revoked, becomes PeerLostError naming who failed (MPI's exception otherwise); so too in
+    the function a `*_start` method returns to finish what it started."""
     @functools.wraps(method)
     def guarded(self: MpiBackend, *args: Any, **kwargs: Any) -> Any:
         try:
-            return method(self, *args, **kwargs)
+            made = method(self, *args, **kwargs)
         except Exception as exc:
-            if self._ulfm and isinstance(exc, self.MPI.Exception):
-                lost = self._ulfm_loss(exc)
-                if lost is not None:
-                    raise lost from exc
+            self._raise_ulfm_loss(exc)
             raise
+        if self._ulfm and callable(made):
+            return _ulfm_losses(lambda _, *more: made(*more)).__get__(self)
+        return made
     return guarded
 
 
@@ -380,8 +383,8 @@ class MpiBackend(PolledMessages, Backend):
     def survives_peer_loss(self) -> bool:  # type: ignore[override]
         """An MPI without ULFM ends the job, or leaves its communicators unusable, once a
         process dies: no sub-communicator can be built without the lost rank. With ULFM,
-        MPIX_Comm_shrink builds it (between hosts, under shm+mpi, not yet)."""
-        return self._ulfm and not self.between_hosts
+        `_shrunk` builds it."""
+        return self._ulfm
 
     def __init__(self, comm: Any, timeout_s: float, departures: Departures | None = None,
                  world_ranks: list[int] | None = None) -> None:
@@ -390,6 +393,19 @@ class MpiBackend(PolledMessages, Backend):
         self._comm = comm.Dup()
         if self._ulfm:   # failures come back as errors (mpi4py's exceptions), not an abort
             self._comm.Set_errhandler(self.MPI.ERRORS_RETURN)
+        self._ring_comm: Any = None
+        try:
+            self._start(timeout_s, departures, world_ranks)
+        except BaseException:
+            if self._ulfm:   # the other members may wait in a call of _start for this one
+                for made in (self._comm, self._ring_comm):
+                    if made is not None and not made.Is_revoked():
+                        made.Revoke()
+            raise
+
+    def _start(self, timeout_s: float, departures: Departures | None,
+               world_ranks: list[int] | None) -> None:
+        """The rest of __init__: calls collective over the communicator's ranks among them."""
         self.rank, self.size = self._comm.Get_rank(), self._comm.Get_size()
         self._timeout_s = timeout_s
         self._departures = departures
@@ -630,17 +646,79 @@ class MpiBackend(PolledMessages, Backend):
         """Another backend over the same ranks, whose traffic never meets this one's."""
         return MpiBackend(self._comm, self._timeout_s, self._departures, self._world_ranks)
 
+    @_ulfm_losses
     def subgroup(self, ranks: list[int], name: str, timeout_s: float) -> Backend:
         if self._ulfm and (self._comm.Is_revoked() or self._failed_ranks()):
-            return self._shrunk(ranks, timeout_s)
+            return self._shrunk(ranks, name, timeout_s)
         # collective over this communicator's ranks only when every rank calls it: the
         # communicator's split() calls subgroup on members only, so build the group directly
-        group = self._comm.Get_group().Incl(ranks)
-        child = self._comm.Create_group(group, tag=len(name) % 32768)
-        group.Free()
-        backend = MpiBackend(child, timeout_s, self._departures,
-                             [self._world_ranks[r] for r in ranks])
-        child.Free()
+        return self._bounded(lambda: self._over(self._comm, ranks, ranks, len(name) % 32768,
+                                                timeout_s), timeout_s,
+                             f"building the communicator of ranks {ranks}", ranks)
+
+    def _bounded(self, make: Callable[[], Any], timeout_s: float, what: str,
+                 members: list[int] | None = None) -> Any:
+        """What `make()` returns (or raises). Under ULFM it runs on a thread of its own:
+        Open MPI 5.0.11's calls that make a communicator (MPI_Comm_create_from_group,
+        MPI_Comm_dup) may wait for ever for a member that died before or during them, even
+        once another member revoked the communicator. PeerLostError as soon as MPI reports
+        one of `members` (ranks of this communicator) failed, TimeoutError past `timeout_s`;
+        the thread is then left where it waits (recovery.py goes round again without the
+        member that died)."""
+        if not self._ulfm:
+            return make()
+        made: list[Any] = []
+        failed: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                made.append(make())
+            except BaseException as exc:   # noqa: BLE001 - handed to the waiting thread
+                failed.append(exc)
+        making = threading.Thread(target=run, daemon=True, name="anyccl-mpi-make")
+        making.start()
+        deadline = time.monotonic() + timeout_s
+        pause = 0.001
+        while making.is_alive() and time.monotonic() < deadline:
+            making.join(pause)
+            pause = min(2 * pause, 0.05)
+            lost = sorted(set(self._failed_ranks()) & set(members or ()))
+            if lost and making.is_alive():
+                raise PeerLostError(f"rank {self.rank}: {what}: rank(s) "
+                                    f"{', '.join(map(str, lost))} failed during it (MPI's "
+                                    f"ULFM; mpi backend)", lost[0])
+        if failed:
+            raise failed[0]
+        if not made:
+            raise TimeoutError(f"rank {self.rank}: {what} did not finish within "
+                               f"{timeout_s:g} s: a member died during it (mpi backend, ULFM)")
+        return made[0]
+
+    def _over(self, comm: Any, mine: list[int], ranks: list[int], tag: int,
+              timeout_s: float) -> MpiBackend:
+        """The backend of `ranks` (this communicator's), made of MPI communicator `comm`'s
+        ranks `mine` (`comm` itself where those are all of it and it is not this backend's
+        own). Under ULFM a failure on the way revokes `comm` (and the group made of it):
+        their other members may wait in the same call for a process that died, and then fail
+        too instead of hanging (recovery goes round again)."""
+        child = comm
+        try:
+            if comm is self._comm or len(mine) != comm.Get_size():
+                group = comm.Get_group().Incl(mine)
+                child = comm.Create_group(group, tag=tag)
+                group.Free()
+            backend = MpiBackend(child, timeout_s, self._departures,
+                                 [self._world_ranks[r] for r in ranks])
+        except BaseException:
+            if self._ulfm:   # (left unfreed: a member may still wait in a call on them)
+                for made in {id(c): c for c in (comm, child)}.values():
+                    if made != self.MPI.COMM_NULL and not made.Is_revoked():
+                        made.Revoke()
+            raise
+        if child is not self._comm:
+            child.Free()
+        if comm is not self._comm and comm is not child:
+            comm.Free()
         return backend
 
     # ---- ULFM: MPI's own word on failed processes ---------------------------------------------
@@ -660,17 +738,26 @@ class MpiBackend(PolledMessages, Backend):
             failed.Free()
         return sorted(r for r in ranks if r >= 0)
 
+    def _raise_ulfm_loss(self, exc: BaseException) -> None:
+        """Raise the PeerLostError MPI's `exc` stands for under ULFM (see `_ulfm_loss`)."""
+        if self._ulfm and isinstance(exc, self.MPI.Exception):
+            lost = self._ulfm_loss(exc)
+            if lost is not None:
+                raise lost from exc
+
     def _ulfm_loss(self, exc: Any) -> PeerLostError | None:
         """The PeerLostError for MPI's `exc` where it says a process failed or the communicator
-        was revoked; None for any other MPI error."""
+        was revoked, or where MPI reports a failed process of this communicator (Open MPI
+        5.0.11 also says MPI_ERR_OTHER of a collective that met one); None for any other MPI
+        error."""
         MPI, kind = self.MPI, exc.Get_error_class()
         failed_kinds = (MPI.ERR_PROC_FAILED, getattr(MPI, "ERR_PROC_FAILED_PENDING", -1))
-        if kind not in (*failed_kinds, MPI.ERR_REVOKED):
+        failed = self._failed_ranks()
+        if kind not in (*failed_kinds, MPI.ERR_REVOKED) and not failed:
             return None
         if not _ulfm_lost:
             _ulfm_lost.append(True)
             atexit.register(_watch_finalize)   # after mpi4py's: runs before its MPI_Finalize
-        failed = self._failed_ranks()
         what = f"in {self._record}" if self._record is not None else "in an operation"
         if failed:
             many = len(failed) > 1
@@ -696,37 +783,38 @@ class MpiBackend(PolledMessages, Backend):
                 return gone
         return super().departed()
 
-    def _shrunk(self, ranks: list[int], timeout_s: float) -> MpiBackend:
-        """The backend of `ranks` (agreed through the store by recovery.py) after a failure:
-        MPIX_Comm_shrink over every surviving process, then the members' group of it where it
-        holds more. The shrink runs on a thread of its own, waited for up to `timeout_s`
-        (Open MPI 5.0's MPIX_Comm_ishrink, polled, fails with an internal error)."""
-        MPI = self.MPI
-        made: list[Any] = []
-        shrinking = threading.Thread(target=lambda: made.append(self._comm.Shrink()),
-                                     daemon=True, name="anyccl-mpi-shrink")
-        shrinking.start()
-        shrinking.join(timeout_s)
-        if not made:
-            raise TimeoutError(f"rank {self.rank}: shrink: MPIX_Comm_shrink did not finish "
-                               f"within {timeout_s:g} s (mpi backend)")
-        shrunk = made[0]
-        mine = MPI.Group.Translate_ranks(self._comm.Get_group(), ranks, shrunk.Get_group())
-        if any(r < 0 for r in mine):
-            shrunk.Free()
-            raise RendezvousError(f"rank {self.rank}: shrink: MPI counts rank(s) "
-                                  f"{[r for r, m in zip(ranks, mine) if m < 0]} among the "
-                                  f"failed, which the survivors did not (mpi backend)")
-        child = shrunk
-        if len(mine) != shrunk.Get_size():
-            group = shrunk.Get_group().Incl(mine)
-            child = shrunk.Create_group(group)
+    def _shrunk(self, ranks: list[int], name: str, timeout_s: float) -> MpiBackend:
+        """The backend of `ranks` (agreed through the store by recovery.py) after a failure,
+        within `timeout_s` (`_bounded`, which also gives up as soon as a member fails). The
+        first round: MPIX_Comm_shrink over every surviving process, then the members' group of
+        it where it holds more. A later round (a member died during the first): an MPI
+        communicator of the members alone (MPI_Comm_create_from_group, MPI 4, tagged with the
+        round's name), never a second shrink of this one, in which Open MPI 5.0.11 crashed;
+        nor in the first, where the same call, made while the launcher across hosts still
+        handled the death, waited for ever at times."""
+        what = f"shrink: the communicator of ranks {ranks}"
+        if name.rsplit(".shrink", 1)[-1] == "1":   # recovery.py names round n "<comm>.shrink<n>"
+            def shrunk() -> tuple[Any, list[int]]:
+                made = self._comm.Shrink()
+                return made, self.MPI.Group.Translate_ranks(self._comm.Get_group(), ranks,
+                                                            made.Get_group())
+            start = time.monotonic()   # (MPIX_Comm_shrink survives a death during it)
+            made, mine = self._bounded(shrunk, timeout_s, what)
+            if any(r < 0 for r in mine):
+                raise RendezvousError(f"rank {self.rank}: shrink: MPI counts rank(s) "
+                                      f"{[r for r, m in zip(ranks, mine) if m < 0]} among "
+                                      f"the failed, which the survivors did not (mpi backend)")
+            timeout_s = max(0.001, timeout_s - (time.monotonic() - start))
+        else:
+            group = self._comm.Get_group().Incl(ranks)
+            start = time.monotonic()
+            made = self._bounded(lambda: self.MPI.Intracomm.Create_from_group(
+                group, f"anyccl.{name}"), timeout_s, what, ranks)
             group.Free()
-            shrunk.Free()
-        backend = MpiBackend(child, timeout_s, self._departures,
-                             [self._world_ranks[r] for r in ranks])
-        child.Free()
-        return backend
+            mine = list(range(len(ranks)))
+            timeout_s = max(0.001, timeout_s - (time.monotonic() - start))
+        return self._bounded(lambda: self._over(made, mine, ranks, 0, timeout_s), timeout_s,
+                             what, ranks)
 
     def lost_peer(self) -> tuple[int, str] | None:
         """A peer of this communicator that closed anyccl or exited: (its rank here, what
@@ -854,6 +942,7 @@ class MpiBackend(PolledMessages, Backend):
         the ranks gather every signature (and refusal reason) to say what differed."""
         self.start_agreement(agree)()
 
+    @_ulfm_losses
     def start_agreement(self, agree: tuple) -> Callable[[], None]:
         """Start `_agree`'s all-reduce and return the function that finishes it (raising
         CollectiveMismatchError on every rank where signatures differ), so that a caller can
@@ -891,6 +980,7 @@ class MpiBackend(PolledMessages, Backend):
         reasons = {r: why for r, (_, _, why) in enumerate(everyone) if why}
         raise agreement.mismatch(self.rank, self._record, words, reasons, self.name)
 
+    @_ulfm_losses
     def all_reduce_start(self, x: np.ndarray, op: ReduceOp) -> Callable[[], None]:
         """Start an all_reduce of `x` and return the function that finishes it (x holds the
         result after), so that a caller can overlap it with work of its own. From
