@@ -129,7 +129,7 @@ class Jobs:
             env = dict(env, ANYCCL_JOB_KEY="4b" * 32, OMPI_ALLOW_RUN_AS_ROOT="1",
                        OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
             code, text = simhosts.finish([self.cluster.run(0, argv, env=env)],
-                                         self.timeout_s)[0]
+                                         self.timeout_s, self.cluster)[0]
             return code, text
         port = str(29700 + self._jobs % 200)   # a fresh port a job: no TIME_WAIT in the way
         env = dict(env, ANYCCL_JOB_KEY="4b" * 32, ANYCCL_PEER_SILENCE="3", OMP_NUM_THREADS="1")
@@ -138,7 +138,7 @@ class Jobs:
                                       "--node-rank", str(i), "--master-addr", "h1",
                                       "--master-port", port, "--keep-going", str(SCRIPT)],
                                   env=env) for i in range(self.hosts)]
-        results = simhosts.finish(procs, self.timeout_s)
+        results = simhosts.finish(procs, self.timeout_s, self.cluster)
         return next((code for code, _ in results if code), 0), "".join(t for _, t in results)
 
 

@@ -208,6 +208,25 @@ class Cluster:
         if self._inits[i] is not None:
             self._inits[i].wait(timeout=_SETUP_S)
 
+    def end_processes(self) -> None:
+        """Every process on every host is killed but the host's own first process (the hosts
+        live on, their shared memory too)."""
+        for init in self._pids:
+            if not init:
+                continue
+            try:
+                space = os.readlink(f"/proc/{init}/ns/pid")
+            except OSError:
+                continue
+            for entry in os.listdir("/proc"):
+                if not entry.isdigit() or int(entry) == init:
+                    continue
+                try:
+                    if os.readlink(f"/proc/{entry}/ns/pid") == space:
+                        os.kill(int(entry), signal.SIGKILL)
+                except OSError:
+                    pass
+
     def shm_files(self, i: int) -> list[str]:
         """What lies in host i's /dev/shm now."""
         return sorted(self.check_output(i, ["ls", "-A", "/dev/shm"]).split())
@@ -258,9 +277,11 @@ class Cluster:
         self.close()
 
 
-def finish(procs: Sequence[subprocess.Popen], timeout_s: float) -> list[tuple[int, str]]:
+def finish(procs: Sequence[subprocess.Popen], timeout_s: float,
+           cluster: Cluster | None = None) -> list[tuple[int, str]]:
     """(exit code, stdout + stderr) of each of `procs` (started by `Cluster.run`), killing
-    what outlives `timeout_s` from now (its output then says so)."""
+    what outlives `timeout_s` from now (its output then says so): with `cluster`, every
+    process on its hosts (what a launcher started there may hold the output open)."""
     deadline = time.monotonic() + timeout_s
     results = []
     for proc in procs:
@@ -268,7 +289,9 @@ def finish(procs: Sequence[subprocess.Popen], timeout_s: float) -> list[tuple[in
             out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             proc.kill()
-            out, err = proc.communicate()
+            if cluster is not None:
+                cluster.end_processes()
+            out, err = proc.communicate(timeout=_SETUP_S)
             err += f"\n(killed after {timeout_s} s)"
         results.append((proc.returncode, out + err))
     return results

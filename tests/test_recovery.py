@@ -269,7 +269,7 @@ def test_survivors_across_two_hosts_shrink_to_shm_and_mpi_under_ulfm(victims, mo
                               cluster.ssh_stand_in(), "--host", "h1:2,h2:2", "-n", "4",
                               *[a for n in names for a in ("-x", n)], OPENMPI, str(SCRIPT)],
                           env=env)
-        results = simhosts.finish([job], 120)
+        results = simhosts.finish([job], 120, cluster)
         code, text = results[0]
         lost = sorted({int(v) for v in victims.split(",")} | ({int(more["DURING"])} if "DURING"
                                                               in more else set()))

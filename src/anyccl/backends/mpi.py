@@ -275,7 +275,15 @@ def envelope(MPI: Any) -> Envelope | None:
 
 
 _lost_a_peer: list[str] = []  # set once this process has raised PeerLostError
-_ulfm_lost: list[bool] = []   # set once MPI (ULFM) reported a failed process here
+_ulfm_lost: list[bool] = []   # set once a process failed under ULFM, as seen from here
+
+
+def _failed_here() -> None:
+    """A process of the job failed under ULFM (MPI said so, or this rank shrinks): MPI_Finalize
+    is watched at exit from now on (`_watch_finalize`)."""
+    if not _ulfm_lost:
+        _ulfm_lost.append(True)
+        atexit.register(_watch_finalize)   # after mpi4py's: runs before its MPI_Finalize
 
 
 def ulfm_enabled(MPI: Any) -> bool:
@@ -755,9 +763,7 @@ class MpiBackend(PolledMessages, Backend):
         failed = self._failed_ranks()
         if kind not in (*failed_kinds, MPI.ERR_REVOKED) and not failed:
             return None
-        if not _ulfm_lost:
-            _ulfm_lost.append(True)
-            atexit.register(_watch_finalize)   # after mpi4py's: runs before its MPI_Finalize
+        _failed_here()
         what = f"in {self._record}" if self._record is not None else "in an operation"
         if failed:
             many = len(failed) > 1
@@ -771,6 +777,7 @@ class MpiBackend(PolledMessages, Backend):
 
     def revoke(self) -> None:
         if self._ulfm and not self._closed:
+            _failed_here()   # (the loss may have been seen in the store or in shared memory)
             for comm in (self._comm, self._ring_comm):
                 if comm is not None and not comm.Is_revoked():
                     comm.Revoke()
