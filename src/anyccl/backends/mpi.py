@@ -295,6 +295,7 @@ def ulfm_enabled(MPI: Any) -> bool:
         and "Open MPI" in MPI.Get_library_version()
 
 
+_MAKE_GRACE_S = 1.0   # under ULFM: see MpiBackend._bounded
 _FINALIZE_S = 10.0   # under ULFM after a failure: how long MPI_Finalize may take at exit
 
 
@@ -660,17 +661,23 @@ class MpiBackend(PolledMessages, Backend):
             return self._shrunk(ranks, name, timeout_s)
         # collective over this communicator's ranks only when every rank calls it: the
         # communicator's split() calls subgroup on members only, so build the group directly
-        return self._bounded(lambda: self._over(self._comm, ranks, ranks, len(name) % 32768,
-                                                timeout_s), timeout_s,
-                             f"building the communicator of ranks {ranks}", ranks)
+        def make() -> MpiBackend:
+            return self._over(self._comm, ranks, ranks, len(name) % 32768, timeout_s)
+        if not _ulfm_lost:   # (on a thread only once a process failed: see _bounded)
+            return make()
+        return self._bounded(make, timeout_s, f"building the communicator of ranks {ranks}",
+                             ranks)
 
     def _bounded(self, make: Callable[[], Any], timeout_s: float, what: str,
                  members: list[int] | None = None) -> Any:
         """What `make()` returns (or raises). Under ULFM it runs on a thread of its own:
         Open MPI 5.0.11's calls that make a communicator (MPI_Comm_create_from_group,
         MPI_Comm_dup) may wait for ever for a member that died before or during them, even
-        once another member revoked the communicator. PeerLostError as soon as MPI reports
-        one of `members` (ranks of this communicator) failed, TimeoutError past `timeout_s`;
+        once another member revoked the communicator. PeerLostError once MPI reports one of
+        `members` (ranks of this communicator) failed and the call still has not returned
+        `_MAKE_GRACE_S` later (the member may have done its part: a rank that finished making
+        a communicator may go on and die while another still makes it), TimeoutError past
+        `timeout_s`;
         the thread is then left where it waits (recovery.py goes round again without the
         member that died)."""
         if not self._ulfm:
@@ -686,12 +693,14 @@ class MpiBackend(PolledMessages, Backend):
         making = threading.Thread(target=run, daemon=True, name="anyccl-mpi-make")
         making.start()
         deadline = time.monotonic() + timeout_s
-        pause = 0.001
+        pause, seen = 0.001, float("inf")
         while making.is_alive() and time.monotonic() < deadline:
             making.join(pause)
             pause = min(2 * pause, 0.05)
             lost = sorted(set(self._failed_ranks()) & set(members or ()))
-            if lost and making.is_alive():
+            if lost and seen == float("inf"):
+                seen = time.monotonic()
+            if lost and making.is_alive() and time.monotonic() - seen >= _MAKE_GRACE_S:
                 raise PeerLostError(f"rank {self.rank}: {what}: rank(s) "
                                     f"{', '.join(map(str, lost))} failed during it (MPI's "
                                     f"ULFM; mpi backend)", lost[0])
