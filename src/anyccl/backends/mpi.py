@@ -866,7 +866,9 @@ class MpiBackend(PolledMessages, Backend):
             return
         rank, what = self._lost
         self._lost_since = None
-        if not _lost_a_peer:
+        if self._ulfm:   # MPI_Finalize works after a failure (watched: _failed_here)
+            _failed_here()
+        elif not _lost_a_peer:
             self._departures.lost_world_rank = self._world_ranks[rank]
             _lost_a_peer.append(f"rank {self._departures.world_rank} lost {what.split(' ')[0]} "
                                 f"{what.split(' ')[1]}")
