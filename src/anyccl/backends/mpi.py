@@ -33,10 +33,10 @@ With ULFM (Open MPI 5 run with `mpiexec --with-ft ulfm`: MPI itself then reports
 process instead of ending the job), MPI's own word counts: an MPI call that failed because a
 process died, or because a survivor revoked the communicator, raises PeerLostError naming the
 failed ranks (`_ulfm_losses`); `revoke` is MPIX_Comm_revoke, `departed` MPIX_Comm_get_failed,
-and the survivors' communicator is made of their processes alone by
-MPI_Comm_create_from_group (`subgroup`, `_shrunk`), so that recovery.py shrinks a communicator
-of this backend, or of shm+mpi across hosts, as it does shm's. Operations then take the Python
-path (the compiled steps' MPI calls report no failed rank).
+and the survivors' communicator is made by MPIX_Comm_shrink, or in a later round by
+MPI_Comm_create_from_group of the members (`subgroup`, `_shrunk`), so that recovery.py shrinks
+a communicator of this backend, or of shm+mpi across hosts, as it does shm's. Operations then
+take the Python path (the compiled steps' MPI calls report no failed rank).
 """
 
 from __future__ import annotations
@@ -670,18 +670,15 @@ class MpiBackend(PolledMessages, Backend):
 
     def _bounded(self, make: Callable[[], Any], timeout_s: float, what: str,
                  members: list[int] | None = None) -> Any:
-        """What `make()` returns (or raises). Under ULFM it runs on a thread of its own:
-        Open MPI 5.0.11's calls that make a communicator (MPI_Comm_create_from_group,
-        MPI_Comm_dup) may wait for ever for a member that died before or during them, even
-        once another member revoked the communicator. PeerLostError once MPI reports one of
-        `members` (ranks of this communicator) failed and the call still has not returned
-        `_MAKE_GRACE_S` later (the member may have done its part: a rank that finished making
-        a communicator may go on and die while another still makes it), TimeoutError past
-        `timeout_s`;
-        the thread is then left where it waits (recovery.py goes round again without the
-        member that died)."""
-        if not self._ulfm:
-            return make()
+        """What `make()` returns (or raises), made on a thread of its own (under ULFM, once a
+        process failed): Open MPI 5.0.11's calls that make a communicator
+        (MPI_Comm_create_from_group, MPI_Comm_dup) may wait for ever for a member that died
+        before or during them, even once another member revoked the communicator.
+        PeerLostError once MPI reports one of `members` (ranks of this communicator) failed and
+        the call still has not returned `_MAKE_GRACE_S` later (the member may have done its
+        part: a rank that finished making a communicator may go on and die while another still
+        makes it), TimeoutError past `timeout_s`; the thread is then left where it waits
+        (recovery.py goes round again without the member that died)."""
         made: list[Any] = []
         failed: list[BaseException] = []
 
