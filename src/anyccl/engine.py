@@ -195,9 +195,15 @@ class Engine:
                 self._note_failure(exc)
                 self.backend.abort(exc)
                 return False
-            return True
         finally:
             self._drive.release()
+        if self.backend.doorbell.yields:
+            # more ranks than cores: a waiter's loop of steps gives the core away at every
+            # turn, as every other wait then does; one that keeps it starves the waits that
+            # yield on the same core (Linux's EEVDF: a yielding task beside a spinning one
+            # gets well under 1% of the core) and the rank it waits for may be one of them
+            os.sched_yield()
+        return True
 
     def _take(self) -> tuple[Callable[[Work], None], Work, bool] | None:
         """The next queued operation, taken by the thread holding `_drive`, so that operations

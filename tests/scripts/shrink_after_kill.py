@@ -42,6 +42,9 @@ loop_s = float(os.environ.get("LOOP_S", "0"))
 
 comm = anyccl.init()
 rank, size = comm.rank, comm.size
+# every rank past start-up before any dies: the kills are to land in operations (a rank lost
+# while the others still make the communicator fails their init, which the launcher reports)
+comm.barrier()
 on_gpu = os.environ.get("DEVICE") == "cuda"
 group = None
 if os.environ.get("TORCH_PG") == "1":
