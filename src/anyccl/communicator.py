@@ -157,6 +157,15 @@ class Communicator:
         it. None while none has."""
         return self._engine.failure or self._gpu_side.failure
 
+    def lost_ranks(self) -> dict[int, str]:
+        """The ranks this rank knows to be gone, and what happened to each (a process that
+        ended, a host that fell silent, a rank that closed its communicator), in the order
+        they were found: the communicator's one view of its peers (liveness.py), which every
+        transport reports to. This rank's view, not agreed by the others: `shrink` agrees,
+        and from then on every rank it left out is in it. Empty while every peer seems
+        alive."""
+        return self._engine.backend.departed()
+
     @property
     def closed(self) -> bool:
         """Whether `close()` was called (or this process was forked from the one that made it)."""

@@ -130,7 +130,10 @@ def _agree(comm: Communicator, store: Store, known: dict[int, str],
         raise PeerLostError(f"rank {rank}: shrink: the other survivors counted this rank as "
                             f"gone (it came after they decided); it has no communicator",
                             rank)
-    return members, {r: why for r, why in gone.items() if r not in members}
+    left_out = {r: why for r, why in gone.items() if r not in members}
+    for r, why in left_out.items():   # comm.lost_ranks() says it from now on
+        backend.liveness.report(r, why)
+    return members, left_out
 
 
 def _build(comm: Communicator, store: Store, members: list[int], gone: dict[int, str],

@@ -151,6 +151,8 @@ lost = victims | ({during} if during is not None else set())
 if os.environ.get("EXPECT_LOST"):
     lost = {int(r) for r in os.environ["EXPECT_LOST"].split(",")}
 assert n == size - len(lost), (n, size, lost)
+# the old communicator's view of its peers names every rank the shrink left out
+assert set(comm.lost_ranks()) >= lost, (comm.lost_ranks(), lost)
 assert sorted(new.shrunk_from["lost"]) == sorted(lost), new.shrunk_from
 if on_gpu:   # the survivors' GPU communicator, made on this first GPU call
     g = torch.full((1000,), float(r + 1), device=f"cuda:{new.device}")

@@ -24,6 +24,7 @@ from typing import Any, Callable, Optional, Protocol, TypeVar
 
 import numpy as np
 
+from ..liveness import Liveness
 from ..ops import ReduceOp
 from ..trace import OpRecord
 from .doorbell import PollingBell
@@ -160,10 +161,24 @@ class Backend(ABC):
         operation issued; `seqs[(kind, dst, src)]` numbers them (MessageCalls.record)."""
         return None
 
+    @property
+    def liveness(self) -> Liveness:
+        """Who of this communicator's ranks is gone (liveness.py): the transport adds its ways
+        of telling when it is made; a composite one may share its own with a part."""
+        try:
+            return self._liveness
+        except AttributeError:
+            self._liveness: Liveness = Liveness()
+            return self._liveness
+
+    @liveness.setter
+    def liveness(self, liveness: Liveness) -> None:
+        self._liveness = liveness
+
     def lost_peer(self) -> tuple[int, str] | None:
-        """If this transport can tell that a peer process left: its rank and what happened
-        (called from other threads, e.g. the GPU backend's watchdog). None when all seem alive."""
-        return None
+        """The first peer found gone and what happened (`liveness`; called from other threads
+        too, e.g. the GPU backend's watchdog). None when all seem alive."""
+        return self.liveness.first()
 
     #: set by a composite engine (hierarchical.py) on the backend it made of one rank per host:
     #: a transport may then choose algorithms for the links between hosts
@@ -183,10 +198,9 @@ class Backend(ABC):
         at its deadline; this rank's process stays alive (ULFM's revoke)."""
 
     def departed(self) -> dict[int, str]:
-        """Every peer this transport can tell has left: rank -> what happened (what recovery
-        asks; `lost_peer` names only the first)."""
-        lost = self.lost_peer()
-        return {} if lost is None else {lost[0]: lost[1]}
+        """Every peer found gone: rank -> what happened, in the order found (`liveness`; what
+        recovery asks; `lost_peer` names only the first)."""
+        return self.liveness.gone()
 
     @abstractmethod
     def abort(self, error: BaseException) -> None:

@@ -297,6 +297,7 @@ class GlooBackend(PolledMessages, Backend):
         # set by a composite backend that starts the agreement itself (start_agreement)
         self.defer_agreement = False
         self._torch = sys.modules["torch"]
+        self.liveness.add(self._silent_peers)
 
     # ---- helpers -------------------------------------------------------------------------
     def _t(self, x: np.ndarray) -> Any:
@@ -383,22 +384,20 @@ class GlooBackend(PolledMessages, Backend):
                                 f"this rank was in {self._record} waiting for {what} (ranks "
                                 f"that lost a peer are shrinking it; gloo between hosts)", -1)
         heartbeat = self.peers.heartbeat
-        if heartbeat is None:
-            return
-        heartbeat.watch()
-        mine, said = self._lost()
-        if mine:
-            raise PeerLostError(f"rank {self._said_rank}: {said}, while this rank was in "
-                                f"{self._record} waiting for {what} (gloo between hosts)",
-                                self._job_ranks.index(mine[0]))
+        if heartbeat is not None:
+            heartbeat.watch()
+        lost = self.lost_peer()   # (the communicator's liveness: this host's deaths too)
+        if lost is not None:
+            mine, said = self._lost()   # silent hosts: every silent rank, by host
+            raise PeerLostError(f"rank {self._said_rank}: {said if mine else lost[1]}, while "
+                                f"this rank was in {self._record} waiting for {what} (gloo "
+                                f"between hosts)", lost[0])
 
-    def lost_peer(self) -> tuple[int, str] | None:
-        mine, said = self._lost()
-        return (self._job_ranks.index(mine[0]), said) if mine else None
-
-    def departed(self) -> dict[int, str]:
-        heartbeat = self.peers.heartbeat
+    def _silent_peers(self) -> dict[int, str]:
+        """This transport's source for `liveness`: the ranks of this group whose heartbeat
+        fell silent (heartbeat.py)."""
         mine, _ = self._lost()
+        heartbeat = self.peers.heartbeat
         return {self._job_ranks.index(r): heartbeat.describe([r]) for r in mine}
 
     def _translated(self, exc: BaseException, record: OpRecord | None,

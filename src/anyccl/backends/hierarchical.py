@@ -129,6 +129,12 @@ class HierarchicalBackend(Backend):
             for i, r in enumerate(members):
                 self._position[r] = (h, i)
         self._host, self._index = self._position[rank]
+        # one view of who is gone: this host's deaths (shm's pid checks, in this numbering),
+        # then the engine's; the engine's own waits ask it too, so that a wait on MPI or gloo
+        # for a rank of this host learns of its death at once, whatever the engine noticed
+        self.liveness.include(local.liveness, self._members[self._host])
+        self.liveness.include(net.liveness, list(range(self.size)))
+        net.liveness = self.liveness
         self._per_host = len(self._members[0]) \
             if len({len(m) for m in self._members}) == 1 else 0
         self._column: Backend | None = None
@@ -352,12 +358,6 @@ class HierarchicalBackend(Backend):
         self._net.abort(error)
 
     # ---- groups and lifetime ---------------------------------------------------------------
-    def lost_peer(self) -> tuple[int, str] | None:
-        local = self._local.lost_peer()
-        if local is not None:
-            return self._members[self._host][local[0]], local[1]
-        return self._net.lost_peer()
-
     @property
     def survives_peer_loss(self) -> bool:  # type: ignore[override]
         return self._net.survives_peer_loss
@@ -372,12 +372,6 @@ class HierarchicalBackend(Backend):
                 part.revoke()
         if self._heartbeat is not None:   # and the other hosts' ranks are told
             self._heartbeat.revoke(self._name)
-
-    def departed(self) -> dict[int, str]:
-        gone = {self._members[self._host][j]: why for j, why in self._local.departed().items()}
-        for r, why in self._net.departed().items():
-            gone.setdefault(r, why)
-        return gone
 
     def subgroup(self, ranks: list[int], name: str, timeout_s: float) -> Backend:
         here = [r for r in ranks if self.hosts[r] == self.hosts[self.rank]]

@@ -32,11 +32,12 @@ A rank that lost a peer ends without MPI_Finalize, which would wait for the lost
 With ULFM (Open MPI 5 run with `mpiexec --with-ft ulfm`: MPI itself then reports a failed
 process instead of ending the job), MPI's own word counts: an MPI call that failed because a
 process died, or because a survivor revoked the communicator, raises PeerLostError naming the
-failed ranks (`_ulfm_losses`); `revoke` is MPIX_Comm_revoke, `departed` MPIX_Comm_get_failed,
-and the survivors' communicator is made by MPIX_Comm_shrink, or in a later round by
-MPI_Comm_create_from_group of the members (`subgroup`, `_shrunk`), so that recovery.py shrinks
-a communicator of this backend, or of shm+mpi across hosts, as it does shm's. Operations then
-take the Python path (the compiled steps' MPI calls report no failed rank).
+failed ranks (`_ulfm_losses`); `revoke` is MPIX_Comm_revoke, its word in the communicator's
+`liveness` MPIX_Comm_get_failed, and the survivors' communicator is made by MPIX_Comm_shrink,
+or in a later round by MPI_Comm_create_from_group of the members (`subgroup`, `_shrunk`), so
+that recovery.py shrinks a communicator of this backend, or of shm+mpi across hosts, as it
+does shm's. Operations then take the Python path (the compiled steps' MPI calls report no
+failed rank).
 """
 
 from __future__ import annotations
@@ -423,7 +424,9 @@ class MpiBackend(PolledMessages, Backend):
         self._timeout_s = timeout_s
         self._departures = departures
         self._world_ranks = world_ranks if world_ranks is not None else list(range(self.size))
-        self._next_departure_check = 0.0
+        self.liveness.add(self._failed_here_by_mpi)
+        if departures is not None:
+            self.liveness.add(self._said_they_left, _DEPARTURE_CHECK_S)
         self._lost_since: float | None = None
         self._lost: tuple[int, str] = (-1, "")
         self._announces_departure = False  # the world backend speaks for the whole process
@@ -792,13 +795,22 @@ class MpiBackend(PolledMessages, Backend):
                 if comm is not None and not comm.Is_revoked():
                     comm.Revoke()
 
-    def departed(self) -> dict[int, str]:
-        if self._ulfm and not self._closed:
-            gone = {r: f"rank {r} failed (MPI's ULFM: its process ended)"
-                    for r in self._failed_ranks()}
-            if gone:
-                return gone
-        return super().departed()
+    def _failed_here_by_mpi(self) -> dict[int, str]:
+        """A source for `liveness`: the ranks MPI knows to have failed (ULFM only)."""
+        if not self._ulfm or self._closed:
+            return {}
+        return {r: f"rank {r} failed (MPI's ULFM: its process ended)"
+                for r in self._failed_ranks()}
+
+    def _said_they_left(self) -> dict[int, str]:
+        """A source for `liveness`: the first rank that said in the job's store that it closed
+        anyccl or exited (`Departures`)."""
+        gone = self._departures.left(self._world_ranks)
+        if gone is None:
+            return {}
+        world_rank, why = gone
+        rank = self._world_ranks.index(world_rank)
+        return {rank: f"rank {rank} {why}"}
 
     def _shrunk(self, ranks: list[int], name: str, timeout_s: float) -> MpiBackend:
         """The backend of `ranks` (agreed through the store by recovery.py) after a failure,
@@ -832,26 +844,6 @@ class MpiBackend(PolledMessages, Backend):
             timeout_s = max(0.001, timeout_s - (time.monotonic() - start))
         return self._bounded(lambda: self._over(made, mine, ranks, 0, timeout_s), timeout_s,
                              what, ranks)
-
-    def lost_peer(self) -> tuple[int, str] | None:
-        """A peer of this communicator that closed anyccl or exited: (its rank here, what
-        happened); asked of the store at most every 0.25 s. None while all seem present."""
-        if self._ulfm and not self._closed:
-            failed = self._failed_ranks()
-            if failed:
-                return failed[0], f"rank {failed[0]} failed (MPI's ULFM: its process ended)"
-        if self._departures is None:
-            return None
-        now = time.monotonic()
-        if now < self._next_departure_check:
-            return None
-        self._next_departure_check = now + _DEPARTURE_CHECK_S
-        gone = self._departures.left(self._world_ranks)
-        if gone is None:
-            return None
-        world_rank, why = gone
-        return self._world_ranks.index(world_rank), f"rank {self._world_ranks.index(world_rank)}" \
-            f" {why}"
 
     def _check_peers(self, record: OpRecord | None, waiting_for: str) -> None:
         """Raise PeerLostError if a peer left and what this rank waits for still has not

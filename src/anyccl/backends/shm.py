@@ -54,6 +54,7 @@ from ..errors import (
     TimeoutError,
     UnsupportedError,
 )
+from ..liveness import process_alive
 from ..ops import COLLECTIVES, ReduceOp, check_reduce_op
 from ..store import Store
 from ..trace import OpRecord, about_text, format_bytes, message_text
@@ -252,21 +253,6 @@ def _check_owner(fd: int, name: str) -> None:
             f"with mode 0600; another local user may be trying to enter the job")
 
 
-def process_alive(pid: int) -> bool:
-    """Whether `pid` runs: a zombie (dead, not yet reaped by its parent) counts as dead."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rpartition(b")")[2].split()[0] not in (b"Z", b"X")
-    except (OSError, IndexError):
-        return True  # no /proc (macOS): kill(0) is all we have
-
-
 def reclaim_dead_segments(directory: str = "/dev/shm") -> list[str]:
     """Unlink anyccl segments whose creator has died before unlinking them (a crash during
     start-up). Only segments this user can open, with a valid header, and whose creating
@@ -446,6 +432,7 @@ class SharedMemoryBackend(Backend):
         self._deferred: list[deque[_Incoming]] = [deque() for _ in range(size)]
         self._incoming: list[_Incoming | None] = [None] * size
         self._pids = [int(ctl[_W_PID]) for ctl in self._ctl]
+        self.liveness.add(self._dead_peers)
         self._scratch = np.empty(0, np.uint8)
         self._core = _shmcore   # None where it could not be built: the Python path
         # the tuning table's thresholds (tuning.py), read once
@@ -718,10 +705,8 @@ class SharedMemoryBackend(Backend):
             self._own.words[_W_LOST] = j + 1
         return PeerLostError(f"rank {self.rank}: {what}", j)
 
-    def lost_peer(self) -> tuple[int, str] | None:
-        return next(iter(self.departed().items()), None)
-
-    def departed(self) -> dict[int, str]:
+    def _dead_peers(self) -> dict[int, str]:
+        """This transport's source for `liveness`: the peers whose process ended."""
         if self._closed:
             return {}
         return {j: f"rank {j} (pid {self._pids[j]}) {self._gone(j)}" for j in range(self.size)
