@@ -28,7 +28,8 @@ def test_four_ranks_on_two_cores_run_small_collectives_without_crawling():
         os.sched_setaffinity(0, cores)
     assert proc.returncode == 0, proc.stderr[-3000:]
     took = float(proc.stdout.split()[-1])
-    # 1,800 collectives (300 rounds of six kinds): well under a second each round on 2 cores
+    # 2,100 operations (300 rounds of six collectives and a pair of messages): well under a
+    # second each round on 2 cores
     assert took < 60, f"300 rounds took {took:.1f} s ({seconds:.1f} s with start-up)"
 
 
@@ -42,10 +43,11 @@ _SPINNER = ("import os, sys, time\n"
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs CPU affinity")
 def test_beside_programs_that_never_yield_their_cores_the_job_still_runs():
-    """4 ranks on 2 cores, each core also busy with a program that spins without yielding (an
-    MPI library's blocking loop, a neighbour's job). On Linux's scheduler (EEVDF) a task that
-    yields beside such a spinner gets well under 1% of the core, so a wait may yield only
-    briefly before it sleeps: a sleeper's wake-up gets the core back at once."""
+    """4 ranks on 2 cores, each rank bound to one of them (as launchers bind ranks), each core
+    also busy with a program that spins without yielding (an MPI library's blocking loop, a
+    neighbour's job). On Linux's scheduler (EEVDF) a task that yields beside such a spinner
+    gets well under 1% of the core, so a wait may yield only briefly before it sleeps: a
+    sleeper's wake-up gets the core back at once."""
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
         pytest.skip("needs two cores")
@@ -53,7 +55,7 @@ def test_beside_programs_that_never_yield_their_cores_the_job_still_runs():
                 for c in cores[:2]]
     os.sched_setaffinity(0, cores[:2])   # the job's ranks inherit it
     try:
-        proc, seconds = launch_job(SCRIPT, 4, ["100"], timeout_s=200)
+        proc, seconds = launch_job(SCRIPT, 4, ["100", "bind"], timeout_s=200)
     finally:
         os.sched_setaffinity(0, cores)
         for spinner in spinners:
