@@ -1,7 +1,7 @@
 """Many small collectives of every kind and a pair of messages a round, as a job with more ranks
 than cores runs them: prints the seconds they took on rank 0. Usage: oversubscribed.py ROUNDS
-rank then runs on one core of those it may use (rank r on the (r mod n)-th), as launchers that
-bind ranks to cores place them."""
+[bind]; with `bind`, each rank then runs on one core of those it may use (rank r on the
+(r mod n)-th), as launchers that bind ranks to cores place them."""
 
 import os
 import sys
