@@ -46,7 +46,7 @@ def test_beside_programs_that_never_yield_their_cores_the_job_still_runs():
     """4 ranks on 2 cores, each rank bound to one of them (as launchers bind ranks), each core
     also busy with a program that spins without yielding (an MPI library's blocking loop, a
     neighbour's job). On Linux's scheduler (EEVDF) a task that yields beside such a spinner
-    gets well under 1% of the core, so a wait may yield only briefly before it sleeps: a
+    gets well under 1% of the core: a wait yields only for its spin, then sleeps, and a
     sleeper's wake-up gets the core back at once."""
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:

@@ -198,9 +198,7 @@ SHM_CMA = _declare("SHM_CMA", "bool", True,
 SPIN_US = _declare("SPIN_US", "float", None,
                    "How long a waiting rank spins before it sleeps. Default: 200 on shm and "
                    "20000 on mpi; where a host's ranks outnumber the cores they may use (their "
-                   "affinity mask), shm spins 100 and mpi 1000, and every turn of a spin "
-                   "yields the core (beside a task that never yields, a yielding one gets "
-                   "under 1% of the core: a long yielding spin starves).",
+                   "affinity mask), shm spins 100 and every turn of a spin yields the core.",
                    unit="us", minimum=0)
 
 # ---- mpi -------------------------------------------------------------------------------------

@@ -79,12 +79,8 @@ _DTYPE_CODE = {d: i for i, d in enumerate(SUPPORTED_DTYPES)}
 _BYTES = np.dtype(np.uint8)   # what a broadcast or all_gather in the envelope is reduced as
 _CODES = 16  # > len(SUPPORTED_DTYPES): the low 4 bits of an MPI tag name the dtype
 _INT_MAX = (1 << 31) - 1   # the largest count an MPI call takes
-_SPIN_S = 0.02  # how long a wait spins on MPI_Test before it tests every 100 us
-# where this host's ranks outnumber its cores, each turn of the spin yields the core
-# (os.sched_yield), and the spin ends sooner: beside a process that spins without yielding (an
-# MPI library's own blocking loop, another program) a yielding one gets well under 1% of the
-# core, so past this it naps, and a nap's wake-up gets the core back at once
-_YIELDING_SPIN_S = 0.001
+_SPIN_S = 0.02  # how long a wait spins on MPI_Test before it tests every 100 us (where this
+# host's ranks outnumber its cores, each turn of the spin yields the core: os.sched_yield)
 _DEPARTURE_CHECK_S = 0.25  # how often a waiting rank asks the store whether a peer left
 # what _shmcore.mpi_ring runs on the ring thread (its `kind`), and the words errors use for it
 _ALL_REDUCE, _REDUCE_SCATTER, _BROADCAST = 0, 1, 2
@@ -1677,20 +1673,18 @@ def _byte_view(x: np.ndarray) -> memoryview:
 
 def _spinning(comm: Any, MPI: Any) -> tuple[float, bool]:
     """(how long a wait spins on MPI_Test before it sleeps between tests, whether each turn
-    yields the core): ANYCCL_SPIN_US, else _SPIN_S, or _YIELDING_SPIN_S where it yields;
-    yielding where this host's ranks outnumber the cores this process may use (a spin that
-    keeps its core would starve the very rank it waits for)."""
+    yields the core): ANYCCL_SPIN_US or _SPIN_S; yielding where this host's ranks outnumber
+    the cores this process may use (a spin that keeps its core would starve the very rank it
+    waits for)."""
     spin_us = settings.SPIN_US.get()
+    spin_s = _SPIN_S if spin_us is None else spin_us * 1e-6
     try:
         local = comm.Split_type(MPI.COMM_TYPE_SHARED)
         ranks_here = local.Get_size()
         local.Free()
     except Exception:  # noqa: BLE001 - an MPI without shared-memory groups: assume a core each
-        ranks_here = 0
-    yields = ranks_here > cores_available()
-    if spin_us is not None:
-        return spin_us * 1e-6, yields
-    return (_YIELDING_SPIN_S if yields else _SPIN_S), yields
+        return spin_s, False
+    return spin_s, ranks_here > cores_available()
 
 
 def _native_type(MPI: Any, dtype: np.dtype) -> Any:
