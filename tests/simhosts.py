@@ -41,6 +41,16 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
                           check=check)
 
 
+def _mpi_sessions() -> set[str]:
+    """The session directories of Open MPI's daemons and ranks in /tmp (prted.<pid>,
+    prte.<host>..., ompi.<pid>)."""
+    try:
+        names = os.listdir(tempfile.gettempdir())
+    except OSError:
+        return set()
+    return {n for n in names if n.startswith(("prted.", "prte.", "ompi."))}
+
+
 class Cluster:
     """n simulated hosts named h1..hn (see the module's docstring). Use as a context manager."""
 
@@ -61,6 +71,7 @@ class Cluster:
         self._children: list[subprocess.Popen] = []
         self._closed = False
         self._relay: _Relay | None = None
+        self._sessions_before = _mpi_sessions()
         _live.append(self)
         try:
             self._build()
@@ -226,6 +237,15 @@ class Cluster:
                         os.kill(int(entry), signal.SIGKILL)
                 except OSError:
                     pass
+        self._remove_mpi_sessions()
+
+    def _remove_mpi_sessions(self) -> None:
+        """Remove the session directories Open MPI's daemons and ranks made in the shared /tmp
+        since this cluster began, which a killed one leaves: they are named by pid, and the
+        pids of a new PID namespace repeat, so the next daemon of that pid would refuse to
+        start ("a daemon failed to report back", exit status 213)."""
+        for name in _mpi_sessions() - self._sessions_before:
+            shutil.rmtree(os.path.join(tempfile.gettempdir(), name), ignore_errors=True)
 
     def shm_files(self, i: int) -> list[str]:
         """What lies in host i's /dev/shm now."""
@@ -266,6 +286,7 @@ class Cluster:
                 pass
         for ns in [*self._host_ns, self._bridge_ns]:
             _ip("netns", "del", ns, check=False)
+        self._remove_mpi_sessions()
         shutil.rmtree(self._dir, ignore_errors=True)
         if self in _live:
             _live.remove(self)

@@ -380,3 +380,67 @@ def check_a_child_outlives_its_parents_store(comm):
 
 def test_a_communicator_split_or_shrunk_from_another_keeps_the_store_when_that_one_closes():
     assert all(run_ranks(check_a_child_outlives_its_parents_store, 2, backend="shm"))
+
+
+def _ranks_running(cluster: Cluster, host: int) -> int:
+    """How many of the script's processes still run on simulated host `host`."""
+    out = cluster.check_output(host, ["ps", "-ww", "-eo", "comm=,args="])
+    return sum(1 for line in out.splitlines()
+               if line.startswith("python") and SCRIPT.name in line)
+
+
+@pytest.mark.skipif(bool(WHY_NOT) or not OPENMPI, reason=WHY_NOT or "no Open MPI 5 environment")
+def test_when_a_host_is_cut_off_under_ulfm_the_other_hosts_ranks_shrink_to_shm(tmp_path):
+    """Open MPI's mpirun with ULFM across two hosts, two ranks each, looping on all_reduce;
+    h2's link goes down. MPI never hears of h2 again; h1's ranks find h2's ranks gone in the
+    communicator's view of who is gone (their heartbeats fell silent), shrink to the two of
+    them (shared memory on h1), pass every check and end; h2's ranks, cut off from the store
+    and from h1, end within their deadlines. mpirun itself waits on h2's daemon for ever and
+    is ended here: the ranks are what must not hang. Nothing is left in /dev/shm."""
+    import time
+
+    ready = tmp_path / "ready"
+    ready.mkdir()
+    os.chmod(ready, 0o777)
+    names = ["PYTHONPATH", "ANYCCL_TIMEOUT", "PYTHONUNBUFFERED", "ANYCCL_KEEP_GOING",
+             "ANYCCL_JOB_KEY", "LOOP_S", "EXPECT_LOST", "SHRINK_S", "ANYCCL_PEER_SILENCE",
+             "READY_DIR"]
+    env = dict(os.environ, PATH=f"{Path(OPENMPI).parent}:{os.environ['PATH']}",
+               PYTHONPATH=str(Path(anyccl.__file__).parents[1]), OMPI_ALLOW_RUN_AS_ROOT="1",
+               OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", ANYCCL_TIMEOUT="20", PYTHONUNBUFFERED="1",
+               ANYCCL_KEEP_GOING="1", ANYCCL_JOB_KEY="7b" * 32, LOOP_S="60",
+               EXPECT_LOST="2,3", SHRINK_S="20", ANYCCL_PEER_SILENCE="3",
+               READY_DIR=str(ready))
+    env.pop("ANYCCL_BACKEND", None)
+    with Cluster(2) as cluster:
+        job = cluster.run(0, ["mpirun", "--with-ft", "ulfm", "--prtemca", "plm_ssh_agent",
+                              cluster.ssh_stand_in(), "--host", "h1:2,h2:2", "-n", "4",
+                              *[a for n in names for a in ("-x", n)], OPENMPI, str(SCRIPT)],
+                          env=env)
+        until = time.monotonic() + 60
+        while len(list(ready.iterdir())) < 4 and time.monotonic() < until:
+            time.sleep(0.1)
+        if len(list(ready.iterdir())) < 4:
+            code, text = simhosts.finish([job], 1, cluster)[0]
+            raise AssertionError(f"the job did not start: {text[-3000:]}")
+        cut_at = time.monotonic()
+        cluster.cut(1)
+        ended = {}   # host -> seconds from the cut until its ranks had all ended
+        while len(ended) < 2 and time.monotonic() - cut_at < 75:
+            for host in (0, 1):
+                if host not in ended and _ranks_running(cluster, host) == 0:
+                    ended[host] = time.monotonic() - cut_at
+            time.sleep(0.5)
+        code, text = simhosts.finish([job], 1, cluster)[0]
+        assert sorted(ended) == [0, 1], (ended, text[-4000:])
+        print(f"a host cut off (shm+mpi, ULFM): h1's ranks shrank, passed and ended "
+              f"{ended[0]:.1f} s after the cut, h2's ended {ended[1]:.1f} s after it")
+        # h2's ranks: their deadline (20 s) and the store's silence (10 s); h1's: the
+        # heartbeats' silence (3 s), the shrink and checks, then MPI_Finalize's 10 s watchdog
+        assert max(ended.values()) < 60, (ended, text[-4000:])
+        done = {int(m[1]): m for m in DONE.finditer(text)}
+        assert sorted(done) == [0, 1], text[-4000:]
+        assert all(m[5].replace(" ", "") == "2,3" and int(m[4]) == 2 for m in done.values())
+        assert all(m[0].endswith(" on shm") for m in done.values()), text[-2000:]
+        for i in range(2):
+            assert not [f for f in cluster.shm_files(i) if f.startswith("anyccl-")]

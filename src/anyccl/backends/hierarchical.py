@@ -37,6 +37,8 @@ from ..ops import ReduceOp, finish
 from ..trace import OpRecord
 from .base import Backend, Completion
 
+_SILENCE_CHECK_S = 0.25   # how often a wait asks the heartbeat of silent hosts (shm+mpi)
+
 
 def _plain(record: OpRecord) -> OpRecord:
     """`record` without its signature: the inner steps of an agreed collective."""
@@ -150,9 +152,23 @@ class HierarchicalBackend(Backend):
             next((o for o in self._owns if hasattr(o, "tell_lost")), None)
         self._name = name
         self._revoked = self._heartbeat.follow(name) if self._heartbeat is not None else None
+        if heartbeat is None and self._heartbeat is not None:
+            # an engine without heartbeats of its own (MPI): theirs go into the view here, so
+            # that a host that fell silent (cut off the network) is gone for every wait
+            self.liveness.add(self._silent_hosts, _SILENCE_CHECK_S)
         for part in (net, self._column):   # their waits between hosts look at it too
             if part is not None and hasattr(part, "revoked"):
                 part.revoked = self._revoked
+
+    def _silent_hosts(self) -> dict[int, str]:
+        """A source of this communicator's liveness where the engine has no heartbeats: the
+        ranks whose heartbeat fell silent. Being asked means a wait goes on: the heartbeat's
+        thread reads the peers' counters for the next few periods (its `watch`)."""
+        heartbeat = self._heartbeat
+        assert heartbeat is not None
+        heartbeat.watch()
+        lost = heartbeat.lost([r for r in range(self.size) if r != self.rank])
+        return {r: heartbeat.describe([r]) for r in lost}
 
     def _timed_out_inside(self, exc: TimeoutError) -> TimeoutError:
         """A step inside the host timed out, most likely because a rank of this host waits on
