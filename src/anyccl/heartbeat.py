@@ -111,6 +111,11 @@ class Heartbeat:
                 return self.store_silence()
             time.sleep(PERIOD_S / 5)
 
+    def gone(self, ranks: list[int]) -> dict[int, str]:
+        """Those of `ranks` that are lost (`lost`), each with what to say of it: a source of a
+        communicator's liveness (liveness.py)."""
+        return {r: self.describe([r]) for r in self.lost(ranks)}
+
     def describe(self, ranks: list[int]) -> str:
         """'ranks 2, 3 on host h2 gave no sign of life for 10.5 s' for lost `ranks`, grouped
         by host."""

@@ -396,9 +396,12 @@ class GlooBackend(PolledMessages, Backend):
     def _silent_peers(self) -> dict[int, str]:
         """This transport's source for `liveness`: the ranks of this group whose heartbeat
         fell silent (heartbeat.py)."""
-        mine, _ = self._lost()
         heartbeat = self.peers.heartbeat
-        return {self._job_ranks.index(r): heartbeat.describe([r]) for r in mine}
+        if heartbeat is None:
+            return {}
+        return {self._job_ranks.index(r): why
+                for r, why in heartbeat.gone(self._others(heartbeat)).items()
+                if r in self._job_ranks}
 
     def _translated(self, exc: BaseException, record: OpRecord | None,
                     what: str) -> AnycclError:

@@ -167,8 +167,7 @@ class HierarchicalBackend(Backend):
         heartbeat = self._heartbeat
         assert heartbeat is not None
         heartbeat.watch()
-        lost = heartbeat.lost([r for r in range(self.size) if r != self.rank])
-        return {r: heartbeat.describe([r]) for r in lost}
+        return heartbeat.gone([r for r in range(self.size) if r != self.rank])
 
     def _timed_out_inside(self, exc: TimeoutError) -> TimeoutError:
         """A step inside the host timed out, most likely because a rank of this host waits on

@@ -693,12 +693,12 @@ class MpiBackend(PolledMessages, Backend):
         making = threading.Thread(target=run, daemon=True, name="anyccl-mpi-make")
         making.start()
         deadline = time.monotonic() + timeout_s
-        pause, seen = 0.001, float("inf")
+        pause, seen = 0.001, None   # seen: when MPI first reported a member failed
         while making.is_alive() and time.monotonic() < deadline:
             making.join(pause)
             pause = min(2 * pause, 0.05)
             lost = sorted(set(self._failed_ranks()) & set(members or ()))
-            if lost and seen == float("inf"):
+            if lost and seen is None:
                 seen = time.monotonic()
             if lost and making.is_alive() and time.monotonic() - seen >= _MAKE_GRACE_S:
                 raise PeerLostError(f"rank {self.rank}: {what}: rank(s) "
