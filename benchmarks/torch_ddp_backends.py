@@ -219,6 +219,21 @@ class _HostTime:
                 f"step\n")
 
 
+def _torch_group_host_time(prof: Any, steps: int) -> str:
+    """torch's own process group's host time per operation in a profiled run: its c10d
+    operations' CPU time, children included (the dispatch and the group's call; anyccl's group,
+    a Python subclass, is called past the dispatcher and has no such record). Under the
+    profiler, as _HostTime's figure beside it in the same table."""
+    ops = [e for e in prof.key_averages() if e.key.startswith("c10d::") and e.count]
+    calls = sum(e.count for e in ops)
+    if not calls:
+        return ""
+    spent = sum(e.cpu_time_total for e in ops)   # microseconds
+    names = ", ".join(sorted(e.key for e in ops))
+    return (f"\ntorch's process group ({names}): {calls / steps:.0f} operations per step, "
+            f"{spent / calls:.1f} us of host time each, under the profiler\n")
+
+
 def profile(trainers: dict[str, Trainer], x: torch.Tensor, sync: Any, directory: str,
             rank: int) -> dict[str, str]:
     """Three more steps of each variant on every rank, rank 0's under torch.profiler: its
@@ -240,7 +255,8 @@ def profile(trainers: dict[str, Trainer], x: torch.Tensor, sync: Any, directory:
                 trainer.step(x)
             sync()
         if prof is not None:
-            tables[v] = prof.key_averages().table(sort_by=key, row_limit=15) + spent.report(3)
+            tables[v] = (prof.key_averages().table(sort_by=key, row_limit=15) + spent.report(3)
+                         + _torch_group_host_time(prof, 3))
             os.makedirs(directory, exist_ok=True)
             stem = os.path.join(directory, v.replace(":", "-"))
             with open(stem + ".txt", "w") as f:

@@ -2,7 +2,9 @@
 from the main thread, from a plain Python thread, and from a tensor hook inside backward (the
 thread DDP's reducer calls from, between backward kernels); and what a CUDA Future plus its Work
 cost alone on each. Also checks that anyccl's own API works from a thread new to CUDA. One GPU,
-medians of 3 rounds.
+medians of 3 rounds. Then, inside the backward hook, where anyccl's group spends its time: the
+stream switch before anyccl's call (`enter`), the call, the Work and future after it (`leave`),
+and what is left (torch's dispatch to the Python group, the group's own Python).
 
     python benchmarks/lab/torch_thread_cost.py
 """
@@ -75,6 +77,46 @@ def backward_hook_us(op: Callable[[], None], layers: list[torch.Tensor]) -> floa
     return statistics.median(times[len(layers) * 8:]) * 1e6
 
 
+class _Parts:
+    """While active: the host time of each step of anyccl's group per CUDA operation (the
+    compiled part's enter, anyccl's call, leave), by wrapping GroupStreams.run."""
+
+    STEPS = ("enter", "anyccl call", "leave")
+
+    def __init__(self) -> None:
+        self.spent: dict[str, list[float]] = {s: [] for s in self.STEPS}
+
+    def __enter__(self) -> _Parts:
+        from anyccl import gpu
+        from anyccl.torch_streams import GroupStreams
+        self._saved = GroupStreams.run
+        spent, clock = self.spent, time.perf_counter
+
+        def run(streams, index, call, used, result):  # GroupStreams.run's compiled branch
+            side = streams._sides.get(index) or streams._sides.setdefault(
+                index, streams._side(index))
+            t0 = clock()
+            previous = side.enter()
+            t1 = clock()
+            gpu.ensure_context(index)
+            call()
+            t2 = clock()
+            work = side.leave(previous, used, result)
+            t3 = clock()
+            for name, dt in zip(self.STEPS, (t1 - t0, t2 - t1, t3 - t2)):
+                spent[name].append(dt)
+            return work
+        GroupStreams.run = run
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        from anyccl.torch_streams import GroupStreams
+        GroupStreams.run = self._saved
+
+    def medians_us(self, skip: int) -> dict[str, float]:
+        return {name: statistics.median(times[skip:]) * 1e6 for name, times in self.spent.items()}
+
+
 def own_api_from_new_thread(backend: str) -> str:
     os.environ["MASTER_PORT"] = free_port()
     comm = anyccl.init(backend, rank=0, world_size=1)
@@ -122,6 +164,18 @@ def main() -> None:
         cells = " | ".join(f"{statistics.median(rows[(name, where)]):.1f}"
                            for where in ("main", "thread", "hook"))
         print(f"| {name} | {cells} |")
+    from anyccl import torch_core
+    if torch_core.load() is not None:
+        print("\nInside the backward hook, anyccl's group per operation (median us):")
+        print("| group | whole call | enter | anyccl call | leave | the rest |")
+        print("|---|---:|---:|---:|---:|---:|")
+        for name in [n for n in groups if n.startswith("anyccl")]:
+            with _Parts() as parts:
+                whole = backward_hook_us(ops[name], layers)
+            p = parts.medians_us(len(layers) * 8)
+            print(f"| {name} | {whole:.1f} | " + " | ".join(f"{v:.1f}" for v in p.values())
+                  + f" | {whole - sum(p.values()):.1f} |")
+        print(f"python threads: {[t.name for t in threading.enumerate()]}")
     for backend in ("nccl", "ipc"):
         print(f"anyccl's own all_reduce from a thread new to CUDA, {backend}: "
               f"{own_api_from_new_thread(backend)}")

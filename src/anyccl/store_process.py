@@ -5,7 +5,9 @@ thread of its own process, so the store dies with rank 0, and survivors that los
 nowhere to meet and shrink. With ANYCCL_KEEP_GOING=1 rank 0 starts it as a process of its own
 instead (`start`), outside the job's process group, which outlives any rank: it ends once it
 has had clients and none has been connected for `LINGER_S`, or when nobody came in time.
-The job key reaches it on its standard input, never on its command line.
+The job key reaches it on its standard input, never on its command line. It runs on the cores
+rank 0's launcher may use, not on the one core a launcher may have bound rank 0 to (cores.py):
+beside ranks that spin there it would not answer for seconds.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import subprocess
 import sys
 import time
 
+from . import cores
 from .errors import RendezvousError
 from .store import StoreServer
 
@@ -33,8 +36,10 @@ def start(job_key: bytes, host: str, port: int, timeout_s: float) -> tuple[str, 
                             stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True)
     assert proc.stdin is not None and proc.stdout is not None
     try:
+        wider = cores.launcher_cores()
         proc.stdin.write(json.dumps({"key": job_key.hex(), "host": host, "port": port,
-                                     "first_s": timeout_s}).encode() + b"\n")
+                                     "first_s": timeout_s,
+                                     "cores": sorted(wider) if wider else None}).encode() + b"\n")
         proc.stdin.close()
         ready, _, _ = select.select([proc.stdout], [], [], max(timeout_s, 10.0))
         line = proc.stdout.readline().decode().split() if ready else []
@@ -52,6 +57,7 @@ def start(job_key: bytes, host: str, port: int, timeout_s: float) -> tuple[str, 
 def _serve() -> None:
     """The store process: serve until the last client has been gone for LINGER_S."""
     config = json.loads(sys.stdin.readline())
+    cores.serve_from(set(config.get("cores") or ()))   # before any thread starts: all follow
     try:
         server = StoreServer(bytes.fromhex(config["key"]), host=config["host"],
                              port=config["port"])
