@@ -89,7 +89,7 @@ for what in "$@"; do
       timeout "${DDP_TIMEOUT:-200}" python3 benchmarks/torch_ddp_backends.py --device cuda --ranks "$n" \
           --width 4096 --layers 12 --batch 64 --dtype "$dtype" --steps "${STEPS:-20}" --rounds "${ROUNDS:-3}" \
           ${VARIANTS:+--variants "$VARIANTS"} ${PROFILE:+--profile "$RESULTS_DIR/profile-$dtype"} 2>&1 \
-          | grep -v "^USDT\|profiler_st" | tee "$RESULTS_DIR/torch-ddp-$dtype.txt" | head -14
+          | grep -v "^USDT\|profiler_st" | tee -p "$RESULTS_DIR/torch-ddp-$dtype.txt" | head -14
     done ;;
   staging) step staging
     timeout "${STAGING_TIMEOUT:-120}" python3 -m pytest -q -rfE --tb=short -m gpu tests/test_gpu_staging.py \
@@ -144,7 +144,7 @@ for what in "$@"; do
   replay) step replay
     for b in ${REPLAY_BACKENDS:-ipc nccl}; do
       timeout 120 python3 -m anyccl run -n "$n" benchmarks/lab/replay_cost.py "$b" 2>&1 \
-          | grep -v Warning | tee "$RESULTS_DIR/replay-cost-$b.txt" | head -60
+          | grep -v Warning | tee -p "$RESULTS_DIR/replay-cost-$b.txt" | head -60
     done ;;
   calls) step calls
     timeout 60 python3 benchmarks/lab/cuda_call_cost.py 2>&1 | tee "$RESULTS_DIR/cuda-call-cost.txt" | tail -8 ;;

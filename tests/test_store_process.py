@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import os
 import secrets
+import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -23,8 +26,8 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    try:   # the store process is not our child (its own session) once `start` returned,
-        with open(f"/proc/{pid}/stat") as f:   # but it may be a zombie of ours until reaped
+    try:   # a store process this test started may be a zombie of its own until reaped
+        with open(f"/proc/{pid}/stat") as f:
             return f.read().split(")")[-1].split()[0] != "Z"
     except OSError:
         return False
@@ -73,3 +76,39 @@ def test_a_port_in_use_is_a_clear_error():
     host, port, _ = store_process.start(key, "127.0.0.1", 0, 0.5)
     with pytest.raises(RendezvousError, match=f"cannot start the rendezvous store.*{port}"):
         store_process.start(key, "127.0.0.1", port, 0.5)
+
+
+_RANK_0 = """
+import os, secrets, sys, time
+from anyccl import store_process
+os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})   # as a launcher binds a rank
+key = secrets.token_bytes(32)
+host, port, pid = store_process.start(key, "127.0.0.1", 0, 10.0)
+print(key.hex(), host, port, pid, flush=True)
+time.sleep(60)
+"""
+
+
+def test_it_stays_in_rank_0s_session_on_its_launchers_cores_and_outlives_rank_0s_group():
+    rank0 = subprocess.Popen([sys.executable, "-c", _RANK_0], stdout=subprocess.PIPE, text=True,
+                             start_new_session=True)
+    try:
+        key, host, port, pid = rank0.stdout.readline().split()
+        pid = int(pid)
+        # one session with rank 0: one scheduling group where Linux groups sessions (autogroup)
+        assert os.getsid(pid) == os.getsid(rank0.pid)
+        assert os.getpgid(pid) == pid != os.getpgid(rank0.pid)
+        # not only on the core the launcher bound rank 0 to: every thread on the launcher's
+        assert len(os.sched_getaffinity(rank0.pid)) == 1
+        assert {frozenset(os.sched_getaffinity(int(t))) for t in os.listdir(f"/proc/{pid}/task")} \
+            == {frozenset(os.sched_getaffinity(0))}
+        os.killpg(rank0.pid, signal.SIGTERM)   # as a launcher ends a rank
+        rank0.wait(10)
+        client = TCPStore(host, int(port), bytes.fromhex(key), 5.0)
+        client.set("after", b"1")
+        assert client.get("after", 1.0) == b"1"
+        client.close()
+        assert _gone_within(pid, store_process.LINGER_S + 3) is not None
+    finally:
+        rank0.kill()
+        rank0.wait()

@@ -14,7 +14,6 @@ from __future__ import annotations
 import threading
 import time
 
-from . import cores
 from .store import Store
 
 PERIOD_S = 0.5
@@ -46,7 +45,6 @@ class Heartbeat:
         self._watch_until = time.monotonic() + 4 * PERIOD_S
 
     def _run(self) -> None:
-        cores.serve_from_launcher_cores()   # beat while this rank spins on its own core
         beat = 0
         while not self._stop.wait(PERIOD_S):
             try:

@@ -25,7 +25,6 @@ import weakref
 from abc import ABC, abstractmethod
 from pathlib import Path
 
-from . import cores
 from .errors import RendezvousError, TimeoutError
 
 log = logging.getLogger("anyccl.store")
@@ -163,10 +162,7 @@ class StoreServer:
     def _accept_loop(self) -> None:
         """Accept until closed. A failed accept (out of file descriptors, a connection reset
         before it was taken) is logged and retried, never the end of the store; a peer that
-        already holds _PENDING_PER_PEER unanswered challenges is turned away at once. It and
-        the connection threads it starts run on the launcher's cores (cores.py), not only on
-        the core of the rank that hosts the store."""
-        cores.serve_from_launcher_cores()
+        already holds _PENDING_PER_PEER unanswered challenges is turned away at once."""
         warned = False
         while not self._closed:
             try:

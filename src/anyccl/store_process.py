@@ -3,11 +3,18 @@
 Under mpiexec, SLURM or a tcp:// address, rank 0 serves the store (`store.StoreServer`) from a
 thread of its own process, so the store dies with rank 0, and survivors that lose rank 0 have
 nowhere to meet and shrink. With ANYCCL_KEEP_GOING=1 rank 0 starts it as a process of its own
-instead (`start`), outside the job's process group, which outlives any rank: it ends once it
-has had clients and none has been connected for `LINGER_S`, or when nobody came in time.
-The job key reaches it on its standard input, never on its command line. It runs on the cores
-rank 0's launcher may use, not on the one core a launcher may have bound rank 0 to (cores.py):
-beside ranks that spin there it would not answer for seconds.
+instead (`start`), in a process group of its own (signals to rank 0's group, as launchers send
+them, do not reach it), which outlives any rank: it ends once it has had clients and none has
+been connected for `LINGER_S`, or when nobody came in time. The job key reaches it on its
+standard input, never on its command line.
+
+It stays in rank 0's session, and runs on the cores rank 0's launcher may use, not only on the
+core a launcher bound rank 0 to. Where Linux groups a session's processes for scheduling
+(autogroup, on by default), a group that mostly sleeps gets so little weight each time it wakes
+that beside busy processes of other groups on its core its threads waited on the run queue for
+up to 20 s (measured, kernel 6.18), and ranks gave up on a store that was alive. In rank 0's
+session it belongs to the group of the ranks it serves, and off rank 0's core it is not left
+alone there when rank 0 dies.
 """
 
 from __future__ import annotations
@@ -19,7 +26,6 @@ import subprocess
 import sys
 import time
 
-from . import cores
 from .errors import RendezvousError
 from .store import StoreServer
 
@@ -33,13 +39,12 @@ def start(job_key: bytes, host: str, port: int, timeout_s: float) -> tuple[str, 
     RendezvousError if it cannot start (the port is taken, the address is not this host's)."""
     proc = subprocess.Popen([sys.executable, "-m", "anyccl.store_process"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True)
+                            stderr=subprocess.DEVNULL, close_fds=True)
     assert proc.stdin is not None and proc.stdout is not None
     try:
-        wider = cores.launcher_cores()
         proc.stdin.write(json.dumps({"key": job_key.hex(), "host": host, "port": port,
                                      "first_s": timeout_s,
-                                     "cores": sorted(wider) if wider else None}).encode() + b"\n")
+                                     "cores": _launcher_cores()}).encode() + b"\n")
         proc.stdin.close()
         ready, _, _ = select.select([proc.stdout], [], [], max(timeout_s, 10.0))
         line = proc.stdout.readline().decode().split() if ready else []
@@ -54,10 +59,25 @@ def start(job_key: bytes, host: str, port: int, timeout_s: float) -> tuple[str, 
     return line[1], int(line[2]), proc.pid
 
 
+def _launcher_cores() -> list[int] | None:
+    """The cores rank 0's launcher may run on (its parent's affinity mask), where the launcher
+    bound rank 0 to fewer (Open MPI binds ranks to cores, Slurm's --cpu-bind); else None."""
+    try:
+        mine, theirs = os.sched_getaffinity(0), os.sched_getaffinity(os.getppid())
+    except (AttributeError, OSError):
+        return None
+    return sorted(theirs) if theirs > mine else None
+
+
 def _serve() -> None:
     """The store process: serve until the last client has been gone for LINGER_S."""
+    os.setpgid(0, 0)   # its own process group, in rank 0's session (see above)
     config = json.loads(sys.stdin.readline())
-    cores.serve_from(set(config.get("cores") or ()))   # before any thread starts: all follow
+    if config.get("cores"):   # before its threads start: they take the same cores
+        try:
+            os.sched_setaffinity(0, config["cores"])
+        except OSError:
+            pass
     try:
         server = StoreServer(bytes.fromhex(config["key"]), host=config["host"],
                              port=config["port"])

@@ -2,7 +2,8 @@
 (`init_process_group(..., device_id=...)`): each collective on a non-default stream whose input
 a kernel has just written, its result read by the next kernel on that stream, blocking and
 async_op=True, uneven all_to_all_single and all_gather among them; every rank checks its values
-against what the collective must give.
+against what the collective must give. A repeated all_reduce and broadcast of the same tensor
+(DDP's buckets, replayed from plans) keep the stream order and values.
 
     python tests/scripts/torch_cuda_collectives.py WORLD_SIZE PORT
 """
@@ -65,6 +66,7 @@ def check(rank: int, world_size: int) -> None:
         dist.all_gather(parts, torch.arange(rank + 1.0, device=device))
         assert [p.tolist() for p in parts] == [[float(k) for k in range(j + 1)]
                                                for j in range(world_size)], parts
+        repeated(rank, world_size, device)
     torch.cuda.synchronize(device)
 
     # from a thread that never touched CUDA (its first CUDA call is the collective), as torch's
@@ -83,6 +85,22 @@ def check(rank: int, world_size: int) -> None:
     thread.join()
     assert not failed, failed
     assert y.tolist() == [float(sum(range(1, world_size + 1)))] * 16, y
+
+
+def repeated(rank: int, world_size: int, device: torch.device) -> None:
+    """The same bucket all-reduced and broadcast again and again (replayed from the
+    communicator's plans after the first calls), a kernel writing it just before and reading it
+    just after each call: every value right."""
+    bucket = torch.empty(1 << 18, device=device)
+    for k in range(12):
+        bucket.fill_(float(rank + k))
+        dist.all_reduce(bucket)
+        got = (bucket * 1).sum().item()
+        want = bucket.numel() * float(sum(range(world_size)) + world_size * k)
+        assert got == want, (rank, k, got, want)
+        bucket.fill_(float(rank * 10 + k))
+        dist.broadcast(bucket, src=0)
+        assert (bucket * 1).sum().item() == bucket.numel() * float(k), (rank, k)
 
 
 def main(rank: int, world_size: int, port: int) -> None:

@@ -37,6 +37,15 @@ def _load_libc() -> ctypes.CDLL | None:
 
 _libc = _load_libc()
 
+
+def cores_available() -> int:
+    """The cores this process may run on (its affinity mask, which taskset, cgroups' cpusets
+    and launchers' binding narrow), else the machine's: where a host's ranks outnumber them,
+    waits yield the core instead of spinning on it."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 try:  # sem_post without ctypes' per-call cost, where the compiled core was built
     from ._shmcore import ring as _post
 except ImportError:  # pragma: no cover - built without a C compiler

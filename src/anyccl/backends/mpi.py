@@ -56,7 +56,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .. import agreement, cores, settings, tuning
+from .. import agreement, settings, tuning
 from .._console import say
 from ..buffers import SUPPORTED_DTYPES, Pieces
 from ..errors import (
@@ -72,7 +72,7 @@ from ..ops import finish as finish_op
 from ..store import Store
 from ..trace import OpRecord, about_text, format_bytes, message_text
 from .base import Backend, Completion, PolledMessages, per_operation
-from .doorbell import PollingBell
+from .doorbell import PollingBell, cores_available
 from .registry import HostContext
 
 _DTYPE_CODE = {d: i for i, d in enumerate(SUPPORTED_DTYPES)}
@@ -190,7 +190,6 @@ class Departures:
         return dict(found)
 
     def _watch(self) -> None:
-        cores.serve_from_launcher_cores()   # answers while this rank spins in MPI
         seen = 0
         while True:
             self._wake.wait()
@@ -1685,7 +1684,7 @@ def _spinning(comm: Any, MPI: Any) -> tuple[float, bool]:
         local.Free()
     except Exception:  # noqa: BLE001 - an MPI without shared-memory groups: assume a core each
         return spin_s, False
-    return spin_s, ranks_here > cores.available()
+    return spin_s, ranks_here > cores_available()
 
 
 def _native_type(MPI: Any, dtype: np.dtype) -> Any:

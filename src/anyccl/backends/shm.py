@@ -43,7 +43,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .. import agreement, cores, settings, tuning
+from .. import agreement, settings, tuning
 from ..algorithms import direct, symmetric
 from ..buffers import SUPPORTED_DTYPES
 from ..errors import (
@@ -60,7 +60,7 @@ from ..store import Store
 from ..trace import OpRecord, about_text, format_bytes, message_text
 from . import cross_memory
 from .base import Backend, Completion
-from .doorbell import Doorbell
+from .doorbell import Doorbell, cores_available
 from .registry import HostContext
 
 try:  # the per-call core in C (_shmcore.c); without it, the same steps in Python and NumPy
@@ -357,7 +357,7 @@ class SharedMemoryBackend(Backend):
         self._store, self._job_id, self._timeout_s = store, job_id, timeout_s
         # more ranks than cores: a spin that pauses holds the core the awaited peer needs, so
         # spins yield it at every turn instead (as MPICH's polling does when oversubscribed)
-        self._yields = size > cores.available()
+        self._yields = size > cores_available()
         if _shmcore is not None:
             _shmcore.set_spin_yield(self._yields)
         spin_us = settings.SPIN_US.get()
