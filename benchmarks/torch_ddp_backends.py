@@ -22,6 +22,7 @@ import socket
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from typing import Any
 
@@ -62,6 +63,7 @@ class Trainer:
     def __init__(self, variant: str, group: Any, args: argparse.Namespace,
                  device: torch.device) -> None:
         how = variant.split(":")[0]
+        self.group = group
         net = model(args, device)
         self.averager = None
         if how == "ddp":
@@ -141,7 +143,8 @@ def rank_main(rank: int, args: argparse.Namespace, port: int, out: str) -> None:
     host: dict[str, list[float]] = {v: [] for v in variants}  # in anyccl's group, per step
     for k in range(args.rounds):
         for v in variants[k % len(variants):] + variants[:k % len(variants)]:
-            trainer, steps, spent = trainers[v], [], _HostTime()
+            trainer, steps = trainers[v], []
+            spent = _HostTime(trainer.group)
             dist.barrier()
             for step in range(WARMUP + args.steps):
                 start = time.perf_counter()
@@ -172,57 +175,107 @@ def rank_main(rank: int, args: argparse.Namespace, port: int, out: str) -> None:
 class _HostTime:
     """Inside the block: the host time spent in anyccl's torch process group (its operations,
     on whichever thread issues them: autograd's, under DDP), how many it ran, and how much of
-    it went to anyccl's own calls (the rest: the group's streams, torch Work and future)."""
+    it went to anyccl's own calls (the rest: the group's streams, torch Work and future). Where
+    the group's all_reduce is compiled (torch.py's _CompiledAllreduceGroup), torch's dispatcher
+    calls it without the group's Python: its own counts (calls, those replayed whole in C++,
+    seconds) stand for every all_reduce, and the Python path's timers for the rest."""
 
-    def __init__(self) -> None:
+    def __init__(self, group: Any = None) -> None:
         self.calls, self.seconds = 0, 0.0
         self.parts = {"anyccl call": 0.0}
+        self.py_calls, self.py_seconds = 0, 0.0
+        self.compiled, self.replayed, self.compiled_seconds = 0, 0, 0.0
+        self._group, self._inside = group, threading.local()
+        self._stats = None
+
+    def _compiled_stats(self) -> tuple[int, int, float] | None:
+        from anyccl import torch_core
+
+        core = torch_core.built()
+        fn = getattr(core, "allreduce_stats", None)
+        if fn is None or self._group is None or not isinstance(self._group, dist.ProcessGroup):
+            return None
+        return fn(self._group)
 
     def _timing(self, fn: Any, into: str | None) -> Any:
+        inside = self._inside
+
         def timed(*args: Any, **kwargs: Any) -> Any:
+            if getattr(inside, "compiled", False):   # counted by the compiled all_reduce
+                return fn(*args, **kwargs)
             t0 = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
                 if into is None:
-                    self.seconds += time.perf_counter() - t0
-                    self.calls += 1
+                    self.py_seconds += time.perf_counter() - t0
+                    self.py_calls += 1
                 else:
                     self.parts[into] += time.perf_counter() - t0
         return timed
+
+    def _marking(self, fn: Any) -> Any:
+        inside = self._inside
+
+        def marked(*args: Any, **kwargs: Any) -> Any:
+            inside.compiled = True
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                inside.compiled = False
+        return marked
 
     def __enter__(self) -> _HostTime:
         import anyccl.torch as pg
         from anyccl.communicator import Communicator
 
-        self._saved = [(pg.ProcessGroup, "_run", pg.ProcessGroup._run)] + [
-            (Communicator, name, getattr(Communicator, name))
-            for name in ("all_reduce", "all_gather", "reduce_scatter", "broadcast")]
+        self._saved = [(pg.ProcessGroup, "_run", pg.ProcessGroup._run),
+                       (pg.ProcessGroup, "_python_allreduce", pg.ProcessGroup._python_allreduce)
+                       ] + [(Communicator, name, getattr(Communicator, name))
+                            for name in ("all_reduce", "all_gather", "reduce_scatter",
+                                         "broadcast")]
         pg.ProcessGroup._run = self._timing(pg.ProcessGroup._run, None)
-        for owner, name, fn in self._saved[1:]:
+        self._stats = self._compiled_stats()
+        if self._stats is not None:
+            pg.ProcessGroup._python_allreduce = self._marking(pg.ProcessGroup._python_allreduce)
+        for owner, name, fn in self._saved[2:]:
             setattr(owner, name, self._timing(fn, "anyccl call"))
         return self
 
     def __exit__(self, *exc: object) -> None:
         for owner, name, fn in self._saved:
             setattr(owner, name, fn)
+        after = self._compiled_stats()
+        if self._stats is not None and after is not None:   # (the block may run many times)
+            self.compiled += after[0] - self._stats[0]
+            self.replayed += after[1] - self._stats[1]
+            self.compiled_seconds += after[2] - self._stats[2]
+        self.calls = self.py_calls + self.compiled
+        self.seconds = self.py_seconds + self.compiled_seconds
 
     def report(self, steps: int) -> str:
         if not self.calls:
             return ""
-        parts = ", ".join(f"{name} {t / self.calls * 1e6:.1f} us" for name, t in
-                          self.parts.items())
-        rest = (self.seconds - sum(self.parts.values())) / self.calls * 1e6
-        return (f"\nanyccl process group: {self.calls / steps:.0f} operations per step, "
-                f"{self.seconds / self.calls * 1e6:.1f} us of host time each ({parts}, streams, "
-                f"torch Work and future {rest:.1f} us), {self.seconds / steps * 1e3:.2f} ms per "
-                f"step\n")
+        line = (f"\nanyccl process group: {self.calls / steps:.0f} operations per step, "
+                f"{self.seconds / self.calls * 1e6:.1f} us of host time each")
+        if self.compiled:
+            line += (f" ({self.compiled / steps:.0f} per step through its compiled all_reduce, "
+                     f"{self.replayed / steps:.0f} of them replayed whole in C++)")
+        if self.py_calls:
+            parts = ", ".join(f"{name} {t / self.py_calls * 1e6:.1f} us" for name, t in
+                              self.parts.items())
+            rest = (self.py_seconds - sum(self.parts.values())) / self.py_calls * 1e6
+            line += (f"; in its Python code {self.py_calls / steps:.0f} per step, "
+                     f"{self.py_seconds / self.py_calls * 1e6:.1f} us each ({parts}, streams, "
+                     f"torch Work and future {rest:.1f} us)")
+        return f"{line}, {self.seconds / steps * 1e3:.2f} ms per step\n"
 
 
 def _torch_group_host_time(prof: Any, steps: int) -> str:
-    """torch's own process group's host time per operation in a profiled run: its c10d
-    operations' CPU time, children included (the dispatch and the group's call; anyccl's group,
-    a Python subclass, is called past the dispatcher and has no such record). Under the
+    """A group's host time per operation in a profiled run, as torch's dispatcher records it:
+    its c10d operations' CPU time, children included (the dispatch and the backend's call).
+    torch's own groups have such records for every operation; anyccl's group for its all_reduce
+    where that is compiled (torch's dispatcher calls it), and none otherwise. Under the
     profiler, as _HostTime's figure beside it in the same table."""
     ops = [e for e in prof.key_averages() if e.key.startswith("c10d::") and e.count]
     calls = sum(e.count for e in ops)
@@ -230,7 +283,7 @@ def _torch_group_host_time(prof: Any, steps: int) -> str:
         return ""
     spent = sum(e.cpu_time_total for e in ops)   # microseconds
     names = ", ".join(sorted(e.key for e in ops))
-    return (f"\ntorch's process group ({names}): {calls / steps:.0f} operations per step, "
+    return (f"\nthe group's c10d operations ({names}): {calls / steps:.0f} per step, "
             f"{spent / calls:.1f} us of host time each, under the profiler\n")
 
 
@@ -248,7 +301,7 @@ def profile(trainers: dict[str, Trainer], x: torch.Tensor, sync: Any, directory:
     tables = {}
     for v, trainer in trainers.items():
         dist.barrier()
-        spent = _HostTime()
+        spent = _HostTime(trainer.group)
         with torch_profile(activities=activities) if rank == 0 else \
                 contextlib.nullcontext() as prof, spent:
             for _ in range(3):

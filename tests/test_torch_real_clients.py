@@ -47,22 +47,47 @@ def test_checkpoints_fsdp2_dtensor_functional_collectives_and_strided_tensors_ma
             assert _same(mine[key], theirs[key]), (rank, key, mine[key], theirs[key])
 
 
-def test_the_devices_placeholder_refuses_any_collective_that_reaches_it():
+@pytest.mark.parametrize("code", ("compiled", "python"))
+def test_the_backend_torch_finds_per_device_serves_all_reduce_or_refuses(code, monkeypatch):
+    """torch's C++ side finds a backend per device. Where the group's compiled part runs, that
+    is anyccl's compiled all_reduce: torch's dispatcher brings every all_reduce there (the group
+    has no Python allreduce of its own), and any other collective that reaches it is refused.
+    With the Python code alone it is a placeholder that refuses every collective: then all of
+    them reach the group's own methods."""
     from datetime import timedelta
 
     import torch.distributed as dist
 
-    from anyccl.torch import create
+    from anyccl import torch_core
+    from anyccl.torch import ProcessGroup, create
 
+    monkeypatch.setenv("ANYCCL_TORCH_CORE", "1" if code == "compiled" else "0")
+    monkeypatch.setattr(torch_core, "_state", {})
+    if code == "compiled" and torch_core.load() is None:
+        pytest.skip(torch_core.status())
     group = create(dist.HashStore(), 0, 1, timedelta(seconds=30))
     try:
         assert sorted(d.type for d in group._device_types) == ["cpu", "cuda"]
         # torch's C++ lookup (the group's Python _get_backend answers torch's Python helpers)
-        placeholder = dist.ProcessGroup._get_backend(group, torch.device("cpu"))
-        with pytest.raises(RuntimeError):
-            placeholder.allreduce([torch.ones(2)]).wait()
+        backend = dist.ProcessGroup._get_backend(group, torch.device("cpu"))
         t = torch.ones(2)
-        group.allreduce([t]).wait()          # the group's own operations run on anyccl
+        if code == "compiled":
+            assert backend.name() == "anyccl"
+            backend.allreduce([t]).wait()       # served: back in the group's Python code
+            assert torch.equal(t, torch.ones(2))
+            # until a CUDA all_reduce, host all_reduces skip it; from then on the group's
+            # allreduce is torch's own C++ method, which dispatches to it
+            assert type(group).allreduce is ProcessGroup.allreduce
+            group._use_compiled_allreduce()
+            assert type(group).__dict__["allreduce"] is vars(dist.ProcessGroup)["allreduce"]
+        else:
+            with pytest.raises(RuntimeError):
+                backend.allreduce([t]).wait()
+        with pytest.raises(RuntimeError):
+            backend.broadcast([t]).wait()
+        group.allreduce([t]).wait()              # the group's own operations run on anyccl
+        dist.all_reduce(t, group=group)
+        group.broadcast([t]).wait()
         assert torch.equal(t, torch.ones(2))
     finally:
         group._close()

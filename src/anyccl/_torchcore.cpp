@@ -13,10 +13,15 @@
 //   work = completed(result)         # a Work whose CPU future holds `result` (host tensors)
 //   tensor_key                       # a capsule: the C function that reads a tensor's plan key
 //                                    # for the compiled replay (anyccl/_cudacore.c)
+//   install_allreduce(group, ...)    # the group's all_reduce as a C++ backend of torch's, for
+//                                    # CPU and CUDA: a replayed CUDA one whole in C++, without
+//                                    # the group's Python; every other one back in its Python
 //
 // The future holds the tensors as a typed IValue (a Tensor, a list of them, or a list of lists):
 // a future completed from Python holds a Python object, and torch then pickles it, on completion
 // and again in DDP's reducer, to find its tensors.
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 #include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/autograd/python_variable.h>
@@ -26,6 +31,7 @@
 #include <c10/core/Stream.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
+#include <chrono>
 #include <utility>
 #include <vector>
 
@@ -130,6 +136,143 @@ class Side {
   std::vector<c10::Device> devices_;
 };
 
+// A Python object kept by C++ code that torch may drop on any thread, with or without the GIL:
+// released under the GIL, and left alone once the interpreter is gone.
+class Held {
+ public:
+  explicit Held(py::handle h) : ptr_(h.inc_ref().ptr()) {}
+  Held(const Held&) = delete;
+  Held& operator=(const Held&) = delete;
+  ~Held() {
+    if (ptr_ != nullptr && Py_IsInitialized()) {
+      py::gil_scoped_acquire gil;
+      Py_DECREF(ptr_);
+    }
+  }
+  py::handle get() const { return ptr_; }
+
+ private:
+  PyObject* ptr_;
+};
+
+// The group's all_reduce, registered with torch as the group's backend for CPU and CUDA tensors
+// (install_allreduce): DDP's reducer, dist.all_reduce and the functional collectives reach it
+// through torch's dispatcher, as they reach NCCL's, instead of through the Python group. A
+// blocking all_reduce of one dense CUDA tensor that anyccl has a plan for runs here whole: the
+// group's side stream after the caller's (Side::enter), the communicator's compiled replay
+// (the same call Communicator.all_reduce makes first, with its checks, numbering, flight
+// record, deadline and watchdog), then the Work (Side::leave). Every other call -- host
+// tensors, several tensors, a first call, a failed or busy queue, an op with no replay -- goes
+// to the group's Python all_reduce (`_python_allreduce`), which keeps every other promise. Every
+// other collective reaching this backend is refused by name, as torch's placeholder backend
+// refuses it: the group's own methods serve them.
+class Allreduce : public c10d::Backend {
+ public:
+  // group: a weak reference to the Python group; sides: its {device index: Side}; gpu: its
+  // communicator's GPU side (whose `compiled_replay` is None until a plan exists); tags: {c10d
+  // RedOpType: the replay's tag for that op}.
+  Allreduce(int rank, int size, py::handle group, py::handle sides, py::handle gpu,
+            py::handle tags)
+      : c10d::Backend(rank, size), group_(group), sides_(sides), gpu_(gpu), tags_(tags) {}
+
+  const std::string getBackendName() const override { return "anyccl"; }
+
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
+                                           const c10d::AllreduceOptions& opts) override {
+    const auto start = std::chrono::steady_clock::now();
+    py::gil_scoped_acquire gil;
+    Timed timed{*this, start};
+    if (tensors.size() == 1 && tensors[0].is_cuda() && tensors[0].layout() == c10::kStrided &&
+        !opts.sparseIndices.has_value()) {
+      if (auto work = replayed(tensors[0], opts)) {
+        ++replays_;
+        return work;
+      }
+    }
+    py::object group = group_.get()();
+    if (group.is_none()) {
+      throw std::runtime_error("anyccl: the process group of this all_reduce is gone");
+    }
+    return group.attr("_python_allreduce")(tensors, opts)
+        .cast<c10::intrusive_ptr<c10d::Work>>();
+  }
+
+  // (calls, of them replayed whole here, seconds spent in them): read under the GIL.
+  py::tuple stats() const { return py::make_tuple(calls_, replays_, nanoseconds_ * 1e-9); }
+
+ private:
+  // The replayed all_reduce's Work, or null where the Python way must take the call (nothing
+  // of it queued, the caller's stream and device as they were).
+  c10::intrusive_ptr<c10d::Work> replayed(const at::Tensor& t,
+                                          const c10d::AllreduceOptions& opts) {
+    PyObject* tag = PyDict_GetItem(tags_.get().ptr(), py::int_(static_cast<int>(
+                                                          opts.reduceOp.op_)).ptr());
+    if (tag == nullptr) return {};
+    py::object replay = gpu_.get().attr("compiled_replay");
+    if (replay.is_none()) return {};
+    PyObject* found = PyDict_GetItem(sides_.get().ptr(), py::int_(t.get_device()).ptr());
+    if (found == nullptr) return {};
+    Side& side = py::handle(found).cast<Side&>();
+    py::object tensor = py::reinterpret_steal<py::object>(THPVariable_Wrap(t));
+    py::tuple previous = side.enter();
+    bool done = false;
+    try {
+      done = replay(py::handle(tag), tensor).cast<bool>();
+    } catch (...) {
+      side.restore(previous);
+      throw;
+    }
+    if (!done) {
+      side.restore(previous);
+      return {};
+    }
+    py::list used;
+    used.append(tensor);
+    return side.leave(previous, used, used);
+  }
+
+  // Counts a call and its time on the way out (the GIL held: the counters need no lock).
+  struct Timed {
+    Allreduce& owner;
+    std::chrono::steady_clock::time_point start;
+    ~Timed() {
+      ++owner.calls_;
+      owner.nanoseconds_ += static_cast<double>(std::chrono::duration_cast<
+          std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count());
+    }
+  };
+
+  Held group_, sides_, gpu_, tags_;
+  int64_t calls_ = 0, replays_ = 0;
+  double nanoseconds_ = 0;
+};
+
+// The compiled all_reduce's counts for `group` (Allreduce::stats), None where it has none.
+py::object allreduce_stats(py::handle group) {
+  auto* pg = group.cast<c10d::ProcessGroup*>();
+  c10::intrusive_ptr<c10d::Backend> found;
+  try {
+    found = pg->getBackend(c10::DeviceType::CUDA);
+  } catch (const c10::Error&) {
+    return py::none();
+  }
+  auto* backend = dynamic_cast<Allreduce*>(found.get());
+  return backend == nullptr ? py::none() : py::object(backend->stats());
+}
+
+// Register the group's all_reduce backend (Allreduce) with torch's C++ ProcessGroup under
+// `group`, for CPU and CUDA tensors, in the place torch looks for a backend per device.
+void install_allreduce(py::handle group, py::handle ref, py::handle sides, py::handle gpu,
+                       py::handle tags) {
+  auto* pg = group.cast<c10d::ProcessGroup*>();
+  auto backend = c10::make_intrusive<Allreduce>(pg->getRank(), pg->getSize(), ref, sides, gpu,
+                                                tags);
+  for (const auto device : {c10::DeviceType::CPU, c10::DeviceType::CUDA}) {
+    pg->setBackend(device, c10d::ProcessGroup::BackendType::CUSTOM,
+                   c10::intrusive_ptr<c10d::Backend>(backend));
+  }
+}
+
 }  // namespace
 
 // The part of a plan's key that plans.py reads from a tensor (`Plans.find`): a new reference to
@@ -165,6 +308,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("enter", &Side::enter)
       .def("leave", &Side::leave, py::arg("previous"), py::arg("used"), py::arg("result"))
       .def("restore", &Side::restore, py::arg("previous"));
+  m.def("install_allreduce", &install_allreduce, py::arg("group"), py::arg("ref"),
+        py::arg("sides"), py::arg("gpu"), py::arg("tags"),
+        "Serve `group`'s all_reduce from C++ (see Allreduce); `ref` a weak reference to it.");
+  m.def("allreduce_stats", &allreduce_stats, py::arg("group"),
+        "(calls, replayed whole in C++, seconds) of `group`'s compiled all_reduce, or None.");
   m.attr("tensor_key") = py::capsule(reinterpret_cast<void*>(&anyccl_tensor_key),
                                      "anyccl._torchcore.tensor_key");
 }

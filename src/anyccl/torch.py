@@ -26,6 +26,7 @@ where it is built). CPU tensors are read through views built from their data poi
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -133,8 +134,16 @@ class ProcessGroup(dist.ProcessGroup):
         self._group_name = ""
         self._group_desc = ""
         self._streams = GroupStreams()   # where its CUDA operations run; its Works
-        _declare_devices(self)
-
+        core = self._streams.core
+        # all_reduce served from C++ (_torchcore.cpp's Allreduce), registered as the group's
+        # backend per device: once the group has seen a CUDA all_reduce, torch reaches it
+        # through its dispatcher, as it reaches NCCL's, and a replayed call skips this class
+        self._compiled_allreduce = core is not None and type(self) is ProcessGroup
+        if self._compiled_allreduce:
+            core.install_allreduce(self, weakref.ref(self), self._streams.sides, comm._gpu_side,
+                                   _REPLAY_TAGS)
+        else:
+            _declare_devices(self)
 
     def _run(self, call: Callable[[], object], result: Any, tensors: list[torch.Tensor]) -> Any:
         """Run `call` (anyccl's blocking calls on `tensors`) and return its torch Work, whose
@@ -180,6 +189,8 @@ class ProcessGroup(dist.ProcessGroup):
 
     # ---- collectives ---------------------------------------------------------------------------
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        if tensors and tensors[0].is_cuda:
+            self._use_compiled_allreduce()
         op = _reduce_op(opts)
 
         def call() -> None:
@@ -189,6 +200,16 @@ class ProcessGroup(dist.ProcessGroup):
                 else:
                     self.comm.all_reduce(t, op)
         return self._run(call, tensors, tensors)
+
+    _python_allreduce = allreduce   # what the compiled all_reduce leaves to this class
+
+    def _use_compiled_allreduce(self) -> None:
+        """From the next call on, every all_reduce goes to the compiled backend first, where it
+        is installed. Done at the group's first CUDA all_reduce: host tensors come back to
+        this class from there for about 2 us more, so a group that never holds CUDA tensors
+        keeps calling it directly."""
+        if self._compiled_allreduce:
+            self.__class__ = _CompiledAllreduceGroup
 
     def _sparse_all_reduce(self, t: torch.Tensor, op: ReduceOp) -> None:
         """The sum of every rank's sparse COO tensor `t`, into `t` (as gloo: DDP's sparse
@@ -214,7 +235,7 @@ class ProcessGroup(dist.ProcessGroup):
         t.copy_(total)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
-        return self.allreduce(tensors, opts)
+        return self._python_allreduce(tensors, opts)
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         root = getattr(opts, "rootRank", 0)
@@ -412,6 +433,20 @@ class ProcessGroup(dist.ProcessGroup):
 
 
 _DEVICES = ("cpu", "cuda")
+
+
+class _CompiledAllreduceGroup(ProcessGroup):
+    """The group where its compiled part is built, once it has run a CUDA all_reduce:
+    ``allreduce`` is torch's own C++ method, which dispatches to the backend the group registered
+    for the tensor's device (the compiled Allreduce of _torchcore.cpp), as torch's groups
+    dispatch to NCCL or gloo. That backend runs a replayed CUDA all_reduce whole and hands every
+    other one back to ``_python_allreduce``."""
+
+    allreduce = vars(dist.ProcessGroup)["allreduce"]   # the method object, which binds `self`
+
+
+# the communicator's replay tag of each torch reduction the group serves
+_REPLAY_TAGS = {int(kind): ("all_reduce", op) for kind, op in _BY_TYPE.items()}
 
 
 def _declare_devices(group: dist.ProcessGroup) -> None:

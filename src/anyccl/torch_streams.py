@@ -40,6 +40,16 @@ class GroupStreams:
     def compiled(self) -> bool:
         return self._core is not None
 
+    @property
+    def core(self) -> Any:
+        """The group's compiled part (torch_core.py), or None where its Python code runs."""
+        return self._core
+
+    @property
+    def sides(self) -> dict[int, Any]:
+        """The group's stream on each CUDA device it has used so far, by device index."""
+        return self._sides
+
     def done(self, result: Any) -> Any:
         """A torch Work whose CPU future is complete with `result` (a tensor, a list of tensors,
         a list of lists of them, or None): a host operation that has finished."""

@@ -407,13 +407,19 @@ class GpuQueue:
                 time.sleep(0.001)
         return self.failure is None and not self._queued
 
+    def stop(self) -> None:
+        """Stop the watchdog (idempotent): before the backend releases its transport, which the
+        watchdog's health checks ask about (an NCCL communicator asked after it was destroyed
+        raises in the watchdog's thread)."""
+        self._closing = True
+        self._wake.set()
+        if self._watchdog is not None and self._watchdog is not threading.current_thread():
+            self._watchdog.join(timeout=1.0)
+
     def close(self) -> None:
         """Stop the watchdog and free the stream and events (after `drain`, and after the
         backend released its transport)."""
-        self._closing = True
-        self._wake.set()
-        if self._watchdog is not None:
-            self._watchdog.join(timeout=1.0)
+        self.stop()
         for event in (self._start, *self._events):
             gpu.destroy_event(event)
         gpu.destroy_stream(self.stream)

@@ -299,6 +299,7 @@ class NcclBackend(QueuedGpuBackend):
     def close(self) -> None:
         """Wait (briefly) for queued work, then free the NCCL communicator, stream and events."""
         finished = self.queue.drain()
+        self.queue.stop()   # no health check of the communicator while it is freed
         with self.queue.lock:
             if finished:
                 self._core_comm.destroy()

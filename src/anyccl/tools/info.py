@@ -182,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     if importlib.util.find_spec("torch") is not None:
         from .. import torch_core
 
-        print(f"  its operations' streams, Work and future: {torch_core.status()}")
+        print(f"  its operations' streams, Work and future, and its all_reduce as a torch "
+              f"C++ backend: {torch_core.status()}")
     print("\n" + tuning_table())
     return 0
 
