@@ -221,8 +221,9 @@ ROUTES_FILE = _declare("ROUTES_FILE", "path", None,
                        "~/.cache/anyccl/routes.json.")
 TORCH_CORE = _declare("TORCH_CORE", "bool", True,
                       "The torch process group's compiled part (streams, Work and future of each "
-                      "operation), built against the installed torch on first use and kept in "
-                      "the cache directory; off: the group's Python code alone.")
+                      "operation, and its all_reduce as a C++ backend of torch's), built against "
+                      "the installed torch on first use and kept in the cache directory; off: "
+                      "the group's Python code alone.")
 IPC_BLOCKS = _declare("IPC_BLOCKS", "int", 128, "Thread blocks per ipc kernel, at most.",
                       minimum=1)
 IPC_HALF_MB = _declare("IPC_HALF_MB", "size", 256 << 20,
