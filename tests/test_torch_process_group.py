@@ -82,11 +82,14 @@ def _one_rank_group():
 @pytest.mark.parametrize("bucket_view", (False, True))
 def test_ddp_over_an_anyccl_group_object_gives_the_local_gradients(bucket_view, group_code):
     """What torch's Python-process-group tests ask of a group passed as `process_group=`
-    (test_c10d_pypg.py's DDP cases, here on a real anyccl group of one rank)."""
+    (test_c10d_pypg.py's DDP cases, here on a real anyccl group of one rank); with the compiled
+    part, on the route through torch's dispatcher to the group's compiled all_reduce."""
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     group = _one_rank_group()
+    if group_code == "compiled":   # the route a group takes after its first CUDA all_reduce:
+        group._use_compiled_allreduce()   # the reducer's all_reduce through torch's dispatcher
     try:
         torch.manual_seed(123)
         local = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
