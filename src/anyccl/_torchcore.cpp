@@ -136,15 +136,24 @@ class Side {
   std::vector<c10::Device> devices_;
 };
 
+// Whether the interpreter is shutting down (no other thread may take the GIL then).
+inline bool finalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsFinalizing();
+#else
+  return _Py_IsFinalizing();
+#endif
+}
+
 // A Python object kept by C++ code that torch may drop on any thread, with or without the GIL:
-// released under the GIL, and left alone once the interpreter is gone.
+// released under the GIL, and left alone once the interpreter is gone or going.
 class Held {
  public:
   explicit Held(py::handle h) : ptr_(h.inc_ref().ptr()) {}
   Held(const Held&) = delete;
   Held& operator=(const Held&) = delete;
   ~Held() {
-    if (ptr_ != nullptr && Py_IsInitialized()) {
+    if (ptr_ != nullptr && Py_IsInitialized() && !finalizing()) {
       py::gil_scoped_acquire gil;
       Py_DECREF(ptr_);
     }
