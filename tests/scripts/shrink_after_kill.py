@@ -117,6 +117,9 @@ while i < limit and time.monotonic() < until:
     try:
         one_op(i)
     except anyccl.AnycclError as exc:
+        if rank in victims and getattr(exc, "lost_rank", None) in victims - {rank}:
+            die()   # another victim died first, within an operation this one had not left yet
+                    # (a rank may leave a collective before its peers)
         error = exc
         break
     if i == 0 and os.environ.get("READY_DIR"):   # tell whoever breaks the job that it runs

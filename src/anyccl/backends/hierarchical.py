@@ -90,6 +90,9 @@ class _Local:
         self._inner, self._owner = inner, owner
         self.name = inner.name
 
+    def _lost(self, exc: PeerLostError) -> PeerLostError:
+        return self._owner._lost_inside(exc)
+
     def __getattr__(self, name: str) -> Any:
         attribute = getattr(self._inner, name)
         if not callable(attribute):
@@ -99,11 +102,24 @@ class _Local:
             try:
                 return attribute(*args)
             except PeerLostError as exc:
-                raise self._owner._lost_inside(exc) from None
+                raise self._lost(exc) from None
             except TimeoutError as exc:
                 raise self._owner._timed_out_inside(exc) from None
         setattr(self, name, call)   # made once per method: later calls find it directly
         return call
+
+
+class _Column(_Local):
+    """The engine's group of the ranks at this rank's place on every host (the column), whose
+    lost-peer errors are said in the group's rank numbers too (the column counts only its own
+    ranks: a rank lost there is "rank 0" of the column, not of the group)."""
+
+    def __init__(self, inner: Backend, owner: HierarchicalBackend, members: list[int]) -> None:
+        super().__init__(inner, owner)
+        self._members = members
+
+    def _lost(self, exc: PeerLostError) -> PeerLostError:
+        return self._owner._renamed(exc, self._members, inside_host=False)
 
 
 class HierarchicalBackend(Backend):
@@ -142,8 +158,9 @@ class HierarchicalBackend(Backend):
         self._column: Backend | None = None
         if self._per_host and len(self._members) > 1:
             column = [members[self._index] for members in self._members]
-            self._column = net.subgroup(column, f"{name}-column{self._index}", timeout_s)
-            self._column.between_hosts = True
+            engine = net.subgroup(column, f"{name}-column{self._index}", timeout_s)
+            engine.between_hosts = True
+            self._column = _Column(engine, self, column)   # type: ignore[assignment]
         self._owns = owns or []   # what closes with this backend (the heartbeat)
         self._record: OpRecord | None = None
         self._column_record: OpRecord | None = None   # the column's steps of `_record`
@@ -156,7 +173,8 @@ class HierarchicalBackend(Backend):
             # an engine without heartbeats of its own (MPI): theirs go into the view here, so
             # that a host that fell silent (cut off the network) is gone for every wait
             self.liveness.add(self._silent_hosts, _SILENCE_CHECK_S)
-        for part in (net, self._column):   # their waits between hosts look at it too
+        column_engine = self._column._inner if isinstance(self._column, _Column) else None
+        for part in (net, column_engine):   # their waits between hosts look at it too
             if part is not None and hasattr(part, "revoked"):
                 part.revoked = self._revoked
 
@@ -186,8 +204,13 @@ class HierarchicalBackend(Backend):
 
     def _lost_inside(self, exc: PeerLostError) -> PeerLostError:
         """See `_Local`."""
+        return self._renamed(exc, self._members[self._host], inside_host=True)
+
+    def _renamed(self, exc: PeerLostError, members: list[int],
+                 inside_host: bool) -> PeerLostError:
+        """`exc` of a part whose rank r is this group's rank members[r], said in the group's
+        numbers, with what the lost rank had lost first where the heartbeat knows it."""
         text = str(exc)
-        members = self._members[self._host]
         if not 0 <= exc.lost_rank < len(members):
             return exc
         lost = members[exc.lost_rank]
@@ -195,10 +218,10 @@ class HierarchicalBackend(Backend):
         why = text.split(": ", 1)[1] if ": " in text else text
         renamed = why.replace(f"rank {exc.lost_rank} ", f"rank {lost} ", 1)
         more = f"; it had failed across hosts first: {said[1].split(': ', 1)[-1]}" \
-            if said else ""
+            if said and inside_host else ""
         error = PeerLostError(f"rank {self.rank} (on {socket.gethostname()}): {renamed}{more}",
                               lost)
-        error.inside_host = True   # type: ignore[attr-defined]
+        error.inside_host = inside_host   # type: ignore[attr-defined]
         return error
 
     # ---- per operation ---------------------------------------------------------------------
