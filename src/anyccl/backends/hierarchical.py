@@ -91,7 +91,11 @@ class _Local:
         self.name = inner.name
 
     def _lost(self, exc: PeerLostError) -> PeerLostError:
-        return self._owner._lost_inside(exc)
+        owner = self._owner
+        return owner._renamed(exc, owner._members[owner._host], inside_host=True)
+
+    def _timed_out(self, exc: TimeoutError) -> TimeoutError:
+        return self._owner._timed_out_inside(exc)
 
     def __getattr__(self, name: str) -> Any:
         attribute = getattr(self._inner, name)
@@ -104,7 +108,7 @@ class _Local:
             except PeerLostError as exc:
                 raise self._lost(exc) from None
             except TimeoutError as exc:
-                raise self._owner._timed_out_inside(exc) from None
+                raise self._timed_out(exc) from None
         setattr(self, name, call)   # made once per method: later calls find it directly
         return call
 
@@ -120,6 +124,9 @@ class _Column(_Local):
 
     def _lost(self, exc: PeerLostError) -> PeerLostError:
         return self._owner._renamed(exc, self._members, inside_host=False)
+
+    def _timed_out(self, exc: TimeoutError) -> TimeoutError:
+        return exc   # a wait between hosts: told to this host's other ranks as it is
 
 
 class HierarchicalBackend(Backend):
@@ -201,10 +208,6 @@ class HierarchicalBackend(Backend):
         error = TimeoutError(f"{exc}; {note}")
         error.inside_host = True   # type: ignore[attr-defined]
         return error
-
-    def _lost_inside(self, exc: PeerLostError) -> PeerLostError:
-        """See `_Local`."""
-        return self._renamed(exc, self._members[self._host], inside_host=True)
 
     def _renamed(self, exc: PeerLostError, members: list[int],
                  inside_host: bool) -> PeerLostError:
