@@ -178,17 +178,19 @@ class _HostTime:
     it went to anyccl's own calls (the rest: the group's streams, torch Work and future). Where
     the group's all_reduce is compiled (torch.py's _CompiledAllreduceGroup), torch's dispatcher
     calls it without the group's Python: its own counts (calls, those replayed whole in C++,
-    seconds) stand for every all_reduce, and the Python path's timers for the rest."""
+    seconds, and the replayed ones' time by part) stand for every all_reduce, and the Python
+    path's timers for the rest."""
 
     def __init__(self, group: Any = None) -> None:
         self.calls, self.seconds = 0, 0.0
         self.parts = {"anyccl call": 0.0}
         self.py_calls, self.py_seconds = 0, 0.0
         self.compiled, self.replayed, self.compiled_seconds = 0, 0, 0.0
+        self.replay_parts: dict[str, float] = {}
         self._group, self._inside = group, threading.local()
         self._stats = None
 
-    def _compiled_stats(self) -> tuple[int, int, float] | None:
+    def _compiled_stats(self) -> dict[str, Any] | None:
         from anyccl import torch_core
 
         core = torch_core.built()
@@ -247,9 +249,12 @@ class _HostTime:
             setattr(owner, name, fn)
         after = self._compiled_stats()
         if self._stats is not None and after is not None:   # (the block may run many times)
-            self.compiled += after[0] - self._stats[0]
-            self.replayed += after[1] - self._stats[1]
-            self.compiled_seconds += after[2] - self._stats[2]
+            self.compiled += after["calls"] - self._stats["calls"]
+            self.replayed += after["replayed"] - self._stats["replayed"]
+            self.compiled_seconds += after["seconds"] - self._stats["seconds"]
+            for name, t in after["parts"].items():
+                spent = t - self._stats["parts"][name]
+                self.replay_parts[name] = self.replay_parts.get(name, 0.0) + spent
         self.calls = self.py_calls + self.compiled
         self.seconds = self.py_seconds + self.compiled_seconds
 
@@ -260,7 +265,11 @@ class _HostTime:
                 f"{self.seconds / self.calls * 1e6:.1f} us of host time each")
         if self.compiled:
             line += (f" ({self.compiled / steps:.0f} per step through its compiled all_reduce, "
-                     f"{self.replayed / steps:.0f} of them replayed whole in C++)")
+                     f"{self.replayed / steps:.0f} of them replayed whole in C++")
+            if self.replayed:
+                line += ": " + ", ".join(f"{name} {t / self.replayed * 1e6:.1f} us" for name, t
+                                         in self.replay_parts.items())
+            line += ")"
         if self.py_calls:
             parts = ", ".join(f"{name} {t / self.py_calls * 1e6:.1f} us" for name, t in
                               self.parts.items())

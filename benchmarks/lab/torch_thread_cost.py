@@ -182,9 +182,13 @@ def main() -> None:
                   + f" | {whole - sum(p.values()):.1f} |")
         if stats is not None:
             for name in [n for n in groups if n.startswith("anyccl")]:
-                calls, replayed, seconds = stats(groups[name])
+                got = stats(groups[name])
+                calls, replayed = got["calls"], got["replayed"]
+                parts = ", ".join(f"{part} {t / max(replayed, 1) * 1e6:.1f} us"
+                                  for part, t in got["parts"].items())
                 print(f"{name}: {calls} all_reduces through the compiled all_reduce, {replayed} "
-                      f"replayed whole in C++, {seconds / max(calls, 1) * 1e6:.1f} us each")
+                      f"replayed whole in C++, {got['seconds'] / max(calls, 1) * 1e6:.1f} us "
+                      f"each (a replayed one: {parts})")
         print(f"python threads: {[t.name for t in threading.enumerate()]}")
     for backend in ("nccl", "ipc"):
         print(f"anyccl's own all_reduce from a thread new to CUDA, {backend}: "

@@ -32,6 +32,7 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
 #include <chrono>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -82,9 +83,15 @@ class Side {
         impl_(c10::impl::getDeviceGuardImpl(stream_.device_type())),
         devices_{stream_.device()} {}
 
-  // The caller's stream and device as they were: (stream id, device index, device type, the
-  // device to make current again or -1).
-  py::tuple enter() {
+  // What enter() replaced: the caller's current stream on the side's device, and the device
+  // to make current again (nullopt where it was the side's own).
+  struct Caller {
+    c10::Stream stream;
+    std::optional<c10::Device> device;
+  };
+
+  // The side stream after the caller's current one, and current (its device too).
+  Caller enter_caller() {
     const c10::Device device = stream_.device();
     const c10::Device was = impl_->getDevice();
     if (was != device) {
@@ -92,10 +99,41 @@ class Side {
     }
     event_.record(impl_->getStream(device));
     event_.block(stream_);
-    const auto previous = impl_->exchangeStream(stream_).pack3();
+    return {impl_->exchangeStream(stream_),
+            was == device ? std::nullopt : std::optional<c10::Device>(was)};
+  }
+
+  void restore_caller(const Caller& caller) {
+    impl_->exchangeStream(caller.stream);
+    if (caller.device) {
+      impl_->setDevice(*caller.device);
+    }
+  }
+
+  // leave() for one tensor, used and returned (a replayed all_reduce): the Work's CUDA future
+  // holds [t] and records the side stream; the caller's stream and device back.
+  c10::intrusive_ptr<c10d::Work> leave_one(const Caller& caller, const at::Tensor& t) {
+    c10::intrusive_ptr<c10::ivalue::Future> future;
+    try {
+      t.record_stream(stream_);
+      future = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::ofTensors(), devices_);
+      future->markCompleted(c10::IValue(c10::List<at::Tensor>({t})));
+    } catch (...) {
+      restore_caller(caller);
+      throw;
+    }
+    restore_caller(caller);
+    return c10d::Work::create_from_future(future);
+  }
+
+  // The caller's stream and device as they were: (stream id, device index, device type, the
+  // device to make current again or -1).
+  py::tuple enter() {
+    const Caller caller = enter_caller();
+    const auto previous = caller.stream.pack3();
     return py::make_tuple(previous.stream_id, previous.device_index,
                           static_cast<int64_t>(previous.device_type),
-                          was == device ? -1 : static_cast<int64_t>(was.index()));
+                          caller.device ? static_cast<int64_t>(caller.device->index()) : -1);
   }
 
   c10::intrusive_ptr<c10d::Work> leave(const py::tuple& previous, const py::list& used,
@@ -188,12 +226,12 @@ class Allreduce : public c10d::Backend {
 
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
                                            const c10d::AllreduceOptions& opts) override {
-    const auto start = std::chrono::steady_clock::now();
+    const auto start = Clock::now();
     py::gil_scoped_acquire gil;
     Timed timed{*this, start};
     if (tensors.size() == 1 && tensors[0].is_cuda() && tensors[0].layout() == c10::kStrided &&
         !opts.sparseIndices.has_value()) {
-      if (auto work = replayed(tensors[0], opts)) {
+      if (auto work = replayed(tensors[0], opts, start)) {
         ++replays_;
         return work;
       }
@@ -206,14 +244,35 @@ class Allreduce : public c10d::Backend {
         .cast<c10::intrusive_ptr<c10d::Work>>();
   }
 
-  // (calls, of them replayed whole here, seconds spent in them): read under the GIL.
-  py::tuple stats() const { return py::make_tuple(calls_, replays_, nanoseconds_ * 1e-9); }
+  // {"calls", "replayed" (of them, whole here), "seconds" (in all of them), "parts": seconds of
+  // the replayed ones by part: "gil" (until it was held), "enter" (the side stream after the
+  // caller's), "replay" (the communicator's compiled replay, with the tensor's Python object),
+  // "leave" (the Work and its CUDA future)}: read under the GIL.
+  py::dict stats() const {
+    py::dict parts, out;
+    for (size_t i = 0; i < kParts; ++i) parts[kPartNames[i]] = parts_[i];
+    out["calls"] = calls_;
+    out["replayed"] = replays_;
+    out["seconds"] = nanoseconds_ * 1e-9;
+    out["parts"] = parts;
+    return out;
+  }
 
  private:
+  using Clock = std::chrono::steady_clock;
+  static constexpr size_t kParts = 4;
+  static constexpr const char* kPartNames[kParts] = {"gil", "enter", "replay", "leave"};
+
+  static double seconds(Clock::time_point a, Clock::time_point b) {
+    return std::chrono::duration<double>(b - a).count();
+  }
+
   // The replayed all_reduce's Work, or null where the Python way must take the call (nothing
   // of it queued, the caller's stream and device as they were).
   c10::intrusive_ptr<c10d::Work> replayed(const at::Tensor& t,
-                                          const c10d::AllreduceOptions& opts) {
+                                          const c10d::AllreduceOptions& opts,
+                                          Clock::time_point start) {
+    const auto held = Clock::now();
     PyObject* tag = PyDict_GetItem(tags_.get().ptr(), py::int_(static_cast<int>(
                                                           opts.reduceOp.op_)).ptr());
     if (tag == nullptr) return {};
@@ -222,41 +281,48 @@ class Allreduce : public c10d::Backend {
     PyObject* found = PyDict_GetItem(sides_.get().ptr(), py::int_(t.get_device()).ptr());
     if (found == nullptr) return {};
     Side& side = py::handle(found).cast<Side&>();
-    py::object tensor = py::reinterpret_steal<py::object>(THPVariable_Wrap(t));
-    py::tuple previous = side.enter();
+    const Side::Caller caller = side.enter_caller();
+    const auto entered = Clock::now();
     bool done = false;
     try {
+      py::object tensor = py::reinterpret_steal<py::object>(THPVariable_Wrap(t));
       done = replay(py::handle(tag), tensor).cast<bool>();
     } catch (...) {
-      side.restore(previous);
+      side.restore_caller(caller);
       throw;
     }
     if (!done) {
-      side.restore(previous);
+      side.restore_caller(caller);
       return {};
     }
-    py::list used;
-    used.append(tensor);
-    return side.leave(previous, used, used);
+    const auto queued = Clock::now();
+    auto work = side.leave_one(caller, t);
+    const auto left = Clock::now();
+    parts_[0] += seconds(start, held);
+    parts_[1] += seconds(held, entered);
+    parts_[2] += seconds(entered, queued);
+    parts_[3] += seconds(queued, left);
+    return work;
   }
 
   // Counts a call and its time on the way out (the GIL held: the counters need no lock).
   struct Timed {
     Allreduce& owner;
-    std::chrono::steady_clock::time_point start;
+    Clock::time_point start;
     ~Timed() {
       ++owner.calls_;
       owner.nanoseconds_ += static_cast<double>(std::chrono::duration_cast<
-          std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count());
+          std::chrono::nanoseconds>(Clock::now() - start).count());
     }
   };
 
   Held group_, sides_, gpu_, tags_;
   int64_t calls_ = 0, replays_ = 0;
-  double nanoseconds_ = 0;
+  double nanoseconds_ = 0, parts_[kParts] = {};
 };
 
-// The compiled all_reduce's counts for `group` (Allreduce::stats), None where it has none.
+// The compiled all_reduce's counts and times for `group` (Allreduce::stats), None where it
+// has none.
 py::object allreduce_stats(py::handle group) {
   auto* pg = group.cast<c10d::ProcessGroup*>();
   c10::intrusive_ptr<c10d::Backend> found;
@@ -321,7 +387,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("sides"), py::arg("gpu"), py::arg("tags"),
         "Serve `group`'s all_reduce from C++ (see Allreduce); `ref` a weak reference to it.");
   m.def("allreduce_stats", &allreduce_stats, py::arg("group"),
-        "(calls, replayed whole in C++, seconds) of `group`'s compiled all_reduce, or None.");
+        "{calls, replayed, seconds, parts} of `group`'s compiled all_reduce (Allreduce::stats), "
+        "or None.");
   m.attr("tensor_key") = py::capsule(reinterpret_cast<void*>(&anyccl_tensor_key),
                                      "anyccl._torchcore.tensor_key");
 }
