@@ -69,6 +69,30 @@ def test_sizes_and_bus_factors_follow_nccl_tests():
     assert bench.bus_factor("broadcast", 4) == bench.bus_factor("sendrecv", 4) == 1.0
 
 
+@pytest.mark.parametrize("probe_s, expected", [(2e-6, bench._MAX_ITERS), (1e-3, 100),
+                                                (10.0, 5)])
+def test_automatic_iterations_fill_the_time_per_size_up_to_a_bound(monkeypatch, probe_s,
+                                                                   expected):
+    """Rounds of a microsecond call are long enough that a core taken away for a few
+    milliseconds moves one round by a few percent, not by half: the probe's time sets the
+    calls per round so that all rounds take about _TARGET_S, between 5 and _MAX_ITERS."""
+    clock = [0.0]
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: clock[0])
+
+    class One:   # the slowest rank's probe is this rank's
+        def all_reduce(self, x, op):
+            assert op == ReduceOp.MAX
+
+    class Here:
+        def sync(self):
+            pass
+
+    def run():
+        clock[0] += probe_s
+
+    assert abs(bench._agreed_iters(One(), run, Here(), rounds=3) - expected) <= 1
+
+
 def test_compare_with_torch_prints_ratios_and_plots(tmp_path):
     pytest.importorskip("torch")
     pytest.importorskip("matplotlib")

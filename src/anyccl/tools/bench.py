@@ -41,6 +41,7 @@ _TYPE_NAMES = {"float32": "float", "float64": "double", "float16": "half",
 _IN_PLACE_ONLY = ("all_reduce", "broadcast", "reduce")  # anyccl's API is in place for these
 _OUT_OF_PLACE_ONLY = ("gather", "scatter", "sendrecv")
 _TARGET_S = 0.3  # automatic iteration counts aim at this much time per size and library
+_MAX_ITERS = 50_000  # ... but no more calls than this per round
 _HEADER = (  # as nccl-tests prints it
     "#                                                              out-of-place"
     "                       in-place\n"
@@ -450,7 +451,7 @@ def _agreed_iters(comm: Communicator, run: Callable[[], None], where: Any, round
     where.sync()
     probe = np.array([time.perf_counter() - t0])
     comm.all_reduce(probe, ReduceOp.MAX)
-    return int(min(2000, max(5, _TARGET_S / rounds / max(float(probe[0]), 1e-7))))
+    return int(min(_MAX_ITERS, max(5, _TARGET_S / rounds / max(float(probe[0]), 1e-7))))
 
 
 def memory_bandwidth_gbs(nbytes: int = 256 << 20) -> float:
