@@ -40,9 +40,12 @@ namespace py = pybind11;
 
 namespace {
 
+// A future's value and its type.
+using Typed = std::pair<c10::IValue, c10::TypePtr>;
+
 // `result` (None, a tensor, a list of tensors or a list of lists of tensors) as a typed IValue,
 // with its type; TypeError for anything else.
-std::pair<c10::IValue, c10::TypePtr> typed(const py::handle& result) {
+Typed typed(const py::handle& result) {
   if (result.is_none()) {
     return {c10::IValue(), c10::NoneType::get()};
   }
@@ -113,17 +116,10 @@ class Side {
   // leave() for one tensor, used and returned (a replayed all_reduce): the Work's CUDA future
   // holds [t] and records the side stream; the caller's stream and device back.
   c10::intrusive_ptr<c10d::Work> leave_one(const Caller& caller, const at::Tensor& t) {
-    c10::intrusive_ptr<c10::ivalue::Future> future;
-    try {
+    return finish(caller, [&] {
       t.record_stream(stream_);
-      future = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::ofTensors(), devices_);
-      future->markCompleted(c10::IValue(c10::List<at::Tensor>({t})));
-    } catch (...) {
-      restore_caller(caller);
-      throw;
-    }
-    restore_caller(caller);
-    return c10d::Work::create_from_future(future);
+      return Typed{c10::IValue(c10::List<at::Tensor>({t})), c10::ListType::ofTensors()};
+    });
   }
 
   // The caller's stream and device as they were: (stream id, device index, device type, the
@@ -138,36 +134,49 @@ class Side {
 
   c10::intrusive_ptr<c10d::Work> leave(const py::tuple& previous, const py::list& used,
                                        const py::handle& result) {
-    c10::intrusive_ptr<c10::ivalue::Future> future;
-    try {
+    return finish(unpacked(previous), [&] {
       for (const auto& item : used) {
         const at::Tensor& t = THPVariable_Unpack(item.ptr());
         if (t.device().type() == stream_.device_type()) {
           t.record_stream(stream_);
         }
       }
-      auto [value, type] = typed(result);
+      return typed(result);
+    });
+  }
+
+  void restore(const py::tuple& previous) { restore_caller(unpacked(previous)); }
+
+ private:
+  // enter()'s tuple back as the Caller it was made from.
+  Caller unpacked(const py::tuple& previous) const {
+    const auto device = previous[3].cast<int64_t>();
+    return {c10::Stream::unpack3(previous[0].cast<int64_t>(),
+                                 previous[1].cast<c10::DeviceIndex>(),
+                                 static_cast<c10::DeviceType>(previous[2].cast<int64_t>())),
+            device < 0 ? std::nullopt
+                       : std::optional<c10::Device>(c10::Device(
+                             stream_.device_type(), static_cast<c10::DeviceIndex>(device)))};
+  }
+
+  // The Work whose CUDA future holds what `mark` returns (after it has marked the tensors it
+  // used as used by the side stream); the future's events record the side stream. The
+  // caller's stream and device are current again afterwards, also when `mark` raises.
+  template <typename Mark>
+  c10::intrusive_ptr<c10d::Work> finish(const Caller& caller, Mark mark) {
+    c10::intrusive_ptr<c10::ivalue::Future> future;
+    try {
+      auto [value, type] = mark();
       future = c10::make_intrusive<c10::ivalue::Future>(std::move(type), devices_);
-      future->markCompleted(std::move(value));   // its events record the side stream
+      future->markCompleted(std::move(value));
     } catch (...) {
-      restore(previous);
+      restore_caller(caller);
       throw;
     }
-    restore(previous);
+    restore_caller(caller);
     return c10d::Work::create_from_future(future);
   }
 
-  void restore(const py::tuple& previous) {
-    impl_->exchangeStream(c10::Stream::unpack3(
-        previous[0].cast<int64_t>(), previous[1].cast<c10::DeviceIndex>(),
-        static_cast<c10::DeviceType>(previous[2].cast<int64_t>())));
-    const auto device = previous[3].cast<int64_t>();
-    if (device >= 0) {
-      impl_->setDevice(c10::Device(stream_.device_type(), static_cast<c10::DeviceIndex>(device)));
-    }
-  }
-
- private:
   c10::Stream stream_;
   c10::Event event_;
   const c10::impl::DeviceGuardImplInterface* impl_;
@@ -206,9 +215,9 @@ class Held {
 // (install_allreduce): DDP's reducer, dist.all_reduce and the functional collectives reach it
 // through torch's dispatcher, as they reach NCCL's, instead of through the Python group. A
 // blocking all_reduce of one dense CUDA tensor that anyccl has a plan for runs here whole: the
-// group's side stream after the caller's (Side::enter), the communicator's compiled replay
+// group's side stream after the caller's (Side::enter_caller), the communicator's compiled replay
 // (the same call Communicator.all_reduce makes first, with its checks, numbering, flight
-// record, deadline and watchdog), then the Work (Side::leave). Every other call -- host
+// record, deadline and watchdog), then the Work (Side::leave_one). Every other call -- host
 // tensors, several tensors, a first call, a failed or busy queue, an op with no replay -- goes
 // to the group's Python all_reduce (`_python_allreduce`), which keeps every other promise. Every
 // other collective reaching this backend is refused by name, as torch's placeholder backend
