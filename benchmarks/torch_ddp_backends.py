@@ -182,13 +182,20 @@ class _HostTime:
     path's timers for the rest."""
 
     def __init__(self, group: Any = None) -> None:
-        self.calls, self.seconds = 0, 0.0
         self.parts = {"anyccl call": 0.0}
         self.py_calls, self.py_seconds = 0, 0.0
-        self.compiled, self.replayed, self.compiled_seconds = 0, 0, 0.0
-        self.replay_parts: dict[str, float] = {}
+        # the compiled all_reduce's counts (allreduce_stats) over every run of the block
+        self.compiled: dict[str, Any] = {"calls": 0, "replayed": 0, "seconds": 0.0, "parts": {}}
         self._group, self._inside = group, threading.local()
         self._stats = None
+
+    @property
+    def calls(self) -> int:
+        return self.py_calls + self.compiled["calls"]
+
+    @property
+    def seconds(self) -> float:
+        return self.py_seconds + self.compiled["seconds"]
 
     def _compiled_stats(self) -> dict[str, Any] | None:
         from anyccl import torch_core
@@ -249,26 +256,24 @@ class _HostTime:
             setattr(owner, name, fn)
         after = self._compiled_stats()
         if self._stats is not None and after is not None:   # (the block may run many times)
-            self.compiled += after["calls"] - self._stats["calls"]
-            self.replayed += after["replayed"] - self._stats["replayed"]
-            self.compiled_seconds += after["seconds"] - self._stats["seconds"]
+            total, before = self.compiled, self._stats
+            for key in ("calls", "replayed", "seconds"):
+                total[key] += after[key] - before[key]
             for name, t in after["parts"].items():
-                spent = t - self._stats["parts"][name]
-                self.replay_parts[name] = self.replay_parts.get(name, 0.0) + spent
-        self.calls = self.py_calls + self.compiled
-        self.seconds = self.py_seconds + self.compiled_seconds
+                total["parts"][name] = total["parts"].get(name, 0.0) + t - before["parts"][name]
 
     def report(self, steps: int) -> str:
         if not self.calls:
             return ""
         line = (f"\nanyccl process group: {self.calls / steps:.0f} operations per step, "
                 f"{self.seconds / self.calls * 1e6:.1f} us of host time each")
-        if self.compiled:
-            line += (f" ({self.compiled / steps:.0f} per step through its compiled all_reduce, "
-                     f"{self.replayed / steps:.0f} of them replayed whole in C++")
-            if self.replayed:
-                line += ": " + ", ".join(f"{name} {t / self.replayed * 1e6:.1f} us" for name, t
-                                         in self.replay_parts.items())
+        compiled, replayed = self.compiled["calls"], self.compiled["replayed"]
+        if compiled:
+            line += (f" ({compiled / steps:.0f} per step through its compiled all_reduce, "
+                     f"{replayed / steps:.0f} of them replayed whole in C++")
+            if replayed:
+                line += ": " + ", ".join(f"{name} {t / replayed * 1e6:.1f} us" for name, t
+                                         in self.compiled["parts"].items())
             line += ")"
         if self.py_calls:
             parts = ", ".join(f"{name} {t / self.py_calls * 1e6:.1f} us" for name, t in

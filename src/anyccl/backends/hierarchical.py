@@ -163,11 +163,12 @@ class HierarchicalBackend(Backend):
         self._per_host = len(self._members[0]) \
             if len({len(m) for m in self._members}) == 1 else 0
         self._column: Backend | None = None
+        column_engine: Backend | None = None
         if self._per_host and len(self._members) > 1:
             column = [members[self._index] for members in self._members]
-            engine = net.subgroup(column, f"{name}-column{self._index}", timeout_s)
-            engine.between_hosts = True
-            self._column = _Column(engine, self, column)   # type: ignore[assignment]
+            column_engine = net.subgroup(column, f"{name}-column{self._index}", timeout_s)
+            column_engine.between_hosts = True
+            self._column = _Column(column_engine, self, column)   # type: ignore[assignment]
         self._owns = owns or []   # what closes with this backend (the heartbeat)
         self._record: OpRecord | None = None
         self._column_record: OpRecord | None = None   # the column's steps of `_record`
@@ -180,7 +181,6 @@ class HierarchicalBackend(Backend):
             # an engine without heartbeats of its own (MPI): theirs go into the view here, so
             # that a host that fell silent (cut off the network) is gone for every wait
             self.liveness.add(self._silent_hosts, _SILENCE_CHECK_S)
-        column_engine = self._column._inner if isinstance(self._column, _Column) else None
         for part in (net, column_engine):   # their waits between hosts look at it too
             if part is not None and hasattr(part, "revoked"):
                 part.revoked = self._revoked
